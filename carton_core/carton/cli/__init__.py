@@ -1,0 +1,46 @@
+"""The ``carton`` command. Each area registers its subcommands from its own module (see `_COMMAND_MODULES`)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from ..errors import CartonError
+
+__all__ = ["main"]
+
+#: Modules under carton.cli, each with ``register(subparsers) -> None`` adding subcommands whose handler is stored
+#: as ``func`` (``(args) -> int``). Add a module here when its file exists.
+_COMMAND_MODULES: tuple[str, ...] = ()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="carton",
+        description="Package ML models as .carton files and run them in isolated runner processes.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in _COMMAND_MODULES:
+        importlib.import_module(f"{__name__}.{name}").register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args))
+    except CartonError as exc:
+        print(f"carton: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

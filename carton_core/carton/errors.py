@@ -1,0 +1,206 @@
+"""Every exception `carton` raises derives from `CartonError`. Each message names the file, field or tensor at fault.
+
+    CartonError
+    ├── FormatError                 a .carton package (file, directory or URL) is not valid Carton v1
+    │   ├── UnsafeArchive           zip structure refused: bad entry names, symlinks, duplicates, overlaps, lying sizes
+    │   │   └── ArchiveTooLarge     decompression would pass the configured size or ratio cap (zip bomb)
+    │   ├── ManifestError           MANIFEST missing or malformed, a hash wrong or missing, an unlisted file
+    │   ├── ConfigError             carton.toml missing, malformed (line and column), or a field of the wrong type
+    │   ├── TensorDataError         tensor_data/index.toml or a tensor file is inconsistent
+    │   └── LinkError               a LINKS URL failed (status, timeout) or served bytes with the wrong sha256
+    ├── PackError                   packing or shrinking a carton failed
+    ├── SafetensorsError            a safetensors file breaks a rule of the format
+    ├── MCFError                    an MCF file breaks a rule of the container layout or quantization spec
+    ├── ResolutionError             finding a runner for a model failed
+    │   ├── InvalidVersionReq       a framework version requirement does not parse
+    │   ├── NoCompatibleRunner      no installed runner matches; lists every candidate and why it was rejected
+    │   └── EnvironmentInstallError building an isolated runner environment failed
+    ├── RunnerError                 a runner process failed
+    │   ├── RunnerStartError        the process could not start, load the model, or complete the handshake
+    │   ├── ProtocolMismatch        host and runner speak different protocol versions
+    │   ├── RunnerProtocolError     the runner sent a malformed message
+    │   ├── RunnerCrashed           the process died (exit code or signal) with requests in flight
+    │   ├── RunnerTimeout           a load, handshake or request took longer than its limit
+    │   ├── RunnerMemoryLimit       the process went over its memory limit
+    │   ├── RunnerCPULimit          the process went over its CPU-time limit
+    │   ├── RunnerFailed            the runner's own code raised while handling a request (carries its message)
+    │   └── ModelClosed             the model was closed before or during the call
+    ├── InvalidInput                inputs do not match the model's declared inputs (names the tensor)
+    ├── InvalidOutput               the runner returned outputs that do not match the declared outputs
+    └── SandboxError                the sandbox could not be set up
+        └── SandboxUnavailable      the strict policy needs a layer this machine does not have (names it)
+
+Warnings: `CartonWarning` (root), `RunnerWarning` (a runner's warning, e.g. unknown options), `SandboxWarning`.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ArchiveTooLarge",
+    "CartonError",
+    "CartonWarning",
+    "ConfigError",
+    "EnvironmentInstallError",
+    "FormatError",
+    "InvalidInput",
+    "InvalidOutput",
+    "InvalidVersionReq",
+    "LinkError",
+    "MCFError",
+    "ManifestError",
+    "ModelClosed",
+    "NoCompatibleRunner",
+    "PackError",
+    "ProtocolMismatch",
+    "ResolutionError",
+    "RunnerCPULimit",
+    "RunnerCrashed",
+    "RunnerError",
+    "RunnerFailed",
+    "RunnerMemoryLimit",
+    "RunnerProtocolError",
+    "RunnerStartError",
+    "RunnerTimeout",
+    "RunnerWarning",
+    "SafetensorsError",
+    "SandboxError",
+    "SandboxUnavailable",
+    "SandboxWarning",
+    "TensorDataError",
+    "UnsafeArchive",
+]
+
+
+class CartonError(Exception):
+    """Root of every error raised by carton."""
+
+
+# --- package format -------------------------------------------------------------------------------------------
+class FormatError(CartonError):
+    """A carton package is not valid Carton v1."""
+
+
+class UnsafeArchive(FormatError):
+    """The zip structure was refused before anything was extracted."""
+
+
+class ArchiveTooLarge(UnsafeArchive):
+    """Decompressing would exceed the configured total-size or ratio cap."""
+
+
+class ManifestError(FormatError):
+    """MANIFEST is missing or malformed, or a file's sha256 is wrong, missing, or the file is unlisted."""
+
+
+class ConfigError(FormatError):
+    """carton.toml is missing, malformed or has a field of the wrong type."""
+
+
+class TensorDataError(FormatError):
+    """tensor_data/index.toml or one of its tensor files is inconsistent."""
+
+
+class LinkError(FormatError):
+    """A file listed in LINKS could not be fetched, or its bytes do not match its sha256."""
+
+
+class PackError(CartonError):
+    """Packing or shrinking a carton failed."""
+
+
+# --- tensor files ---------------------------------------------------------------------------------------------
+class SafetensorsError(CartonError):
+    """A safetensors file or buffer breaks a rule of the format."""
+
+
+class MCFError(CartonError):
+    """An MCF file breaks a rule of the container layout or of the quantization spec."""
+
+
+# --- runner resolution ----------------------------------------------------------------------------------------
+class ResolutionError(CartonError):
+    """Finding a runner for a model failed."""
+
+
+class InvalidVersionReq(ResolutionError):
+    """A framework version requirement is not a valid Cargo-style requirement."""
+
+
+class NoCompatibleRunner(ResolutionError):
+    """No installed runner satisfies the model; the message lists each candidate and why it was rejected."""
+
+
+class EnvironmentInstallError(ResolutionError):
+    """Building an isolated runner environment failed; nothing was registered."""
+
+
+# --- runner processes -----------------------------------------------------------------------------------------
+class RunnerError(CartonError):
+    """A runner process failed."""
+
+
+class RunnerStartError(RunnerError):
+    """The runner process could not start, load its model, or complete the handshake."""
+
+
+class ProtocolMismatch(RunnerError):
+    """The host and the runner speak different protocol versions."""
+
+
+class RunnerProtocolError(RunnerError):
+    """The runner sent a message the host could not decode."""
+
+
+class RunnerCrashed(RunnerError):
+    """The runner process died (names the exit code or signal)."""
+
+
+class RunnerTimeout(RunnerError):
+    """A load, handshake or request exceeded its time limit (names the limit)."""
+
+
+class RunnerMemoryLimit(RunnerError):
+    """The runner process exceeded its memory limit."""
+
+
+class RunnerCPULimit(RunnerError):
+    """The runner process exceeded its CPU-time limit."""
+
+
+class RunnerFailed(RunnerError):
+    """The runner's own code raised while handling a request; the message is the runner's."""
+
+
+class ModelClosed(RunnerError):
+    """The model was closed before or while the call ran."""
+
+
+# --- tensors --------------------------------------------------------------------------------------------------
+class InvalidInput(CartonError):
+    """Inputs do not match the model's declared inputs; names the tensor at fault."""
+
+
+class InvalidOutput(CartonError):
+    """A runner's outputs do not match the model's declared outputs; names the tensor at fault."""
+
+
+# --- sandbox --------------------------------------------------------------------------------------------------
+class SandboxError(CartonError):
+    """The sandbox for a runner could not be set up."""
+
+
+class SandboxUnavailable(SandboxError):
+    """The strict policy needs a sandbox layer this machine does not provide; names the layer."""
+
+
+# --- warnings -------------------------------------------------------------------------------------------------
+class CartonWarning(UserWarning):
+    """Root of carton's warnings."""
+
+
+class RunnerWarning(CartonWarning):
+    """A warning raised by a runner (for example, options it does not understand)."""
+
+
+class SandboxWarning(CartonWarning):
+    """A sandbox layer is missing under the best_effort policy."""
