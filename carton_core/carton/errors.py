@@ -7,12 +7,15 @@
     │   ├── ManifestError           MANIFEST missing or malformed, a hash wrong or missing, an unlisted file
     │   ├── ConfigError             carton.toml missing, malformed (line and column), or a field of the wrong type
     │   ├── TensorDataError         tensor_data/index.toml or a tensor file is inconsistent
-    │   └── LinkError               a LINKS URL failed (status, timeout) or served bytes with the wrong sha256
+    │   ├── LinkError               a LINKS URL failed (status, timeout) or served bytes with the wrong sha256
+    │   └── FetchError              a carton URL could not be read (status, timeout, broken range responses)
     ├── PackError                   packing or shrinking a carton failed
     ├── SafetensorsError            a safetensors file breaks a rule of the format
     ├── MCFError                    an MCF file breaks a rule of the container layout or quantization spec
+    │   └── UnsupportedModel        the mcf runner does not implement the model's architecture or a config key
     ├── ResolutionError             finding a runner for a model failed
     │   ├── InvalidVersionReq       a framework version requirement does not parse
+    │   ├── InvalidVersion          a framework version is neither SemVer nor PEP 440 (or has an epoch)
     │   ├── NoCompatibleRunner      no installed runner matches; lists every candidate and why it was rejected
     │   └── EnvironmentInstallError building an isolated runner environment failed
     ├── RunnerError                 a runner process failed
@@ -27,8 +30,14 @@
     │   └── ModelClosed             the model was closed before or during the call
     ├── InvalidInput                inputs do not match the model's declared inputs (names the tensor)
     ├── InvalidOutput               the runner returned outputs that do not match the declared outputs
-    └── SandboxError                the sandbox could not be set up
-        └── SandboxUnavailable      the strict policy needs a layer this machine does not have (names it)
+    ├── SandboxError                the sandbox could not be set up
+    │   └── SandboxUnavailable      the strict policy needs a layer this machine does not have (names it)
+    └── ServerError                 the model server refused a request (carries its HTTP status)
+        ├── BadRequest              a request is malformed: body, header, tensor data, names (400)
+        │   └── RequestTooLarge     a request body is over the server's size limit (413)
+        ├── ModelNotFound           no such model, or no ready version of it (404)
+        └── RepositoryError         a repository load or unload failed: config, files, carton, timeout (400)
+            └── UploadDisabled      a load sent `file:` payloads to a server started with uploads off (403)
 
 Warnings: `CartonWarning` (root), `RunnerWarning` (a runner's warning, e.g. unknown options), `SandboxWarning`.
 """
@@ -37,20 +46,26 @@ from __future__ import annotations
 
 __all__ = [
     "ArchiveTooLarge",
+    "BadRequest",
     "CartonError",
     "CartonWarning",
     "ConfigError",
     "EnvironmentInstallError",
+    "FetchError",
     "FormatError",
     "InvalidInput",
     "InvalidOutput",
+    "InvalidVersion",
     "InvalidVersionReq",
     "LinkError",
     "MCFError",
+    "ModelNotFound",
     "ManifestError",
     "ModelClosed",
     "NoCompatibleRunner",
     "PackError",
+    "RepositoryError",
+    "RequestTooLarge",
     "ProtocolMismatch",
     "ResolutionError",
     "RunnerCPULimit",
@@ -66,8 +81,11 @@ __all__ = [
     "SandboxError",
     "SandboxUnavailable",
     "SandboxWarning",
+    "ServerError",
     "TensorDataError",
     "UnsafeArchive",
+    "UploadDisabled",
+    "UnsupportedModel",
 ]
 
 
@@ -104,6 +122,10 @@ class LinkError(FormatError):
     """A file listed in LINKS could not be fetched, or its bytes do not match its sha256."""
 
 
+class FetchError(FormatError):
+    """A carton given by URL could not be read: HTTP status, timeout, or a malformed range response."""
+
+
 class PackError(CartonError):
     """Packing or shrinking a carton failed."""
 
@@ -117,6 +139,10 @@ class MCFError(CartonError):
     """An MCF file breaks a rule of the container layout or of the quantization spec."""
 
 
+class UnsupportedModel(MCFError):
+    """The mcf runner does not implement the model's architecture or one of its config keys; names them."""
+
+
 # --- runner resolution ----------------------------------------------------------------------------------------
 class ResolutionError(CartonError):
     """Finding a runner for a model failed."""
@@ -124,6 +150,10 @@ class ResolutionError(CartonError):
 
 class InvalidVersionReq(ResolutionError):
     """A framework version requirement is not a valid Cargo-style requirement."""
+
+
+class InvalidVersion(ResolutionError):
+    """A framework version is neither SemVer nor PEP 440, or uses a PEP 440 epoch SemVer cannot express."""
 
 
 class NoCompatibleRunner(ResolutionError):
@@ -191,6 +221,43 @@ class SandboxError(CartonError):
 
 class SandboxUnavailable(SandboxError):
     """The strict policy needs a sandbox layer this machine does not provide; names the layer."""
+
+
+# --- model server ---------------------------------------------------------------------------------------------
+class ServerError(CartonError):
+    """The model server refused a request; `http_status` is the HTTP status it is answered with."""
+
+    http_status: int = 500
+
+
+class BadRequest(ServerError):
+    """A request is malformed (body, header, tensor data, model name); names the field or tensor at fault."""
+
+    http_status = 400
+
+
+class RequestTooLarge(BadRequest):
+    """A request body is larger than the server's configured limit."""
+
+    http_status = 413
+
+
+class ModelNotFound(ServerError):
+    """The model does not exist, or has no ready version (not loaded, loading, or being unloaded)."""
+
+    http_status = 404
+
+
+class RepositoryError(ServerError):
+    """A repository load or unload failed: bad config, bad `file:` payload, invalid carton, or a load timeout."""
+
+    http_status = 400
+
+
+class UploadDisabled(RepositoryError):
+    """A load sent `file:` payloads to a server started with model upload disabled."""
+
+    http_status = 403
 
 
 # --- warnings -------------------------------------------------------------------------------------------------

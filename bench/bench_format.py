@@ -1,0 +1,172 @@
+"""Package-format benchmark: get_model_info latency vs model size, and model extraction vs cp / zstd -d.
+
+    python bench/bench_format.py              # 1 MiB and 1 GiB models (needs ~6 GiB free in $TMPDIR)
+    python bench/bench_format.py --big-mib 256
+
+Everything is built in a temporary directory (removed at the end) and measured in the same run as its reference;
+read the ratios, not the absolute times. Page caches are warm for both sides (the files were just written).
+Requires the `zstd` command-line tool for the zstd reference (``apt-get install zstd``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import mmap
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import carton
+from carton._format import open_carton
+from carton._format._limits import ReadLimits
+from carton._format._reader import ZipStore, open_reader
+
+_CHUNK = 8 << 20
+
+
+def timed(fn: Callable[[], object], repeat: int, setup: Callable[[], object] | None = None) -> float:
+    """Median wall time of ``fn`` over ``repeat`` runs (``setup`` runs untimed before each)."""
+    times = []
+    for _ in range(repeat):
+        if setup is not None:
+            setup()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def make_model(folder: Path, size: int) -> None:
+    folder.mkdir(parents=True)
+    with (folder / "weights.bin").open("wb") as out:
+        remaining = size
+        while remaining:
+            block = os.urandom(min(remaining, 64 << 20))
+            out.write(block)
+            remaining -= len(block)
+    (folder / "config.json").write_text('{"hidden": 1024}')
+
+
+def pack(folder: Path, output: Path, compression: str) -> Path:
+    return carton.pack(folder, output, runner_name="onnxruntime", required_framework_version="=1.17",
+                       runner_compat_version=1, validate=False, compression=compression)  # fmt: skip
+
+
+def copy_loop(src: Path, dst: Path, offset: int, length: int) -> str:
+    """The generic extraction path: read, hash, write in Python."""
+    hasher = hashlib.sha256()
+    with src.open("rb") as f, dst.open("wb") as out:
+        f.seek(offset)
+        remaining = length
+        while remaining:
+            chunk = f.read(min(_CHUNK, remaining))
+            hasher.update(chunk)
+            out.write(chunk)
+            remaining -= len(chunk)
+    return hasher.hexdigest()
+
+
+def copy_sendfile(src: Path, dst: Path, offset: int, length: int) -> str:
+    with src.open("rb") as f, dst.open("w+b") as out:
+        done = 0
+        while done < length:
+            done += os.sendfile(out.fileno(), f.fileno(), offset + done, length - done)
+        with mmap.mmap(out.fileno(), 0, access=mmap.ACCESS_READ) as view:
+            return hashlib.sha256(view).hexdigest()
+
+
+def hash_in_place(src: Path, offset: int, length: int) -> str:
+    """No copy at all: verify the stored entry where it lies in the .carton (what reading in place would cost)."""
+    with src.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
+        return hashlib.sha256(memoryview(view)[offset : offset + length]).hexdigest()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--big-mib", type=int, default=1024, help="size of the large model (MiB)")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per measurement (median)")
+    args = parser.parse_args()
+    if shutil.which("zstd") is None:
+        sys.exit("the zstd command-line tool is needed for the reference (apt-get install zstd)")
+    root = Path(tempfile.mkdtemp(prefix="carton-bench-format-"))
+    os.environ["CARTON_CACHE_DIR"] = str(root / "cache")
+    try:
+        run(root, args.big_mib << 20, args.repeat)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def run(root: Path, big: int, repeat: int) -> None:
+    rows: list[tuple[str, float, float, str]] = []
+    cartons: dict[tuple[int, str], Path] = {}
+    for size in (1 << 20, big):
+        make_model(root / f"model-{size}", size)
+        for compression in ("stored", "zstd"):
+            start = time.perf_counter()
+            cartons[size, compression] = pack(root / f"model-{size}", root / f"{size}-{compression}.carton",
+                                              compression)  # fmt: skip
+            print(f"packed {size >> 20} MiB ({compression}) in {time.perf_counter() - start:.2f} s", file=sys.stderr)
+
+    # get_model_info: must not depend on the model size.
+    for compression in ("stored", "zstd"):
+        small = timed(lambda c=compression: carton.get_model_info(cartons[1 << 20, c]), 20)  # type: ignore[misc]
+        large = timed(lambda c=compression: carton.get_model_info(cartons[big, c]), 20)  # type: ignore[misc]
+        rows.append((f"get_model_info {compression}: {big >> 20} MiB vs 1 MiB model", large, small,
+                     f"goal < 50 ms; {large * 1000:.2f} ms"))  # fmt: skip
+
+    cache = root / "cache"
+    clear = lambda: shutil.rmtree(cache / "models", ignore_errors=True)  # noqa: E731
+    model_bytes = root / f"model-{big}" / "weights.bin"
+    stored = cartons[big, "stored"]
+    with open_reader(stored, ReadLimits(), cache) as reader:
+        assert isinstance(reader.store, ZipStore)
+        offset, length = reader.store.zip.data_span(reader.store.entry("model/weights.bin"))
+    out = root / "copy.bin"
+
+    def rm_out() -> None:
+        out.unlink(missing_ok=True)
+
+    cp = timed(lambda: subprocess.run(["cp", str(model_bytes), str(out)], check=True), repeat, rm_out)
+    ours = timed(lambda: open_carton(stored), repeat, clear)
+    rows.append(("open_carton stored (copy_file_range + hash) vs cp", ours, cp, "goal >= 80 % of cp"))
+    loop = timed(lambda: copy_loop(stored, out, offset, length), repeat, rm_out)
+    rows.append(("  alternative: read/hash/write loop vs cp", loop, cp, ""))
+    send = timed(lambda: copy_sendfile(stored, out, offset, length), repeat, rm_out)
+    rows.append(("  alternative: sendfile + mmap hash vs cp", send, cp, ""))
+    in_place = timed(lambda: hash_in_place(stored, offset, length), repeat)
+    rows.append(("  alternative: verify in place (no copy) vs cp", in_place, cp, "runner cannot read a zip range"))
+    cached = timed(lambda: open_carton(stored), 20)
+    rows.append(("open_carton again (verified cache entry) vs cp", cached, cp, "every load after the first"))
+
+    packed = cartons[big, "zstd"]
+    with open_reader(packed, ReadLimits(), cache) as reader:
+        assert isinstance(reader.store, ZipStore)
+        z_offset, z_length = reader.store.zip.data_span(reader.store.entry("model/weights.bin"))
+    frame = root / "weights.zst"
+    with packed.open("rb") as f, frame.open("wb") as dst:
+        f.seek(z_offset)
+        dst.write(f.read(z_length))
+    zstd_d = timed(lambda: subprocess.run(["zstd", "-q", "-d", "-f", str(frame), "-o", str(out)], check=True),
+                   repeat, rm_out)  # fmt: skip
+    ours_z = timed(lambda: open_carton(packed), repeat, clear)
+    rows.append(("open_carton zstd (streaming decompress + hash) vs zstd -d", ours_z, zstd_d,
+                 "goal >= 80 % of zstd -d"))
+
+    width = max(len(r[0]) for r in rows)
+    print(f"\n{'measurement':<{width}}  {'carton':>10}  {'reference':>10}  {'speed vs ref':>12}  note")
+    for name, ours_t, ref_t, note in rows:
+        print(f"{name:<{width}}  {ours_t * 1000:>8.1f}ms  {ref_t * 1000:>8.1f}ms  {ref_t / ours_t:>11.0%}  {note}")
+    mib = big / (1 << 20)
+    print(f"\nthroughput: cp {mib / cp:.0f} MiB/s, carton stored {mib / ours:.0f} MiB/s, "
+          f"zstd -d {mib / zstd_d:.0f} MiB/s, carton zstd {mib / ours_z:.0f} MiB/s")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,270 @@
+"""Wire protocol benchmarks: carton's RunnerProcess against raw references measured in the same run.
+
+    python bench/bench_protocol.py [--quick] [--only small,large,threads,threshold]
+
+1. small: a [1,16] float32 infer (p50/p99) vs a raw pyzmq REQ/REP round trip of the same bytes between two
+   processes.
+2. large: 64 MiB in / 64 MiB out vs a raw shared-memory round trip between two processes (the host copies the
+   input into a mapped segment, sends a small control message, the peer copies it into an output segment and
+   replies, the host copies the output out), and vs carton with shared memory turned off (ZeroMQ frames).
+3. threads: throughput with 1, 2, 4, 8 client threads against a concurrent runner whose infer waits 2 ms with the
+   GIL released (a stand-in for a framework call) and against the same with no wait.
+4. threshold: message frames vs shared memory by tensor size, to place the shared-memory threshold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import multiprocessing
+import os
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import zmq
+
+ROOT = Path(__file__).resolve().parent.parent
+TEST_RUNNERS = str(ROOT / "tests" / "protocol")
+
+from carton_protocol import RunnerSpec
+
+from carton._runtime._process import RunnerProcess
+
+
+def spec(entry: str, name: str = "bench") -> RunnerSpec:
+    return RunnerSpec(runner_name=name, framework_version="1.0.0", runner_compat_version=1, entry=entry)
+
+
+def start(entry: str, **kwargs: object) -> RunnerProcess:
+    runner = RunnerProcess.start(spec(entry), extra_env={"PYTHONPATH": TEST_RUNNERS}, **kwargs)  # type: ignore[arg-type]
+    runner.load(model_dir=ROOT, opts={}, inputs=(), outputs=())
+    return runner
+
+
+def percentiles(samples: list[float]) -> tuple[float, float]:
+    ordered = sorted(samples)
+    return ordered[len(ordered) // 2], ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
+
+
+def timed(call: Callable[[], object], repeat: int, warmup: int) -> list[float]:
+    for _ in range(warmup):
+        call()
+    samples = []
+    for _ in range(repeat):
+        begin = time.perf_counter()
+        call()
+        samples.append(time.perf_counter() - begin)
+    return samples
+
+
+# --- references ------------------------------------------------------------------------------------------------
+def _rep_server(endpoint: str, ready: multiprocessing.synchronize.Event) -> None:  # type: ignore[name-defined]
+    context = zmq.Context()
+    sock = context.socket(zmq.REP)
+    sock.bind(endpoint)
+    ready.set()
+    while True:
+        frames = sock.recv_multipart(copy=False)
+        if len(frames) == 1 and frames[0].bytes == b"stop":
+            sock.send(b"")
+            return
+        sock.send_multipart(frames, copy=False)
+
+
+def _shm_server(conn: multiprocessing.connection.Connection, size: int) -> None:  # type: ignore[name-defined]
+    fd_in, fd_out = conn.recv()
+    input_map = mmap.mmap(fd_in, size)
+    output_map = mmap.mmap(fd_out, size)
+    source = np.frombuffer(input_map, np.uint8)
+    target = np.frombuffer(output_map, np.uint8)
+    conn.send(b"ready")
+    while conn.recv() == b"go":
+        np.copyto(target, source)
+        conn.send(b"done")
+
+
+def raw_zmq_round_trip(frames: list[bytes], repeat: int) -> list[float]:
+    runtime = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
+    endpoint = f"ipc://{runtime}/carton-bench-{os.getpid()}.sock"
+    ready = multiprocessing.get_context("spawn").Event()
+    server = multiprocessing.get_context("spawn").Process(target=_rep_server, args=(endpoint, ready), daemon=True)
+    server.start()
+    ready.wait()
+    context = zmq.Context()
+    sock = context.socket(zmq.REQ)
+    sock.connect(endpoint)
+
+    def call() -> None:
+        sock.send_multipart(frames, copy=False)
+        sock.recv_multipart(copy=False)
+
+    samples = timed(call, repeat, warmup=200)
+    sock.send(b"stop")
+    sock.recv()
+    server.join()
+    context.destroy()
+    return samples
+
+
+def raw_shm_round_trip(size: int, repeat: int) -> list[float]:
+    mp = multiprocessing.get_context("fork")
+    fd_in = os.memfd_create("bench-in")
+    fd_out = os.memfd_create("bench-out")
+    os.ftruncate(fd_in, size)
+    os.ftruncate(fd_out, size)
+    host_conn, peer_conn = mp.Pipe()
+    peer = mp.Process(target=_shm_server, args=(peer_conn, size), daemon=True)
+    peer.start()
+    host_conn.send((fd_in, fd_out))
+    assert host_conn.recv() == b"ready"
+    input_map = mmap.mmap(fd_in, size)
+    output_map = mmap.mmap(fd_out, size, access=mmap.ACCESS_READ)
+    data = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
+    segment = np.frombuffer(input_map, np.uint8)
+    result = np.frombuffer(output_map, np.uint8)
+
+    def call() -> None:
+        np.copyto(segment, data)
+        host_conn.send(b"go")
+        host_conn.recv()
+        result.copy()
+
+    samples = timed(call, repeat, warmup=2)
+    host_conn.send(b"stop")
+    peer.join()
+    return samples
+
+
+# --- sections --------------------------------------------------------------------------------------------------
+def row(name: str, samples: list[float], reference: float, unit: float = 1e6, label: str = "us") -> str:
+    p50, p99 = percentiles(samples)
+    return f"| {name:<44} | {p50 * unit:>9.1f} {label} | {p99 * unit:>9.1f} {label} | {p50 / reference:>6.2f}x |"
+
+
+def bench_small(repeat: int) -> None:
+    from carton_protocol._framing import encode_tensors
+    from carton_protocol._messages import pack_header
+
+    x = np.random.default_rng(0).random((1, 16), dtype=np.float32)
+    encoded = encode_tensors({"x": x}, pool=None, threshold=1 << 62)
+    frames = [pack_header({"op": "infer", "id": 1, "tensors": encoded.entries}), x.tobytes()]
+    raw = raw_zmq_round_trip(frames, repeat)
+    runner = start("runners_for_tests:Echo")
+    try:
+        ours = timed(lambda: runner.infer({"x": x}), repeat, warmup=200)
+    finally:
+        runner.close()
+    reference = percentiles(raw)[0]
+    print(f"\n## small: [1,16] float32 round trip, {repeat} calls each\n")
+    print("| path                                         |       p50    |       p99    | p50 ratio |")
+    print("|----------------------------------------------|--------------|--------------|-----------|")
+    print(row("raw pyzmq REQ/REP, same bytes (reference)", raw, reference))
+    print(row("carton RunnerProcess.infer (Echo runner)", ours, reference))
+
+
+def bench_large(repeat: int, size: int) -> None:
+    count = size // 4
+    x = np.random.default_rng(0).random(count, dtype=np.float32)
+    raw = raw_shm_round_trip(size, repeat)
+    runner = start("runners_for_tests:Echo")
+    try:
+        ours = timed(lambda: runner.infer({"x": x}), repeat, warmup=2)
+    finally:
+        runner.close()
+    frames_runner = start("runners_for_tests:Echo", shm_threshold=None)
+    try:
+        framed = timed(lambda: frames_runner.infer({"x": x}), max(3, repeat // 3), warmup=1)
+    finally:
+        frames_runner.close()
+    reference = percentiles(raw)[0]
+    moved = 2 * size
+    print(f"\n## large: {size >> 20} MiB in, {size >> 20} MiB out, {repeat} calls each\n")
+    print("| path                                         |       p50    |       p99    | p50 ratio | GB/s  |")
+    print("|----------------------------------------------|--------------|--------------|-----------|-------|")
+    for name, samples in (
+        ("raw shared memory, copy in/out (reference)", raw),
+        ("carton RunnerProcess.infer (shared memory)", ours),
+        ("carton RunnerProcess.infer (frames, no shm)", framed),
+    ):
+        gbps = moved / percentiles(samples)[0] / 1e9
+        print(row(name, samples, reference, unit=1e3, label="ms") + f" {gbps:>5.2f} |")
+
+
+def bench_threads(seconds: float) -> None:
+    print(f"\n## threads: concurrent runner, calls per second over {seconds:g} s per row\n")
+    print("| runner work            | threads | calls/s  | vs 1 thread |")
+    print("|------------------------|---------|----------|-------------|")
+    x = np.ones((1, 16), dtype=np.float32)
+    for label, wait in (("2 ms, GIL released", 0.002), ("none (echo)", 0.0)):
+        runner = start("runners_for_tests:ConcurrentEcho")
+        try:
+            single = None
+            for threads in (1, 2, 4, 8):
+                rate = _throughput(runner, {"x": x, "sleep": np.array([wait])}, threads, seconds)
+                single = single or rate
+                print(f"| {label:<22} | {threads:>7} | {rate:>8.0f} | {rate / single:>10.2f}x |")
+        finally:
+            runner.close()
+
+
+def _throughput(runner: RunnerProcess, inputs: dict[str, np.ndarray], threads: int, seconds: float) -> float:
+    stop = time.monotonic() + seconds
+    counts = [0] * threads
+
+    def work(index: int) -> None:
+        while time.monotonic() < stop:
+            runner.infer(inputs)
+            counts[index] += 1
+
+    pool = [threading.Thread(target=work, args=(index,)) for index in range(threads)]
+    begin = time.monotonic()
+    for thread in pool:
+        thread.start()
+    for thread in pool:
+        thread.join()
+    return sum(counts) / (time.monotonic() - begin)
+
+
+def bench_threshold(repeat: int) -> None:
+    print("\n## threshold: Echo round trip p50 by tensor size, frames vs shared memory\n")
+    print("| bytes     | frames      | shared mem  | shm / frames |")
+    print("|-----------|-------------|-------------|--------------|")
+    framed = start("runners_for_tests:Echo", shm_threshold=None)
+    shared = start("runners_for_tests:Echo", shm_threshold=1)
+    try:
+        for size in (1 << 14, 1 << 16, 1 << 17, 1 << 18, 1 << 19, 1 << 20, 1 << 22, 1 << 24):
+            x = np.ones(size // 4, dtype=np.float32)
+            count = max(5, repeat // max(1, size >> 16))
+            a = statistics.median(timed(lambda: framed.infer({"x": x}), count, warmup=3))  # noqa: B023
+            b = statistics.median(timed(lambda: shared.infer({"x": x}), count, warmup=3))  # noqa: B023
+            print(f"| {size:>9} | {a * 1e6:>8.0f} us | {b * 1e6:>8.0f} us | {b / a:>11.2f}x |")
+    finally:
+        framed.close()
+        shared.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run, noisier)")
+    parser.add_argument("--only", default="small,large,threads,threshold", help="comma-separated sections")
+    args = parser.parse_args()
+    sections = set(args.only.split(","))
+    print(f"# bench_protocol: python {sys.version.split()[0]}, pyzmq {zmq.__version__}, libzmq {zmq.zmq_version()}, "
+          f"{os.cpu_count()} CPUs")
+    if "small" in sections:
+        bench_small(2000 if args.quick else 20000)
+    if "large" in sections:
+        bench_large(5 if args.quick else 30, 64 << 20)
+    if "threads" in sections:
+        bench_threads(0.5 if args.quick else 2.0)
+    if "threshold" in sections:
+        bench_threshold(50 if args.quick else 400)
+
+
+if __name__ == "__main__":
+    main()

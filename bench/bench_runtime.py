@@ -1,0 +1,243 @@
+"""Runtime benchmarks: what `carton.load` / `Model` add on top of the wire, measured against references in one run.
+
+    python bench/bench_runtime.py [--quick] [--only small,workers,load]
+
+1. small: p50/p99 of a [1,16] float32 `Model.infer` (inputs and outputs checked against declared specs) vs the
+   same call on the bare `RunnerProcess` and vs a raw pyzmq REQ/REP round trip of the same bytes between two
+   processes. The issue's goal: <= 1.3x the raw round trip and < 100 us p50.
+2. workers: throughput of a CPU-bound runner that holds the GIL (it spins 2 ms per call) with 4 client threads,
+   `workers=1` vs `workers=2` (this machine has `os.cpu_count()` cores).
+3. load: runner discovery, and `carton.load` of a packed carton to its first inference vs starting the same
+   runner by hand (`RunnerProcess.start` + `load` + `infer`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import carton
+import numpy as np
+import zmq
+from carton._runtime import RunnerProcess, discover, load_unpacked, plugin_manager
+from carton_protocol import DType, RunnerSpec, TensorSpec, hookimpl
+
+ROOT = Path(__file__).resolve().parent.parent
+RUNNERS_DIR = ROOT / "tests" / "runtime"
+
+
+def spec(entry: str, name: str, concurrent: bool = False) -> RunnerSpec:
+    return RunnerSpec(runner_name=name, framework_version="1.0.0", runner_compat_version=1,
+                      entry=f"runtime_test_runners:{entry}", concurrent=concurrent,
+                      env=(("PYTHONPATH", str(RUNNERS_DIR)),))
+
+
+class BenchPlugin:
+    @hookimpl
+    def carton_runners(self) -> list[RunnerSpec]:
+        return [spec("Passthrough", "bench-passthrough"), spec("Spin", "bench-spin"),
+                spec("Affine", "bench-affine", concurrent=True)]
+
+
+def percentiles(samples: list[float]) -> tuple[float, float]:
+    ordered = sorted(samples)
+    return ordered[len(ordered) // 2], ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
+
+
+def timed(call: Callable[[], object], repeat: int, warmup: int) -> list[float]:
+    for _ in range(warmup):
+        call()
+    samples = []
+    for _ in range(repeat):
+        begin = time.perf_counter()
+        call()
+        samples.append(time.perf_counter() - begin)
+    return samples
+
+
+def _rep_server(endpoint: str, ready: object) -> None:
+    context = zmq.Context()
+    sock = context.socket(zmq.REP)
+    sock.bind(endpoint)
+    ready.set()  # type: ignore[attr-defined]
+    while True:
+        frames = sock.recv_multipart(copy=False)
+        if len(frames) == 1 and frames[0].bytes == b"stop":
+            sock.send(b"")
+            return
+        sock.send_multipart(frames, copy=False)
+
+
+class RawZmq:
+    """A REQ socket talking to a REP echo server in another process over ipc://."""
+
+    def __init__(self) -> None:
+        base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+        self.endpoint = f"ipc://{base}/carton-bench-runtime-{os.getpid()}.sock"
+        ctx = multiprocessing.get_context("spawn")
+        ready = ctx.Event()
+        self.server = ctx.Process(target=_rep_server, args=(self.endpoint, ready), daemon=True)
+        self.server.start()
+        ready.wait()
+        self.context = zmq.Context()
+        self.sock = self.context.socket(zmq.REQ)
+        self.sock.connect(self.endpoint)
+
+    def call(self, frames: list[bytes]) -> None:
+        self.sock.send_multipart(frames, copy=False)
+        self.sock.recv_multipart(copy=False)
+
+    def close(self) -> None:
+        self.sock.send(b"stop")
+        self.sock.recv()
+        self.server.join()
+        self.context.destroy()
+
+
+def row(name: str, samples: list[float], reference: float) -> str:
+    p50, p99 = percentiles(samples)
+    return f"| {name:<52} | {p50 * 1e6:>8.1f} us | {p99 * 1e6:>8.1f} us | {p50 / reference:>5.2f}x |"
+
+
+def bench_small(repeat: int) -> None:
+    from carton_protocol._framing import encode_tensors
+    from carton_protocol._messages import pack_header
+
+    x = np.random.default_rng(0).random((1, 16), dtype=np.float32)
+    encoded = encode_tensors({"x": x}, pool=None, threshold=1 << 62)
+    frames = [pack_header({"op": "infer", "id": 1, "tensors": encoded.entries}), x.tobytes()]
+    declared = (TensorSpec(name="x", dtype=DType.FLOAT32, shape=("batch", 16)),)
+    outputs = (TensorSpec(name="x", dtype=DType.FLOAT32, shape=("batch", 16)),)
+    with tempfile.TemporaryDirectory() as folder:
+        model = load_unpacked(folder, runner_name="bench-passthrough", required_framework_version="*",
+                              inputs=declared, outputs=outputs)
+        bare = load_unpacked(folder, runner_name="bench-passthrough", required_framework_version="*")
+        process = RunnerProcess.start(spec("Passthrough", "bench-passthrough"))
+        process.load(model_dir=Path(folder), opts={}, inputs=(), outputs=())
+        raw = RawZmq()
+        results: dict[str, list[float]] = {name: [] for name in ("raw", "process", "model", "bare")}
+        calls: dict[str, Callable[[], object]] = {
+            "raw": lambda: raw.call(frames),
+            "process": lambda: process.infer({"x": x}),
+            "model": lambda: model.infer({"x": x}),
+            "bare": lambda: bare.infer({"x": x}),
+        }
+        try:
+            # interleave rounds so that machine noise hits every path alike
+            rounds = 10
+            for _ in range(rounds):
+                for name, call in calls.items():
+                    results[name] += timed(call, repeat // rounds, warmup=50)
+        finally:
+            raw.close()
+            process.close()
+            model.close()
+            bare.close()
+    reference = percentiles(results["raw"])[0]
+    print(f"\n## small: [1,16] float32 round trip, {repeat} calls per path (interleaved)\n")
+    print(f"| {'path':<52} | {'p50':>11} | {'p99':>11} | ratio |")
+    print(f"|{'-' * 54}|{'-' * 13}|{'-' * 13}|-------|")
+    print(row("raw pyzmq REQ/REP, same bytes (reference)", results["raw"], reference))
+    print(row("RunnerProcess.infer (the wire alone)", results["process"], reference))
+    print(row("Model.infer, no declared specs", results["bare"], reference))
+    print(row("Model.infer, inputs+outputs checked against specs", results["model"], reference))
+
+
+def _throughput(model: carton.Model, threads: int, seconds: float) -> float:
+    x = np.array([[2.0]], np.float32)  # Spin: 2 ms of pure-Python work per call
+    counts = [0] * threads
+    stop = time.perf_counter() + seconds
+
+    def client(index: int) -> None:
+        while time.perf_counter() < stop:
+            model.infer({"x": x})
+            counts[index] += 1
+
+    workers = [threading.Thread(target=client, args=(i,)) for i in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    return sum(counts) / seconds
+
+
+def bench_workers(seconds: float) -> None:
+    print(f"\n## workers: CPU-bound runner (2 ms of GIL-holding work per call), 4 client threads, {seconds:g} s each\n")
+    print(f"| {'model':<20} | {'calls/s':>9} | ratio |")
+    print(f"|{'-' * 22}|{'-' * 11}|-------|")
+    with tempfile.TemporaryDirectory() as folder:
+        rates: list[float] = []
+        for workers in (1, 2):
+            with load_unpacked(folder, runner_name="bench-spin", required_framework_version="*",
+                               workers=workers) as model:
+                _throughput(model, 4, 0.5)  # warm up
+                rates.append(_throughput(model, 4, seconds))
+            print(f"| {f'workers={workers}':<20} | {rates[-1]:>9.0f} | {rates[-1] / rates[0]:>5.2f}x |")
+    print(f"\n(os.cpu_count() = {os.cpu_count()}; one calls/s at 2 ms/call is ~500 per core)")
+
+
+def bench_load(repeat: int) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp, "model")
+        folder.mkdir()
+        (folder / "offset.txt").write_text("0.5")
+        path = carton.pack(folder, Path(tmp, "affine.carton"), runner_name="bench-affine",
+                           required_framework_version="*")
+        x = np.ones((1, 4), np.float32)
+
+        def by_hand() -> None:
+            process = RunnerProcess.start(spec("Affine", "bench-affine", concurrent=True))
+            process.load(model_dir=folder, opts={}, inputs=(), outputs=())
+            process.infer({"x": x})
+            process.close()
+
+        def through_load() -> None:
+            with carton.load(path) as model:
+                model.infer({"x": x})
+
+        discovery = timed(lambda: discover(), repeat * 5, warmup=2)
+        hand: list[float] = []
+        loaded: list[float] = []
+        for _ in range(repeat):  # interleaved; the carton's model/ is in the cache after the warm-up call
+            loaded += timed(through_load, 1, warmup=0 if loaded else 1)
+            hand += timed(by_hand, 1, warmup=0)
+    reference = percentiles(hand)[0]
+    print(f"\n## load: {repeat} loads each (interleaved)\n")
+    print(f"| {'step':<60} | {'p50':>9} | ratio |")
+    print(f"|{'-' * 62}|{'-' * 11}|-------|")
+    print(f"| {'RunnerProcess.start + load + infer + close (reference)':<60} | {reference * 1e3:>6.1f} ms | 1.00x |")
+    p50 = percentiles(loaded)[0]
+    print(f"| {'carton.load(.carton, cached) + infer + close':<60} | {p50 * 1e3:>6.1f} ms | {p50 / reference:>5.2f}x |")
+    d50 = percentiles(discovery)[0]
+    print(f"| {'discover(): every plugin carton_runners() (part of load)':<60} | {d50 * 1e3:>6.2f} ms | "
+          f"{d50 / reference:>5.2f}x |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
+    parser.add_argument("--only", default="small,workers,load", help="comma-separated sections to run")
+    args = parser.parse_args()
+    sections = set(args.only.split(","))
+    warnings.simplefilter("ignore", carton.CartonWarning)
+    plugin_manager().register(BenchPlugin(), name="bench-runtime")
+    print(f"python {sys.version.split()[0]}, numpy {np.__version__}, pyzmq {zmq.__version__}, "
+          f"{os.cpu_count()} cpu(s), {carton.target_triple()}")
+    if "small" in sections:
+        bench_small(2000 if args.quick else 20000)
+    if "workers" in sections:
+        bench_workers(1.0 if args.quick else 4.0)
+    if "load" in sections:
+        bench_load(5 if args.quick else 20)
+
+
+if __name__ == "__main__":
+    main()

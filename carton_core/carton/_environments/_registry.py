@@ -1,0 +1,249 @@
+"""Where runner environments live and how an environment becomes visible (registered) or disappears.
+
+    <data dir>/runners/
+      .lock                              held (flock) while an install or a removal runs
+      .tmp-<name>-<version>-<random>/    a build in progress, or left by an interrupted one (never read)
+      <name>-<version>/                  a finished venv ...
+        carton-environment.json          ... registered only once this file exists; it is written last, atomically
+
+Discovery reads only ``<name>-<version>/carton-environment.json`` files that parse, so an install killed at any point
+leaves nothing resolution would pick; the next install or removal sweeps the leftovers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from carton_protocol import RunnerSpec
+
+from .._paths import data_dir
+from ..errors import EnvironmentInstallError
+
+__all__ = [
+    "ENTRY_FILE",
+    "RunnerEnvironment",
+    "discard",
+    "environment_dir",
+    "install_lock",
+    "list_environments",
+    "new_build_dir",
+    "read_entry",
+    "runners_dir",
+    "sweep_leftovers",
+    "write_entry",
+]
+
+#: The registration file; its presence (and validity) is what makes an environment exist.
+ENTRY_FILE = "carton-environment.json"
+
+#: Version of the entry file's layout; readers skip entries with a newer one.
+ENTRY_FORMAT = 1
+
+_TMP_PREFIX = ".tmp-"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunnerEnvironment:
+    """An installed, registered runner environment."""
+
+    runner_name: str
+    framework_version: str
+    #: The requirement it was installed for (``carton runner install NAME --framework-version REQ``).
+    requirement: str
+    path: Path
+    runner_compat_version: int
+    entry: str
+    supported_platforms: tuple[str, ...] = ()
+    concurrent: bool = False
+    carton_version: str = ""
+    installed_at: str = ""
+
+    @property
+    def python(self) -> Path:
+        """The environment's interpreter (the runner process is started with it)."""
+        return self.path / "bin" / "python"
+
+    def runner_spec(self) -> RunnerSpec:
+        """The spec discovery offers for this environment."""
+        return RunnerSpec(
+            runner_name=self.runner_name,
+            framework_version=self.framework_version,
+            runner_compat_version=self.runner_compat_version,
+            entry=self.entry,
+            supported_platforms=self.supported_platforms,
+            python=str(self.python),
+            environment=str(self.path),
+            concurrent=self.concurrent,
+            source=str(self.path),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": ENTRY_FORMAT,
+            "runner_name": self.runner_name,
+            "framework_version": self.framework_version,
+            "requirement": self.requirement,
+            "runner_compat_version": self.runner_compat_version,
+            "entry": self.entry,
+            "supported_platforms": list(self.supported_platforms),
+            "concurrent": self.concurrent,
+            "carton_version": self.carton_version,
+            "installed_at": self.installed_at,
+        }
+
+    @classmethod
+    def from_json(cls, data: Any, path: Path) -> RunnerEnvironment | None:
+        """Read an entry; ``None`` for anything malformed or written by a newer carton."""
+        try:
+            if data["format"] != ENTRY_FORMAT:
+                return None
+            environment = cls(
+                runner_name=_str(data["runner_name"]),
+                framework_version=_str(data["framework_version"]),
+                requirement=_str(data["requirement"]),
+                path=path,
+                runner_compat_version=_int(data["runner_compat_version"]),
+                entry=_str(data["entry"]),
+                supported_platforms=tuple(_str(item) for item in data["supported_platforms"]),
+                concurrent=bool(data["concurrent"]),
+                carton_version=_str(data.get("carton_version", "")),
+                installed_at=_str(data.get("installed_at", "")),
+            )
+        except (KeyError, TypeError, ValueError):
+            return None
+        return environment
+
+
+def _str(value: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError(value)
+    return value
+
+
+def _int(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(value)
+    return value
+
+
+def runners_dir() -> Path:
+    """``<data dir>/runners`` (not created)."""
+    return data_dir() / "runners"
+
+
+def environment_dir(runner_name: str, framework_version: str) -> Path:
+    """The folder of one environment (whether or not it exists)."""
+    return runners_dir() / f"{runner_name}-{framework_version}"
+
+
+def list_environments() -> list[RunnerEnvironment]:
+    """Registered environments whose interpreter still exists, sorted by runner name then install order of folders.
+
+    Cheap (one small JSON read per environment) because discovery calls it on every `carton.load`.
+    """
+    root = runners_dir()
+    if not root.is_dir():
+        return []
+    found: list[RunnerEnvironment] = []
+    for folder in sorted(root.iterdir()):
+        if folder.name.startswith("."):
+            continue
+        environment = read_entry(folder)
+        if environment is not None and environment.python.exists():
+            found.append(environment)
+    return found
+
+
+def read_entry(folder: Path) -> RunnerEnvironment | None:
+    """The registration of ``folder``, or ``None`` when it has none or it does not parse."""
+    try:
+        data = json.loads((folder / ENTRY_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return RunnerEnvironment.from_json(data, folder)
+
+
+def write_entry(environment: RunnerEnvironment) -> None:
+    """Register ``environment``: write its entry to a temporary file, fsync it, then rename it into place."""
+    text = json.dumps(environment.to_json(), indent=2, sort_keys=True) + "\n"
+    descriptor, temporary = tempfile.mkstemp(prefix=".entry-", dir=environment.path)
+    try:
+        with os.fdopen(descriptor, "w", encoding="utf-8") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+        Path(temporary).replace(environment.path / ENTRY_FILE)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            Path(temporary).unlink()
+        raise
+    _fsync_dir(environment.path)
+
+
+def _fsync_dir(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def new_build_dir(runner_name: str, framework_version: str) -> Path:
+    """A fresh, empty folder for a build, named so that discovery never reads it."""
+    root = runners_dir()
+    return Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{runner_name}-{framework_version}-", dir=root))
+
+
+def discard(folder: Path) -> None:
+    """Unregister and delete ``folder``: rename it to a temporary name first (atomic), then delete it."""
+    if not folder.exists():
+        return
+    graveyard = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}removing-", dir=folder.parent))
+    folder.rename(graveyard / folder.name)
+    shutil.rmtree(graveyard, ignore_errors=True)
+
+
+def sweep_leftovers() -> list[Path]:
+    """Delete interrupted builds and unregistered environment folders; call with the install lock held."""
+    root = runners_dir()
+    removed: list[Path] = []
+    if not root.is_dir():
+        return removed
+    for folder in root.iterdir():
+        if not folder.is_dir():
+            continue
+        unregistered = not folder.name.startswith(".") and not (folder / ENTRY_FILE).exists()
+        if folder.name.startswith(_TMP_PREFIX) or unregistered:
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
+
+
+@contextlib.contextmanager
+def install_lock(*, on_wait: Callable[[str], None] | None = None) -> Iterator[Path]:
+    """Hold ``<data dir>/runners/.lock`` exclusively (one install or removal at a time, across processes)."""
+    root = runners_dir()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        descriptor = os.open(root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise EnvironmentInstallError(f"cannot use the runner environments folder {str(root)!r}: {exc}") from exc
+    try:
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if on_wait is not None:
+                on_wait(f"waiting for another install or removal in {root} to finish")
+            fcntl.flock(descriptor, fcntl.LOCK_EX)
+        yield root
+    finally:
+        os.close(descriptor)

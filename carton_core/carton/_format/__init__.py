@@ -1,0 +1,29 @@
+"""The Carton v1 package format: reading (zip, directory, URL), verifying, materializing, packing, shrinking.
+
+See docs/format.md. `get_model_info` and `open_carton` never trust the archive: the zip structure is validated
+before anything is read, and every file is checked against MANIFEST before it is handed out.
+"""
+
+from ._info import CartonInfo, Example, MiscRef, RunnerInfo, SelfTest, TensorRef
+from ._limits import DEFAULT_LIMITS, ReadLimits
+from ._open import OpenedCarton, open_carton
+from ._pack import pack, shrink
+from ._reader import get_model_info
+from ._verify import verify
+
+__all__ = [
+    "DEFAULT_LIMITS",
+    "CartonInfo",
+    "Example",
+    "MiscRef",
+    "OpenedCarton",
+    "ReadLimits",
+    "RunnerInfo",
+    "SelfTest",
+    "TensorRef",
+    "get_model_info",
+    "open_carton",
+    "pack",
+    "shrink",
+    "verify",
+]

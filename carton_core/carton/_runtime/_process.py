@@ -1,0 +1,486 @@
+"""`RunnerProcess`: one runner subprocess, from start and handshake to load, infer and close.
+
+Every failure becomes a `carton.RunnerError` subclass naming the runner, the operation and the limit or signal:
+a runner that dies fails the calls in flight with `RunnerCrashed` within milliseconds (its pidfd is polled with
+the socket), one that does not answer in time is killed with its whole process tree (`RunnerTimeout`), and the
+process, its descendants and its runtime directory are cleaned up on close, on garbage collection and at exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import os
+import signal
+import socket
+import threading
+import time
+import warnings
+import weakref
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import zmq
+from carton_protocol import OptValue, PackResult, ProtocolError, RemoteError, RunnerSpec, Tensor, TensorSpec
+from carton_protocol._framing import decode_tensors, encode_tensors
+from carton_protocol._limits import DEFAULT_LIMITS, WireLimits
+from carton_protocol._messages import (
+    PROTOCOL_VERSION,
+    Op,
+    decode_opts,
+    decode_specs,
+    encode_specs,
+)
+from carton_protocol._reaper import kill_tree
+from carton_protocol._shm import SHM_AVAILABLE, FdChannel
+
+from ..errors import (
+    InvalidInput,
+    InvalidOutput,
+    ModelClosed,
+    ProtocolMismatch,
+    RunnerCrashed,
+    RunnerError,
+    RunnerFailed,
+    RunnerProtocolError,
+    RunnerStartError,
+    RunnerTimeout,
+    RunnerWarning,
+)
+from ._connection import CallTimeout, Connection, PeerGone
+from ._launch import LaunchPlan, build_launch_plan, make_runtime_dir, read_log_tail, remove_runtime_dir, spawn
+
+__all__ = ["DEFAULT_SHM_THRESHOLD", "LaunchPlan", "RunnerProcess"]
+
+#: Tensors of at least this many bytes travel in shared memory; smaller ones in the message (bench_protocol.py).
+DEFAULT_SHM_THRESHOLD = 1 << 18
+
+_PROTOCOL_KINDS = frozenset({"ProtocolError", "FrameError", "LimitExceeded"})
+
+
+def _describe_exit(returncode: int | None) -> str:
+    if returncode is None:
+        return "is still running"
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"was killed by {name}"
+    return f"exited with status {returncode}"
+
+
+class _Resources:
+    """What must be released however the RunnerProcess ends; held by its finalizer, so no reference to it."""
+
+    def __init__(self, runtime_dir: Path) -> None:
+        self.runtime_dir = runtime_dir
+        self.process: Any = None
+        self.pidfd: int | None = None
+        self.connection: Connection | None = None
+
+    def kill(self) -> None:
+        process = self.process
+        if process is not None and process.poll() is None:
+            kill_tree(process.pid)
+        if process is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                # Descendants that stayed in the runner's process group (it is its own session leader).
+                os.killpg(process.pid, signal.SIGKILL)
+            with contextlib.suppress(Exception):
+                process.wait(timeout=5)
+
+    def release(self) -> None:
+        self.kill()
+        if self.connection is not None:
+            self.connection.close()
+            self.connection = None
+        if self.pidfd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.pidfd)
+            self.pidfd = None
+        remove_runtime_dir(self.runtime_dir)
+
+
+class RunnerProcess:
+    """One runner in its own process. `infer` is thread-safe: several calls may be in flight at once."""
+
+    def __init__(self, spec: RunnerSpec, plan: LaunchPlan, resources: _Resources, limits: WireLimits) -> None:
+        self.spec = spec
+        self.plan = plan
+        self._resources = resources
+        self._limits = limits
+        self._threshold = DEFAULT_SHM_THRESHOLD
+        self._lock = threading.Condition()
+        self._inflight = 0
+        self._closed = False
+        self._fate: RunnerError | None = None  # why the host killed the process, for calls that were waiting
+        self._finalizer = weakref.finalize(self, resources.release)
+        self.pid: int = resources.process.pid
+        self.runner_pid: int | None = None
+        self.concurrent = spec.concurrent
+
+    # --- start ---------------------------------------------------------------------------------------------------
+    @classmethod
+    def start(
+        cls,
+        spec: RunnerSpec,
+        *,
+        wrap: Callable[[LaunchPlan], LaunchPlan] | None = None,
+        extra_env: Mapping[str, str] | None = None,
+        handshake_timeout: float = 30.0,
+        model_dir: Path | None = None,
+        shm_threshold: int | None = DEFAULT_SHM_THRESHOLD,
+        limits: WireLimits = DEFAULT_LIMITS,
+        threads: int = 8,
+    ) -> RunnerProcess:
+        """Start `spec`'s runner and complete the version handshake.
+
+        `wrap` may rewrite the launch plan (a sandbox). `model_dir`, when known, is recorded in the plan so a
+        sandbox can expose it. `shm_threshold=None` keeps every tensor in the message (no shared memory).
+        """
+        try:
+            runtime_dir = make_runtime_dir()
+        except OSError as exc:
+            raise RunnerStartError(f"cannot create a runtime directory for runner {spec.entry}: {exc}") from exc
+        resources = _Resources(runtime_dir)
+        use_shm = shm_threshold is not None and SHM_AVAILABLE
+        host_end: socket.socket | None = None
+        runner_end: socket.socket | None = None
+        try:
+            if use_shm:
+                host_end, runner_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                runner_end.set_inheritable(True)
+            plan = build_launch_plan(
+                spec,
+                runtime_dir=runtime_dir,
+                channel_fd=runner_end.fileno() if runner_end is not None else None,
+                extra_env=extra_env,
+                model_dir=model_dir,
+                threads=threads,
+            )
+            if wrap is not None:
+                plan = wrap(plan)
+            try:
+                resources.process = spawn(plan)
+            except OSError as exc:
+                raise RunnerStartError(f"cannot start runner {spec.entry} ({plan.argv[0]}): {exc}") from exc
+        except BaseException:
+            for end in (host_end, runner_end):
+                if end is not None:
+                    end.close()
+            resources.release()
+            raise
+        if runner_end is not None:
+            runner_end.close()
+        process = resources.process
+        try:
+            resources.pidfd = os.pidfd_open(process.pid)
+        except (OSError, AttributeError):
+            resources.pidfd = None  # no pidfd (old kernel): calls poll the process instead
+        resources.connection = Connection(
+            endpoint=plan.endpoint,
+            pidfd=resources.pidfd,
+            is_alive=lambda: process.poll() is None,
+            limits=limits,
+            channel=FdChannel(host_end) if host_end is not None else None,
+        )
+        runner = cls(spec, plan, resources, limits)
+        runner._threshold = shm_threshold if use_shm and shm_threshold is not None else 0
+        try:
+            runner._handshake(handshake_timeout, use_shm)
+        except BaseException:
+            runner._finalizer()
+            raise
+        return runner
+
+    def _handshake(self, timeout: float, use_shm: bool) -> None:
+        header: dict[str, Any] = {"op": Op.HELLO.value, "id": 0, "protocol": PROTOCOL_VERSION, "host_pid": os.getpid()}
+        if use_shm:
+            header["shm_threshold"] = self._threshold
+        try:
+            reply, _ = self._connection().call(header, timeout=timeout)
+        except PeerGone:
+            raise RunnerStartError(
+                f"runner {self.spec.entry} {self._exit_text()} before completing the handshake{self._log_text()}"
+            ) from None
+        except CallTimeout:
+            self._resources.kill()
+            raise RunnerTimeout(
+                f"runner {self.spec.entry} did not complete the handshake within {timeout:g} s "
+                f"(handshake_timeout); it was killed{self._log_text()}"
+            ) from None
+        except ProtocolError as exc:
+            raise RunnerProtocolError(f"runner {self.spec.entry} sent a malformed handshake: {exc}") from exc
+        remote = reply.get("protocol")
+        if remote != PROTOCOL_VERSION:
+            raise ProtocolMismatch(
+                f"host speaks carton protocol {PROTOCOL_VERSION}, runner {self.spec.entry} speaks {remote!r}"
+            )
+        if reply.get("ok") is not True:
+            raise RunnerStartError(f"runner {self.spec.entry} failed to start: {self._remote_text(reply)}") from (
+                self._remote_error(reply)
+            )
+        pid = reply.get("pid")
+        self.runner_pid = pid if type(pid) is int else None
+        self.concurrent = reply.get("concurrent") is True
+
+    # --- calls ---------------------------------------------------------------------------------------------------
+    def _connection(self) -> Connection:
+        connection = self._resources.connection
+        if connection is None:
+            raise ModelClosed(f"runner {self.spec.entry} is closed")
+        return connection
+
+    def _request(
+        self, what: str, header: dict[str, Any], frames: list[Any], timeout: float | None, limit_name: str
+    ) -> tuple[dict[str, Any], list[zmq.Frame]]:
+        lock = self._lock
+        with lock:
+            if self._closed:
+                raise ModelClosed(f"runner {self.spec.entry} is closed; cannot {what}")
+            self._inflight += 1
+        try:
+            connection = self._resources.connection
+            if connection is None:
+                raise ModelClosed(f"runner {self.spec.entry} is closed; cannot {what}")
+            return connection.call(header, frames, timeout=timeout)
+        except PeerGone:
+            raise self._gone_error(what) from None
+        except CallTimeout:
+            fate = RunnerTimeout(
+                f"runner {self.spec.entry} did not answer {what} within {timeout:g} s ({limit_name}); it was killed"
+            )
+            self._kill(fate)
+            raise fate from None
+        except ProtocolError as exc:
+            raise RunnerProtocolError(f"runner {self.spec.entry} sent a malformed reply to {what}: {exc}") from exc
+        except zmq.ZMQError as exc:
+            if self._closed:
+                raise ModelClosed(f"runner {self.spec.entry} was closed during {what}") from exc
+            raise RunnerProtocolError(f"runner {self.spec.entry}: transport failed during {what}: {exc}") from exc
+        finally:
+            with lock:
+                self._inflight -= 1
+                if self._closed:
+                    lock.notify_all()
+
+    def _gone_error(self, what: str) -> RunnerError:
+        if self._fate is not None:
+            fate = self._fate
+            return type(fate)(f"{fate} (while waiting for {what})")
+        if self._closed:
+            return ModelClosed(f"runner {self.spec.entry} was closed during {what}")
+        return RunnerCrashed(
+            f"runner {self.spec.entry} (pid {self.pid}) {self._exit_text()} during {what}{self._log_text()}"
+        )
+
+    def _kill(self, fate: RunnerError) -> None:
+        with self._lock:
+            if self._fate is None:
+                self._fate = fate
+        self._resources.kill()
+
+    def load(
+        self,
+        *,
+        model_dir: Path,
+        opts: Mapping[str, OptValue],
+        inputs: tuple[TensorSpec, ...],
+        outputs: tuple[TensorSpec, ...],
+        timeout: float | None = None,
+    ) -> None:
+        """Load the model in the runner; its failure is `RunnerStartError` with the runner's message."""
+        header = self._model_header(Op.LOAD, model_dir, opts, inputs, outputs)
+        header["scratch_dir"] = str(self.plan.scratch_dir)
+        reply, _ = self._request("load", header, [], timeout, "load timeout")
+        self._raise_warnings(reply)
+        if reply.get("ok") is not True:
+            raise RunnerStartError(
+                f"runner {self.spec.entry} failed to load {model_dir}: {self._remote_text(reply)}"
+            ) from self._remote_error(reply)
+
+    def pack(
+        self,
+        *,
+        model_dir: Path,
+        opts: Mapping[str, OptValue],
+        inputs: tuple[TensorSpec, ...],
+        outputs: tuple[TensorSpec, ...],
+        timeout: float | None = None,
+    ) -> PackResult:
+        """Run the runner class's `pack` on `model_dir`; its failure is `RunnerFailed` with the runner's message."""
+        header = self._model_header(Op.PACK, model_dir, opts, inputs, outputs)
+        reply, _ = self._request("pack", header, [], timeout, "pack timeout")
+        self._raise_warnings(reply)
+        if reply.get("ok") is not True:
+            raise RunnerFailed(
+                f"runner {self.spec.entry} failed to pack {model_dir}: {self._remote_text(reply)}"
+            ) from self._remote_error(reply)
+        try:
+            return PackResult(
+                inputs=decode_specs(reply.get("inputs"), "pack inputs", self._limits),
+                outputs=decode_specs(reply.get("outputs"), "pack outputs", self._limits),
+                opts=decode_opts(reply.get("opts"), "pack opts"),
+            )
+        except ProtocolError as exc:
+            raise RunnerProtocolError(f"runner {self.spec.entry} sent a malformed pack result: {exc}") from exc
+
+    def infer(self, tensors: Mapping[str, Tensor], *, timeout: float | None = None) -> dict[str, Tensor]:
+        """Run one inference; thread-safe. Outputs are ordinary numpy arrays the caller owns."""
+        connection = self._connection()
+        try:
+            encoded = encode_tensors(tensors, pool=connection.pool, threshold=self._threshold or 1 << 62)
+        except ProtocolError as exc:
+            raise InvalidInput(str(exc)) from exc
+        segment = encoded.segment
+        try:
+            reply, frames = self._request(
+                "infer", {"op": Op.INFER.value, "id": 0, "tensors": encoded.entries}, encoded.frames, timeout,
+                "infer timeout",
+            )
+        finally:
+            if segment is not None and connection.pool is not None:
+                connection.pool.release(segment.id)
+        if reply.get("ok") is not True:
+            raise self._infer_error(reply)
+        return self._decode_outputs(connection, reply, frames)
+
+    def _decode_outputs(
+        self, connection: Connection, reply: dict[str, Any], frames: list[zmq.Frame]
+    ) -> dict[str, Tensor]:
+        if "drop" in reply and connection.peer is not None:
+            drop = reply["drop"]
+            if type(drop) is list:
+                connection.peer.drop([item for item in drop if type(item) is str])
+        used: list[str] = []
+        try:
+            outputs, used = decode_tensors(
+                reply.get("tensors"),
+                [frame.buffer for frame in frames],
+                limits=self._limits,
+                peer=connection.peer,
+                copy_shared=True,
+            )
+        except ProtocolError as exc:
+            raise RunnerProtocolError(f"runner {self.spec.entry} sent malformed infer outputs: {exc}") from exc
+        finally:
+            if used:
+                with contextlib.suppress(zmq.ZMQError):
+                    connection.send({"op": Op.RELEASE.value, "id": 0, "segments": used})
+        return outputs
+
+    def _infer_error(self, reply: dict[str, Any]) -> Exception:
+        error = reply.get("error")
+        kind = error.get("kind") if isinstance(error, dict) else None
+        text = self._remote_text(reply)
+        cause = self._remote_error(reply)
+        if kind == "InvalidOutput":
+            failure: Exception = InvalidOutput(f"runner {self.spec.entry}: {text}")
+        elif kind in _PROTOCOL_KINDS:
+            failure = RunnerProtocolError(f"runner {self.spec.entry} rejected the request: {text}")
+        else:
+            failure = RunnerFailed(f"runner {self.spec.entry} failed during infer: {text}")
+        failure.__cause__ = cause
+        return failure
+
+    async def infer_async(self, tensors: Mapping[str, Tensor], *, timeout: float | None = None) -> dict[str, Tensor]:
+        """`infer` without blocking the event loop (runs on the loop's default executor)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, functools.partial(self.infer, tensors, timeout=timeout))
+
+    # --- state ---------------------------------------------------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        process = self._resources.process
+        return not self._closed and process is not None and process.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        process = self._resources.process
+        return None if process is None else process.poll()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Ask the runner to close its model and exit; kill its whole tree if it has not within `timeout`."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        process = self._resources.process
+        connection = self._resources.connection
+        if process is not None and process.poll() is None and connection is not None:
+            with contextlib.suppress(PeerGone, CallTimeout, ProtocolError, zmq.ZMQError):
+                connection.call({"op": Op.CLOSE.value, "id": 0}, timeout=timeout)
+            with contextlib.suppress(Exception):
+                process.wait(timeout=max(0.1, timeout))
+        self._resources.kill()
+        # Calls still waiting see the pidfd fire and leave; give them a moment before their sockets go.
+        deadline = time.monotonic() + 1.0
+        with self._lock:
+            while self._inflight and time.monotonic() < deadline:
+                self._lock.wait(0.05)
+        self._finalizer()
+
+    def __enter__(self) -> RunnerProcess:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("alive" if self.alive else "dead")
+        return f"<RunnerProcess {self.spec.runner_name} {self.spec.entry} pid={self.pid} {state}>"
+
+    # --- helpers -------------------------------------------------------------------------------------------------
+    def _model_header(
+        self,
+        op: Op,
+        model_dir: Path,
+        opts: Mapping[str, OptValue],
+        inputs: tuple[TensorSpec, ...],
+        outputs: tuple[TensorSpec, ...],
+    ) -> dict[str, Any]:
+        return {
+            "op": op.value,
+            "id": 0,
+            "model_dir": str(model_dir),
+            "opts": dict(opts),
+            "inputs": encode_specs(inputs),
+            "outputs": encode_specs(outputs),
+        }
+
+    def _exit_text(self) -> str:
+        process = self._resources.process
+        returncode = None
+        if process is not None:
+            with contextlib.suppress(Exception):
+                returncode = process.wait(timeout=1)
+        return _describe_exit(returncode)
+
+    def _log_text(self) -> str:
+        tail = read_log_tail(self.plan.log_path)
+        return f"; runner log ends with:\n{tail}" if tail else ""
+
+    @staticmethod
+    def _remote_error(reply: dict[str, Any]) -> RemoteError:
+        error = reply.get("error")
+        if not isinstance(error, dict):
+            return RemoteError("runner reported a failure without details", kind="unknown")
+        kind, message, trace = error.get("kind"), error.get("message"), error.get("traceback")
+        return RemoteError(
+            message if isinstance(message, str) else repr(message),
+            kind=kind if isinstance(kind, str) else "unknown",
+            traceback=trace if isinstance(trace, str) else "",
+        )
+
+    def _remote_text(self, reply: dict[str, Any]) -> str:
+        error = self._remote_error(reply)
+        return f"{error.kind}: {error}"
+
+    def _raise_warnings(self, reply: dict[str, Any]) -> None:
+        messages = reply.get("warnings")
+        if type(messages) is list:
+            for message in messages:
+                warnings.warn(f"runner {self.spec.runner_name}: {message}", RunnerWarning, stacklevel=3)

@@ -1,0 +1,57 @@
+"""MCF, the Model Container Format: a single-file, random-access container for (quantized) model weights.
+
+    import carton.mcf
+    with carton.mcf.open("model.mcf") as f:
+        f.model_info.arch, f.tensors["model.norm.weight"].shape
+        norm = f.array("model.norm.weight")          # zero-copy over the mapped file
+        packed = f.tensor_bytes("lm_head.weight")    # quantized payload bytes, zero-copy
+
+The container (header, sections, ModelInfo, QuantInfo, TensorIndex, TensorData, raw Hugging Face files) is read by
+`MCFFile` and written by `MCFWriter` / `write_mcf`; `convert` builds an MCF from a safetensors model folder.
+"""
+
+from ._container import MCFHeader, QuantRecord, SectionEntry, TensorEntry
+from ._decode import dequantize
+from ._kernels import CacheMode, QuantizedLinear, matmul
+from ._layout import PayloadLayout, Region, payload_layout, payload_size
+from ._modelinfo import KVValue, ModelInfo
+from ._quant import QuantizedTensor, QuantMode, quantize
+from ._reader import MCFFile, open_mcf
+from ._types import Architecture, MCFDType, QuantDomain, QuantMethod, RopeType, SectionType
+from ._writer import MCFWriter, QuantizedPayload, write_mcf
+
+# --- converter (helper C) ---
+
+open = open_mcf  # carton.mcf.open(path) mirrors the builtin on purpose
+
+__all__ = [
+    "Architecture",
+    "CacheMode",
+    "KVValue",
+    "MCFDType",
+    "MCFFile",
+    "MCFHeader",
+    "MCFWriter",
+    "ModelInfo",
+    "PayloadLayout",
+    "QuantDomain",
+    "QuantMethod",
+    "QuantMode",
+    "QuantRecord",
+    "QuantizedLinear",
+    "QuantizedPayload",
+    "QuantizedTensor",
+    "Region",
+    "RopeType",
+    "SectionEntry",
+    "SectionType",
+    "TensorEntry",
+    "dequantize",
+    "matmul",
+    "open",
+    "open_mcf",
+    "payload_layout",
+    "payload_size",
+    "quantize",
+    "write_mcf",
+]

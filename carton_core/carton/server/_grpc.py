@@ -1,0 +1,279 @@
+"""The gRPC endpoints: ``inference.GRPCInferenceService`` on a `grpc.aio` server, sharing the HTTP side's repository.
+
+Handlers are registered by hand against the messages compiled from ``_proto/grpc_service.proto`` (see there why a
+private descriptor pool is used). Failures map to gRPC status codes the way Triton maps them: bad input
+``INVALID_ARGUMENT``, unknown model ``NOT_FOUND``, upload disabled ``PERMISSION_DENIED``, anything else ``INTERNAL``.
+Outputs always travel in ``raw_output_contents``, as Triton sends them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+import numpy as np
+from carton_protocol import DType
+from grpc import aio
+
+from ..errors import BadRequest, ServerError
+from ._datatypes import DATATYPE_OF, NUMPY_OF
+from ._handle import metadata_shape
+from ._http import EXTENSIONS
+from ._inference import (
+    check_complete,
+    check_requested,
+    element_count,
+    expected_datatype,
+    from_bytes_elements,
+    from_raw,
+    output_tensor,
+    select_outputs,
+    translate_error,
+)
+from ._proto import SERVICE_NAME, message_class
+from ._repository import ModelRepository, ServedVersion
+
+__all__ = ["GrpcService"]
+
+_STATUS = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    403: grpc.StatusCode.PERMISSION_DENIED,
+    404: grpc.StatusCode.NOT_FOUND,
+    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    501: grpc.StatusCode.UNIMPLEMENTED,
+}
+
+# Which typed-contents field carries each datatype when a client does not send raw bytes.
+_CONTENTS_FIELD = {
+    "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents", "INT64": "int64_contents",
+    "UINT8": "uint_contents", "UINT16": "uint_contents", "UINT32": "uint_contents", "UINT64": "uint64_contents",
+    "FP32": "fp32_contents", "FP64": "fp64_contents",
+}  # fmt: skip
+
+_M = {
+    name: message_class(name)
+    for name in (
+        "ServerLiveRequest", "ServerLiveResponse", "ServerReadyRequest", "ServerReadyResponse", "ModelReadyRequest",
+        "ModelReadyResponse", "ServerMetadataRequest", "ServerMetadataResponse", "ModelMetadataRequest",
+        "ModelMetadataResponse", "ModelInferRequest", "ModelInferResponse", "ModelStreamInferResponse",
+        "ModelConfigRequest", "ModelConfigResponse", "ModelStatisticsRequest", "ModelStatisticsResponse",
+        "RepositoryIndexRequest", "RepositoryIndexResponse", "RepositoryModelLoadRequest",
+        "RepositoryModelLoadResponse", "RepositoryModelUnloadRequest", "RepositoryModelUnloadResponse",
+    )
+}  # fmt: skip
+
+
+def _decode_input(served: ServedVersion, tensor: Any, raw: bytes | None) -> np.ndarray:
+    name = tensor.name
+    dtype = expected_datatype(served, name, tensor.datatype)
+    shape = list(tensor.shape)
+    if raw is not None:
+        return from_raw(memoryview(raw), dtype, shape, tensor=name)
+    count = element_count(shape, tensor=name)
+    if dtype is DType.STRING:
+        elements = list(tensor.contents.bytes_contents)
+        if len(elements) != count:
+            raise BadRequest(f"input {name!r}: {len(elements)} bytes_contents elements but shape {shape} needs {count}")
+        return from_bytes_elements(elements, shape, tensor=name)
+    datatype = DATATYPE_OF[dtype]
+    values = getattr(tensor.contents, _CONTENTS_FIELD[datatype])
+    if len(values) != count:
+        raise BadRequest(
+            f"input {name!r}: {len(values)} {_CONTENTS_FIELD[datatype]} elements but shape {shape} needs {count}"
+        )
+    try:
+        return np.array(values, dtype=NUMPY_OF[datatype]).reshape(shape)
+    except (OverflowError, ValueError) as exc:
+        raise BadRequest(f"input {name!r}: an element does not fit {datatype} ({exc})") from exc
+
+
+class GrpcService:
+    """Builds the generic handler for `grpc.aio.Server.add_generic_rpc_handlers`."""
+
+    def __init__(self, repository: ModelRepository, *, server_version: str) -> None:
+        self.repository = repository
+        self.server_version = server_version
+
+    def handler(self) -> grpc.GenericRpcHandler[Any, Any]:
+        unary = {
+            "ServerLive": self.server_live,
+            "ServerReady": self.server_ready,
+            "ModelReady": self.model_ready,
+            "ServerMetadata": self.server_metadata,
+            "ModelMetadata": self.model_metadata,
+            "ModelInfer": self.model_infer,
+            "ModelConfig": self.model_config,
+            "ModelStatistics": self.model_statistics,
+            "RepositoryIndex": self.repository_index,
+            "RepositoryModelLoad": self.repository_load,
+            "RepositoryModelUnload": self.repository_unload,
+        }
+        handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
+            method: grpc.unary_unary_rpc_method_handler(
+                self._guard(function),
+                request_deserializer=_M[f"{method}Request"].FromString,
+                response_serializer=_M[f"{method}Response"].SerializeToString,
+            )
+            for method, function in unary.items()
+        }
+        handlers["ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(
+            self.model_stream_infer,
+            request_deserializer=_M["ModelInferRequest"].FromString,
+            response_serializer=_M["ModelStreamInferResponse"].SerializeToString,
+        )
+        return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+
+    def _guard(
+        self, function: Callable[[Any], Awaitable[Any]]
+    ) -> Callable[[Any, aio.ServicerContext[Any, Any]], Awaitable[Any]]:
+        async def guarded(request: Any, context: aio.ServicerContext[Any, Any]) -> Any:
+            try:
+                return await function(request)
+            except ServerError as exc:
+                await context.abort(
+                    _STATUS.get(exc.http_status, grpc.StatusCode.INTERNAL), self.repository.scrub(str(exc))
+                )
+
+        return guarded
+
+    # ---- health and metadata -------------------------------------------------------------------------------------
+    async def server_live(self, request: Any) -> Any:
+        return _M["ServerLiveResponse"](live=True)
+
+    async def server_ready(self, request: Any) -> Any:
+        return _M["ServerReadyResponse"](ready=self.repository.is_ready())
+
+    async def model_ready(self, request: Any) -> Any:
+        return _M["ModelReadyResponse"](ready=self.repository.model_ready(request.name, request.version))
+
+    async def server_metadata(self, request: Any) -> Any:
+        return _M["ServerMetadataResponse"](name="carton", version=self.server_version, extensions=EXTENSIONS)
+
+    async def model_metadata(self, request: Any) -> Any:
+        served = self.repository.get(request.name, request.version)
+        response = _M["ModelMetadataResponse"](
+            name=served.model,
+            versions=[v.version_str for v in self.repository.versions(request.name)],
+            platform="carton",
+        )
+        for spec in served.input_specs.values():
+            response.inputs.add(name=spec.name, datatype=DATATYPE_OF[spec.dtype], shape=metadata_shape(spec))
+        for spec in served.output_specs:
+            response.outputs.add(name=spec.name, datatype=DATATYPE_OF[spec.dtype], shape=metadata_shape(spec))
+        return response
+
+    async def model_config(self, request: Any) -> Any:
+        from google.protobuf import json_format
+
+        from ._http import model_config_json
+
+        served = self.repository.get(request.name, request.version)
+        response = _M["ModelConfigResponse"]()
+        json_format.ParseDict(model_config_json(served, self.repository.options.workers), response.config)
+        return response
+
+    async def model_statistics(self, request: Any) -> Any:
+        from google.protobuf import json_format
+
+        if request.name:
+            served = self.repository.get(request.name, request.version)
+            versions = [served] if request.version else self.repository.versions(request.name)
+        else:
+            versions = self.repository.all_served()
+        response = _M["ModelStatisticsResponse"]()
+        json_format.ParseDict({"model_stats": [v.stats.to_json() for v in versions]}, response)
+        return response
+
+    # ---- repository ----------------------------------------------------------------------------------------------
+    async def repository_index(self, request: Any) -> Any:
+        response = _M["RepositoryIndexResponse"]()
+        for entry in self.repository.index(ready_only=request.ready):
+            response.models.add(**entry)
+        return response
+
+    async def repository_load(self, request: Any) -> Any:
+        config: str | None = None
+        files: dict[str, bytes] = {}
+        for key, parameter in request.parameters.items():
+            choice = parameter.WhichOneof("parameter_choice")
+            if key == "config":
+                if choice != "string_param":
+                    raise BadRequest("load parameter 'config' must be a string holding the JSON model config")
+                config = parameter.string_param
+            elif key.startswith("file:"):
+                if choice != "bytes_param":
+                    raise BadRequest(f"load parameter {key!r} must be a bytes parameter holding the file")
+                files[key] = parameter.bytes_param
+            else:
+                raise BadRequest(f"unknown load parameter {key!r} (expected 'config' or 'file:<version>/<path>')")
+        await self.repository.load(request.model_name, config=config, files=files)
+        return _M["RepositoryModelLoadResponse"]()
+
+    async def repository_unload(self, request: Any) -> Any:
+        dependents = False
+        if "unload_dependents" in request.parameters:
+            parameter = request.parameters["unload_dependents"]
+            if parameter.WhichOneof("parameter_choice") != "bool_param":
+                raise BadRequest("'unload_dependents' must be a bool parameter")
+            dependents = parameter.bool_param
+        await self.repository.unload(request.model_name, unload_dependents=dependents)
+        return _M["RepositoryModelUnloadResponse"]()
+
+    # ---- inference -----------------------------------------------------------------------------------------------
+    async def model_infer(self, request: Any) -> Any:
+        started = time.perf_counter_ns()
+        served = self.repository.acquire(request.model_name, request.model_version)
+        try:
+            raw = list(request.raw_input_contents)
+            if raw and len(raw) != len(request.inputs):
+                raise BadRequest(
+                    f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs; give one per input"
+                )
+            inputs: dict[str, np.ndarray] = {}
+            for index, tensor in enumerate(request.inputs):
+                if tensor.name in inputs:
+                    raise BadRequest(f"input {tensor.name!r} is given twice")
+                inputs[tensor.name] = _decode_input(served, tensor, raw[index] if raw else None)
+            check_complete(served, inputs)
+            for output in request.outputs:
+                if "classification" in output.parameters:
+                    raise BadRequest("the classification extension is not supported by this server")
+            requested = [output.name for output in request.outputs] or None
+            if requested is not None:
+                check_requested(served, requested)
+            decoded_at = time.perf_counter_ns()
+            outputs, _ = await served.infer(inputs)
+            inferred_at = time.perf_counter_ns()
+            response = _M["ModelInferResponse"](
+                model_name=served.model, model_version=served.version_str, id=request.id
+            )
+            for name, tensor in select_outputs(served, outputs, requested):
+                datatype, array, data = output_tensor(name, tensor)
+                response.outputs.add(name=name, datatype=datatype, shape=array.shape)
+                response.raw_output_contents.append(bytes(data))
+        except Exception as exc:
+            served.exit()
+            served.stats.record_failure(total_ns=time.perf_counter_ns() - started)
+            raise translate_error(exc, self.repository.scrub) from exc
+        try:
+            served.stats.record_success(
+                total_ns=time.perf_counter_ns() - started,
+                input_ns=decoded_at - started,
+                output_ns=time.perf_counter_ns() - inferred_at,
+            )
+        finally:
+            served.exit()
+        return response
+
+    async def model_stream_infer(
+        self, requests: AsyncIterator[Any], context: aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[Any]:
+        async for request in requests:
+            try:
+                response = await self.model_infer(request)
+            except ServerError as exc:
+                yield _M["ModelStreamInferResponse"](error_message=self.repository.scrub(str(exc)))
+            else:
+                yield _M["ModelStreamInferResponse"](infer_response=response)

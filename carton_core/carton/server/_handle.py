@@ -1,0 +1,86 @@
+"""What the server needs of a loaded model (a "model handle") and the default loader built on `carton.load`.
+
+The protocol layers depend only on `ModelHandle`, so the repository can be given another loader (for instance one
+that adds options); `load_carton` is the one `carton serve` uses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+from carton_protocol import Tensor, TensorSpec
+
+__all__ = ["LoadSpec", "ModelHandle", "ModelLoader", "load_carton", "metadata_shape"]
+
+
+class ModelHandle(Protocol):
+    """A loaded model: its declared tensors, an async `infer`, and `close`."""
+
+    @property
+    def inputs(self) -> tuple[TensorSpec, ...]: ...
+
+    @property
+    def outputs(self) -> tuple[TensorSpec, ...]: ...
+
+    async def infer(self, inputs: dict[str, np.ndarray]) -> Mapping[str, Tensor]: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LoadSpec:
+    """How to load one model version: the carton (file or unpacked folder) and the runtime options."""
+
+    path: Path
+    workers: int = 1
+    sandbox: str | None = None
+    runner_opts: Mapping[str, str] = field(default_factory=dict)
+
+
+#: Loads a model; blocking (the repository calls it in a worker thread, under its load timeout).
+ModelLoader = Callable[[LoadSpec], ModelHandle]
+
+
+class _CartonHandle:
+    __slots__ = ("_model",)
+
+    def __init__(self, model: Any) -> None:
+        self._model = model
+
+    @property
+    def inputs(self) -> tuple[TensorSpec, ...]:
+        return tuple(self._model.info.inputs)
+
+    @property
+    def outputs(self) -> tuple[TensorSpec, ...]:
+        return tuple(self._model.info.outputs)
+
+    async def infer(self, inputs: dict[str, np.ndarray]) -> Mapping[str, Tensor]:
+        result: Mapping[str, Tensor] = await self._model.infer_async(inputs)
+        return result
+
+    def close(self) -> None:
+        self._model.close()
+
+
+def load_carton(spec: LoadSpec) -> ModelHandle:
+    """Load with `carton.load` (imported here: the runtime is a peer module, not a dependency of the protocol code)."""
+    from .._runtime import load
+
+    options: dict[str, Any] = {"workers": spec.workers}
+    if spec.sandbox is not None:
+        options["sandbox"] = spec.sandbox
+    if spec.runner_opts:
+        options["runner_opts"] = dict(spec.runner_opts)
+    return _CartonHandle(load(spec.path, **options))
+
+
+def metadata_shape(spec: TensorSpec) -> list[int]:
+    """A declared shape as KServe metadata reports it: symbols and ``"*"`` dimensions as -1; unknown rank as [-1]."""
+    if isinstance(spec.shape, str):
+        return [-1]
+    return [dim if isinstance(dim, int) else -1 for dim in spec.shape]

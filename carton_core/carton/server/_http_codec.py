@@ -1,0 +1,234 @@
+"""The HTTP/REST inference body: JSON tensors and the binary tensor data extension, both directions.
+
+A request body is a JSON header, optionally followed by binary tensor data when ``Inference-Header-Content-Length``
+gives the header's length; with that header at 0 the whole body is one input's raw data (the raw binary request).
+Binary inputs become numpy arrays over the body's own bytes (no copy); binary outputs are sent from the output
+arrays' memory.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from carton_protocol import DType, Tensor
+
+from ..errors import BadRequest
+from ._datatypes import DATATYPE_OF, NUMPY_OF
+from ._inference import (
+    check_complete,
+    check_requested,
+    element_count,
+    expected_datatype,
+    from_bytes_elements,
+    from_raw,
+    json_elements,
+    output_tensor,
+)
+from ._repository import ServedVersion
+
+__all__ = ["InferBody", "encode_infer_response", "parse_infer_request"]
+
+_DIGITS = re.compile(rb"^\s*[0-9]+\s*$")
+
+
+@dataclass(slots=True, kw_only=True)
+class InferBody:
+    """A decoded inference request."""
+
+    id: str | None
+    inputs: dict[str, np.ndarray]
+    #: Requested outputs with their binary flag, or ``None`` for all outputs.
+    outputs: list[tuple[str, bool]] | None
+    binary_default: bool
+
+
+def _parameters(value: object, *, where: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise BadRequest(f"{where}.parameters must be a JSON object")
+    return value
+
+
+def _flag(parameters: dict[str, Any], key: str, *, where: str) -> bool | None:
+    value = parameters.get(key)
+    if value is None or isinstance(value, bool):
+        return value
+    raise BadRequest(f"{where}: parameter {key!r} must be true or false, got {value!r}")
+
+
+def _json_tensor(data: object, dtype: DType, shape: Sequence[int], *, tensor: str) -> np.ndarray:
+    count = element_count(shape, tensor=tensor)
+    flat: list[Any] = []
+    stack = [data]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, list):
+            stack.extend(reversed(item))
+        else:
+            flat.append(item)
+    if len(flat) != count:
+        raise BadRequest(f"input {tensor!r}: 'data' holds {len(flat)} elements but shape {list(shape)} needs {count}")
+    if dtype is DType.STRING:
+        if not all(isinstance(element, str) for element in flat):
+            raise BadRequest(f"input {tensor!r}: BYTES 'data' elements must be strings")
+        return from_bytes_elements([element.encode() for element in flat], shape, tensor=tensor)
+    numpy_dtype = NUMPY_OF[DATATYPE_OF[dtype]]
+    integral = numpy_dtype.kind in "iu"
+    for element in flat:
+        wrong = isinstance(element, bool) or not isinstance(element, int | float)
+        if wrong or (integral and isinstance(element, float)):
+            kind = "integers" if integral else "numbers"
+            raise BadRequest(f"input {tensor!r}: {DATATYPE_OF[dtype]} 'data' elements must be {kind}, got {element!r}")
+    try:
+        return np.array(flat, dtype=numpy_dtype).reshape(shape)
+    except (OverflowError, ValueError) as exc:
+        raise BadRequest(f"input {tensor!r}: a 'data' element does not fit {DATATYPE_OF[dtype]} ({exc})") from exc
+
+
+def _raw_request(served: ServedVersion, body: memoryview) -> InferBody:
+    if len(served.input_specs) != 1:
+        raise BadRequest(
+            f"a raw binary request (Inference-Header-Content-Length: 0) needs a model with exactly one input; "
+            f"{served.model!r} has {len(served.input_specs)}"
+        )
+    (spec,) = served.input_specs.values()
+    if isinstance(spec.shape, str):
+        raise BadRequest(f"the shape of raw input {spec.name!r} cannot be deduced: the model does not declare its rank")
+    dims: list[int | None] = [d if isinstance(d, int) else None for d in spec.shape]
+    if served.config.max_batch_size > 0 and dims:
+        dims[0] = 1
+    unknown = [i for i, d in enumerate(dims) if d is None]
+    if len(unknown) > 1:
+        raise BadRequest(
+            f"the shape of raw input {spec.name!r} cannot be deduced: it has more than one variable-size dimension"
+        )
+    fixed = int(np.prod([d for d in dims if d is not None]))
+    if spec.dtype is DType.STRING:
+        offset, count = 0, 0
+        while offset + 4 <= len(body):
+            offset += 4 + int.from_bytes(body[offset : offset + 4], "little")
+            count += 1
+        total = count
+    else:
+        itemsize = NUMPY_OF[DATATYPE_OF[spec.dtype]].itemsize
+        if len(body) % itemsize:
+            raise BadRequest(f"raw input {spec.name!r}: {len(body)} bytes is not a whole number of elements")
+        total = len(body) // itemsize
+    if unknown:
+        if fixed == 0 or total % fixed:
+            raise BadRequest(f"raw input {spec.name!r}: {total} elements do not fill its declared shape")
+        dims[unknown[0]] = total // fixed
+    shape = [int(d) for d in dims if d is not None]
+    return InferBody(
+        id=None, inputs={spec.name: from_raw(body, spec.dtype, shape, tensor=spec.name)}, outputs=None,
+        binary_default=True,
+    )
+
+
+def parse_infer_request(served: ServedVersion, body: bytes | bytearray, header_length: bytes | None) -> InferBody:
+    """Decode an inference body for `served`; `BadRequest` naming the header, field or tensor at fault."""
+    view = memoryview(body)
+    if header_length is None:
+        json_end = len(body)
+    else:
+        if not _DIGITS.match(header_length):
+            raise BadRequest(
+                f"Inference-Header-Content-Length must be a non-negative decimal integer, got {header_length[:40]!r}"
+            )
+        json_end = int(header_length)
+        if json_end > len(body):
+            raise BadRequest(
+                f"Inference-Header-Content-Length {json_end} is larger than the request body ({len(body)} bytes)"
+            )
+        if json_end == 0:
+            return _raw_request(served, view)
+    try:
+        header = json.loads(view[:json_end].tobytes())
+    except (ValueError, RecursionError) as exc:
+        raise BadRequest(f"the inference request header is not valid JSON: {exc}") from exc
+    if not isinstance(header, dict):
+        raise BadRequest("the inference request header must be a JSON object")
+    request_id = header.get("id")
+    if request_id is not None and not isinstance(request_id, str):
+        raise BadRequest("'id' must be a string")
+    parameters = _parameters(header.get("parameters"), where="request")
+    binary_default = bool(_flag(parameters, "binary_data_output", where="request"))
+    raw_inputs = header.get("inputs")
+    if not isinstance(raw_inputs, list):
+        raise BadRequest("'inputs' must be a JSON array of tensors")
+    inputs: dict[str, np.ndarray] = {}
+    offset = json_end
+    for index, raw in enumerate(raw_inputs):
+        if not isinstance(raw, dict):
+            raise BadRequest(f"inputs[{index}] must be a JSON object")
+        name, datatype, shape = raw.get("name"), raw.get("datatype"), raw.get("shape")
+        if not isinstance(name, str) or not isinstance(datatype, str) or not isinstance(shape, list):
+            raise BadRequest(f"inputs[{index}] needs 'name' and 'datatype' strings and a 'shape' array")
+        if name in inputs:
+            raise BadRequest(f"input {name!r} is given twice")
+        dtype = expected_datatype(served, name, datatype)
+        size = _parameters(raw.get("parameters"), where=f"input {name!r}").get("binary_data_size")
+        if size is not None:
+            if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+                raise BadRequest(f"input {name!r}: binary_data_size must be a non-negative integer, got {size!r}")
+            if offset + size > len(body):
+                raise BadRequest(
+                    f"input {name!r}: binary_data_size {size} runs past the end of the request body "
+                    f"({len(body) - offset} bytes of binary data left)"
+                )
+            inputs[name] = from_raw(view[offset : offset + size], dtype, shape, tensor=name)
+            offset += size
+        elif "data" in raw:
+            inputs[name] = _json_tensor(raw["data"], dtype, shape, tensor=name)
+        else:
+            raise BadRequest(f"input {name!r} has neither 'data' nor a binary_data_size parameter")
+    if offset != len(body):
+        raise BadRequest(f"{len(body) - offset} bytes of binary data follow the inputs that none of them claims")
+    check_complete(served, inputs)
+    outputs: list[tuple[str, bool]] | None = None
+    raw_outputs = header.get("outputs")
+    if raw_outputs is not None:
+        if not isinstance(raw_outputs, list):
+            raise BadRequest("'outputs' must be a JSON array")
+        outputs = []
+        for index, raw in enumerate(raw_outputs):
+            if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
+                raise BadRequest(f"outputs[{index}] must be an object with a 'name' string")
+            output_parameters = _parameters(raw.get("parameters"), where=f"output {raw['name']!r}")
+            if "classification" in output_parameters:
+                raise BadRequest("the classification extension is not supported by this server")
+            binary = _flag(output_parameters, "binary_data", where=f"output {raw['name']!r}")
+            outputs.append((raw["name"], binary_default if binary is None else binary))
+        check_requested(served, [name for name, _ in outputs])
+    return InferBody(id=request_id, inputs=inputs, outputs=outputs, binary_default=binary_default)
+
+
+def encode_infer_response(
+    served: ServedVersion, request: InferBody, selected: list[tuple[str, Tensor]]
+) -> tuple[bytes, list[bytes | memoryview]]:
+    """The response's JSON header and the binary parts that follow it (empty when every output is JSON)."""
+    binary_of = dict(request.outputs) if request.outputs is not None else {}
+    described: list[dict[str, Any]] = []
+    parts: list[bytes | memoryview] = []
+    for name, tensor in selected:
+        datatype, array, data = output_tensor(name, tensor)
+        entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(array.shape)}
+        if binary_of.get(name, request.binary_default):
+            entry["parameters"] = {"binary_data_size": len(data)}
+            parts.append(data)
+        else:
+            entry["data"] = json_elements(array)
+        described.append(entry)
+    document: dict[str, Any] = {}
+    if request.id:
+        document["id"] = request.id
+    document["model_name"] = served.model
+    document["model_version"] = served.version_str
+    document["outputs"] = described
+    return json.dumps(document, separators=(",", ":")).encode(), parts

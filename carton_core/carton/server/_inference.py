@@ -1,0 +1,144 @@
+"""Transport-independent pieces of an inference: turning wire tensors into arrays for a model version, picking and
+laying out outputs, and translating failures into `ServerError`s whose messages are safe to send.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from carton_protocol import DType, Tensor
+
+from ..errors import BadRequest, CartonError, InvalidInput, ServerError
+from ._datatypes import DATATYPE_OF, NUMPY_OF, datatype_of_array, decode_bytes_elements, encode_bytes_elements
+from ._repository import ServedVersion
+
+__all__ = [
+    "check_complete",
+    "check_requested",
+    "element_count",
+    "expected_datatype",
+    "from_bytes_elements",
+    "from_raw",
+    "json_elements",
+    "output_tensor",
+    "select_outputs",
+    "translate_error",
+]
+
+_log = logging.getLogger("carton.server")
+
+
+def element_count(shape: Sequence[int], *, tensor: str) -> int:
+    for dim in shape:
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
+            raise BadRequest(f"input {tensor!r}: shape {list(shape)} must be a list of non-negative integers")
+    return math.prod(shape)
+
+
+def expected_datatype(served: ServedVersion, name: str, datatype: str) -> DType:
+    """The declared dtype of input `name`; `BadRequest` if the model has no such input or declares another type."""
+    spec = served.input_specs.get(name)
+    if spec is None:
+        raise BadRequest(
+            f"unexpected inference input {name!r} for model {served.model!r} (it takes {sorted(served.input_specs)})"
+        )
+    expected = DATATYPE_OF[spec.dtype]
+    if datatype != expected:
+        raise BadRequest(
+            f"inference input {name!r} data-type is {datatype!r}, but model {served.model!r} expects {expected!r}"
+        )
+    return spec.dtype
+
+
+def from_raw(buffer: memoryview, dtype: DType, shape: Sequence[int], *, tensor: str) -> np.ndarray:
+    """An array over `buffer` (no copy for fixed-size types); `BadRequest` if its size disagrees with `shape`."""
+    count = element_count(shape, tensor=tensor)
+    if dtype is DType.STRING:
+        return from_bytes_elements(decode_bytes_elements(buffer, count, tensor=tensor), shape, tensor=tensor)
+    numpy_dtype = NUMPY_OF[DATATYPE_OF[dtype]]
+    expected = count * numpy_dtype.itemsize
+    if len(buffer) != expected:
+        raise BadRequest(
+            f"input {tensor!r}: {len(buffer)} bytes of data, but shape {list(shape)} of "
+            f"{DATATYPE_OF[dtype]} needs {expected}"
+        )
+    return np.frombuffer(buffer, numpy_dtype, count).reshape(shape)
+
+
+def from_bytes_elements(elements: Sequence[bytes], shape: Sequence[int], *, tensor: str) -> np.ndarray:
+    """A ``str`` array from utf-8 BYTES elements (carton's string tensors)."""
+    try:
+        texts = [element.decode("utf-8") for element in elements]
+    except UnicodeDecodeError as exc:
+        raise BadRequest(f"input {tensor!r}: a BYTES element is not valid utf-8 ({exc.reason})") from exc
+    return np.array(texts, dtype=str).reshape(shape) if texts else np.empty(shape, dtype="<U1")
+
+
+def check_complete(served: ServedVersion, inputs: Mapping[str, object]) -> None:
+    missing = sorted(set(served.input_specs) - set(inputs))
+    if missing:
+        raise BadRequest(
+            f"expected {len(served.input_specs)} inputs but got {len(inputs)} inputs for model {served.model!r}: "
+            f"missing {missing}"
+        )
+
+
+def select_outputs(
+    served: ServedVersion, outputs: Mapping[str, Tensor], requested: Iterable[str] | None
+) -> list[tuple[str, Tensor]]:
+    """The outputs to return: the requested ones in request order, else all in the model's declared order."""
+    if requested is None:
+        declared = [spec.name for spec in served.output_specs if spec.name in outputs]
+        extra = [name for name in outputs if name not in set(declared)]
+        return [(name, outputs[name]) for name in (*declared, *extra)]
+    chosen = []
+    for name in requested:
+        if name not in outputs:
+            raise BadRequest(f"unexpected inference output {name!r} for model {served.model!r}")
+        chosen.append((name, outputs[name]))
+    return chosen
+
+
+def check_requested(served: ServedVersion, requested: Iterable[str]) -> None:
+    declared = {spec.name for spec in served.output_specs}
+    for name in requested:
+        if name not in declared:
+            raise BadRequest(f"unexpected inference output {name!r} for model {served.model!r}")
+
+
+def output_tensor(name: str, tensor: Tensor) -> tuple[str, np.ndarray, bytes | memoryview]:
+    """An output's KServe datatype, its array, and its bytes (BYTES laid out; fixed-size types as a view)."""
+    if not isinstance(tensor, np.ndarray):
+        raise ServerError(f"output {name!r} is a nested tensor, which the KServe v2 protocol cannot carry")
+    try:
+        datatype = datatype_of_array(tensor, tensor=name)
+    except TypeError as exc:
+        raise ServerError(str(exc)) from exc
+    if datatype == "BYTES":
+        return datatype, tensor, encode_bytes_elements(tensor)
+    array = np.ascontiguousarray(tensor, dtype=tensor.dtype.newbyteorder("<"))
+    return datatype, array, array.data.cast("B")
+
+
+def translate_error(exc: BaseException, scrub: Callable[[str], str]) -> ServerError:
+    """The `ServerError` to answer `exc` with; messages are scrubbed of paths, unknown failures are not detailed."""
+    if isinstance(exc, ServerError):
+        return exc
+    if isinstance(exc, InvalidInput):
+        return BadRequest(scrub(str(exc)))
+    if isinstance(exc, CartonError):
+        return ServerError(scrub(f"{type(exc).__name__}: {exc}"))
+    _log.error("inference failed with an unexpected error", exc_info=exc)
+    return ServerError("internal error while running the model (see the server log)")
+
+
+def json_elements(array: np.ndarray) -> list[Any]:
+    """An output's elements for the JSON ``data`` field (row-major, flattened)."""
+    flat = array.ravel(order="C")
+    if flat.dtype.kind == "S":
+        return [element.decode("utf-8", errors="replace") for element in flat.tolist()]
+    return flat.tolist()

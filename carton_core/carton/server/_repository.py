@@ -1,0 +1,434 @@
+"""The model repository at run time: which versions are served, their states, loads, unloads and in-flight requests.
+
+States and reasons are reported as Triton reports them (``READY``, ``LOADING``, ``UNLOADING``, ``UNAVAILABLE`` with
+a reason such as ``unloaded`` or the load error). Concurrency rules:
+
+- Loads and unloads of one model are serialized by that model's lock; different models load in parallel.
+- A (re)load builds the new versions while the old ones keep serving, then swaps them in one step; old versions
+  are retired: no new request reaches them, in-flight ones complete, then their runners are closed.
+- A request holds its version from lookup to response (`ServedVersion.enter`/`exit`), so an unload never closes a
+  model under a running request; after an unload, lookups fail with `ModelNotFound` (404).
+- A load never hangs: the loader runs in a thread under ``load_timeout``; on timeout the version is reported
+  ``UNAVAILABLE`` with the reason, and whatever the loader eventually returns is closed.
+- Server readiness is false while any load or unload is in progress.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import shutil
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from carton_protocol import Tensor, TensorSpec
+
+from ..errors import BadRequest, CartonError, ModelNotFound, RepositoryError, ServerError, UploadDisabled
+from ._batcher import DynamicBatcher
+from ._config import ModelConfig, parse_config
+from ._handle import LoadSpec, ModelHandle, ModelLoader
+from ._layout import Scrubber, list_models, scan_versions, validate_model_name, write_upload
+from ._stats import ServerMetrics, VersionStats
+
+__all__ = ["ModelRepository", "ModelState", "RepositoryOptions", "ServedVersion"]
+
+_log = logging.getLogger("carton.server")
+
+
+class ModelState(enum.StrEnum):
+    READY = "READY"
+    LOADING = "LOADING"
+    UNLOADING = "UNLOADING"
+    UNAVAILABLE = "UNAVAILABLE"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RepositoryOptions:
+    """How the repository loads models (`carton serve` fills these from its flags)."""
+
+    workers: int = 1
+    sandbox: str | None = None
+    upload_sandbox: str | None = "best_effort"
+    allow_upload: bool = True
+    explicit: bool = True
+    load_timeout: float = 300.0
+    unload_timeout: float = 60.0
+
+
+class ServedVersion:
+    """One loaded model version: the handle, its config, its counters and its in-flight requests."""
+
+    __slots__ = (
+        "_idle", "batcher", "config", "handle", "in_flight", "input_specs", "model", "output_specs", "state", "stats",
+        "version", "version_str",
+    )  # fmt: skip
+
+    def __init__(self, *, model: str, version: int, handle: ModelHandle, config: ModelConfig, stats: VersionStats):
+        self.model = model
+        self.version = version
+        self.version_str = str(version)
+        self.handle = handle
+        self.config = config
+        self.input_specs: dict[str, TensorSpec] = {spec.name: spec for spec in handle.inputs}
+        self.output_specs: tuple[TensorSpec, ...] = tuple(handle.outputs)
+        self.state = ModelState.READY
+        self.stats = stats
+        self.in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.batcher: DynamicBatcher | None = None
+        batching = config.dynamic_batching
+        if batching is not None:
+            self.batcher = DynamicBatcher(
+                run=handle.infer,
+                max_batch_size=config.max_batch_size,
+                max_queue_delay_us=batching.max_queue_delay_microseconds,
+                preferred_batch_sizes=batching.preferred_batch_sizes,
+                concurrency=config.instance_count or 1,
+                stats=stats,
+            )
+
+    def enter(self) -> None:
+        self.in_flight += 1
+        self._idle.clear()
+        self.stats.in_flight.inc()
+
+    def exit(self) -> None:
+        self.in_flight -= 1
+        self.stats.in_flight.dec()
+        if self.in_flight == 0:
+            self._idle.set()
+
+    def _batch_size(self, inputs: Mapping[str, np.ndarray]) -> int:
+        sizes = set()
+        for name, array in inputs.items():
+            if array.ndim == 0:
+                raise BadRequest(f"input {name!r}: the model batches (max_batch_size > 0) but the input is a scalar")
+            sizes.add(array.shape[0])
+        if len(sizes) > 1:
+            raise BadRequest(f"inputs disagree on the batch size (first dimension): {sorted(sizes)}")
+        batch = sizes.pop() if sizes else 1
+        if batch > self.config.max_batch_size:
+            raise BadRequest(
+                f"batch size {batch} is larger than the model's max_batch_size {self.config.max_batch_size}"
+            )
+        return batch
+
+    async def infer(self, inputs: dict[str, np.ndarray]) -> tuple[Mapping[str, Tensor], int]:
+        """Run the model (through the batcher when configured); returns the outputs and the queue time in ns."""
+        if self.config.max_batch_size > 0:
+            batch = self._batch_size(inputs)
+            if self.batcher is not None:
+                return await self.batcher.submit(inputs, batch)
+        started = time.perf_counter_ns()
+        outputs = await self.handle.infer(inputs)
+        first = next(iter(inputs.values()), None)
+        size = first.shape[0] if first is not None and first.ndim and self.config.max_batch_size else 1
+        self.stats.record_execution(batch_size=size, infer_ns=time.perf_counter_ns() - started)
+        return outputs, 0
+
+    async def retire(self, timeout: float) -> None:
+        """Let in-flight requests finish (up to `timeout`), then close the runner."""
+        self.state = ModelState.UNLOADING
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            _log.warning(
+                "model %r version %s: %d requests still running after %.0fs; closing it under them",
+                self.model, self.version, self.in_flight, timeout,
+            )  # fmt: skip
+        if self.batcher is not None:
+            await self.batcher.close()
+        await asyncio.get_running_loop().run_in_executor(None, _close_quietly, self.handle)
+        self.state = ModelState.UNAVAILABLE
+
+
+def _close_quietly(handle: ModelHandle) -> None:
+    try:
+        handle.close()
+    except Exception:  # a crashed runner may fail to close; the version is going away regardless
+        _log.exception("closing a model failed")
+
+
+class _Model:
+    __slots__ = ("lock", "name", "serving", "statuses", "upload_dir")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.lock = asyncio.Lock()
+        self.serving: dict[int, ServedVersion] = {}
+        # What the index reports per version, including versions that are not serving (failed, unloaded).
+        self.statuses: dict[int, tuple[ModelState, str]] = {}
+        self.upload_dir: Path | None = None
+
+
+class ModelRepository:
+    """Serves the models of a repository folder (and uploaded ones) through `loader`."""
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        loader: ModelLoader,
+        metrics: ServerMetrics,
+        upload_root: Path,
+        options: RepositoryOptions = RepositoryOptions(),
+    ) -> None:
+        self.root = root
+        self.options = options
+        self._loader = loader
+        self._metrics = metrics
+        self._upload_root = upload_root
+        self._models: dict[str, _Model] = {}
+        self._transitions = 0
+        self._background: set[asyncio.Task[None]] = set()
+        self.scrub = Scrubber([(root, ""), (upload_root, "<upload>/")])
+
+    # ---- lookups (hot path) --------------------------------------------------------------------------------------
+    def get(self, name: str, version: str = "") -> ServedVersion:
+        """The version serving requests for `name` (the highest when `version` is empty); `ModelNotFound` if none."""
+        model = self._models.get(name)
+        serving = model.serving if model is not None else None
+        if not serving:
+            validate_model_name(name)
+            if model is None and not self._exists(name):
+                raise ModelNotFound(f"Request for unknown model: {name!r} is not found")
+            raise ModelNotFound(f"Request for unknown model: {name!r} has no available versions")
+        if not version:
+            return serving[max(serving)]
+        found = serving.get(int(version)) if version.isdigit() else None
+        if found is None:
+            raise ModelNotFound(f"Request for unknown model: {name!r} version {version} is not found")
+        return found
+
+    def _exists(self, name: str) -> bool:
+        return (self.root / name).is_dir() or (self.root / f"{name}.carton").exists()
+
+    def acquire(self, name: str, version: str = "") -> ServedVersion:
+        served = self.get(name, version)
+        served.enter()
+        return served
+
+    def is_ready(self) -> bool:
+        return self._transitions == 0
+
+    def model_ready(self, name: str, version: str = "") -> bool:
+        try:
+            return self.get(name, version).state is ModelState.READY
+        except (ModelNotFound, BadRequest):
+            return False
+
+    def versions(self, name: str) -> list[ServedVersion]:
+        model = self._models.get(name)
+        return [model.serving[v] for v in sorted(model.serving)] if model is not None else []
+
+    def all_served(self) -> list[ServedVersion]:
+        return [version for name in sorted(self._models) for version in self.versions(name)]
+
+    # ---- index ---------------------------------------------------------------------------------------------------
+    def index(self, *, ready_only: bool = False) -> list[dict[str, str]]:
+        """Every model of the repository folder or loaded by upload, one entry per version it has a state for."""
+        entries: list[dict[str, str]] = []
+        for name in sorted(set(list_models(self.root)) | set(self._models)):
+            model = self._models.get(name)
+            if model is None or not model.statuses:
+                if not ready_only:
+                    entries.append({"name": name})
+                continue
+            for version, (state, reason) in sorted(model.statuses.items()):
+                if ready_only and state is not ModelState.READY:
+                    continue
+                entry = {"name": name, "version": str(version), "state": state.value}
+                if reason:
+                    entry["reason"] = reason
+                entries.append(entry)
+        return entries
+
+    # ---- load ----------------------------------------------------------------------------------------------------
+    async def load(self, name: str, *, config: str | None = None, files: Mapping[str, bytes] | None = None) -> None:
+        """Load or reload `name`, optionally with a JSON config override and ``file:`` payloads (a new folder)."""
+        validate_model_name(name)
+        if not self.options.explicit:
+            raise RepositoryError(
+                "model control mode is 'none': models cannot be loaded or unloaded through the API "
+                "(start the server with --model-control-mode explicit)"
+            )
+        if files:
+            if not self.options.allow_upload:
+                raise UploadDisabled("model upload ('file:' load parameters) is disabled on this server")
+            if config is None:
+                raise RepositoryError(f"failed to load {name!r}: a 'config' parameter is required with 'file:' ones")
+        await self._load(name, config=config, files=files)
+
+    async def load_at_startup(self, name: str) -> None:
+        await self._load(validate_model_name(name), config=None, files=None)
+
+    async def _load(self, name: str, *, config: str | None, files: Mapping[str, bytes] | None) -> None:
+        model = self._models.get(name) or self._models.setdefault(name, _Model(name))
+        async with model.lock:
+            self._transitions += 1
+            upload_dir: Path | None = None
+            try:
+                if files:
+                    upload_dir = await asyncio.get_running_loop().run_in_executor(
+                        None, write_upload, self._upload_root, name, dict(files)
+                    )
+                    available, _ = scan_versions(upload_dir.parent, upload_dir.name)
+                    sandbox = self.options.upload_sandbox
+                else:
+                    available, config_file = scan_versions(self.root, name)
+                    sandbox = self.options.sandbox
+                    if config is None and config_file is not None:
+                        config = config_file.read_text(encoding="utf-8", errors="replace")
+                source = "the 'config' parameter" if files or config is not None else "config.json"
+                parsed = parse_config(config, model=name, source=source) if config is not None else ModelConfig()
+                chosen = parsed.version_policy.select(list(available))
+                if not chosen:
+                    raise RepositoryError(
+                        f"failed to load {name!r}: its version_policy selects none of versions {sorted(available)}"
+                    )
+                loaded = await self._load_versions(model, parsed, {v: available[v] for v in chosen}, sandbox)
+            except CartonError as exc:
+                if upload_dir is not None:
+                    shutil.rmtree(upload_dir, ignore_errors=True)
+                if isinstance(exc, ServerError):
+                    raise type(exc)(self.scrub(str(exc))) from exc
+                raise RepositoryError(f"failed to load {name!r}: {self.scrub(str(exc))}") from exc
+            finally:
+                self._transitions -= 1
+            previous, old_upload = model.serving, model.upload_dir
+            model.serving = loaded
+            model.upload_dir = upload_dir
+            for version in loaded:
+                model.statuses[version] = (ModelState.READY, "")
+            retiring = list(previous.values())
+            for old in retiring:
+                if old.version not in loaded:
+                    model.statuses[old.version] = (ModelState.UNLOADING, "")
+            if retiring or old_upload is not None:
+                self._spawn(self._retire(model, retiring, old_upload, keep=set(loaded)))
+
+    async def _load_versions(
+        self, model: _Model, config: ModelConfig, paths: Mapping[int, Path], sandbox: str | None
+    ) -> dict[int, ServedVersion]:
+        for version in paths:
+            if version not in model.serving:
+                model.statuses[version] = (ModelState.LOADING, "")
+        workers = config.instance_count or self.options.workers
+        results = await asyncio.gather(
+            *(self._load_one(model.name, version, path, config, workers, sandbox) for version, path in paths.items()),
+            return_exceptions=True,
+        )
+        loaded: dict[int, ServedVersion] = {}
+        failures: list[str] = []
+        for version, result in zip(paths, results, strict=True):
+            if isinstance(result, ServedVersion):
+                loaded[version] = result
+            elif isinstance(result, BaseException):
+                reason = self.scrub(str(result)) if isinstance(result, CartonError) else "internal error while loading"
+                if not isinstance(result, CartonError):
+                    _log.error("loading %r version %s failed", model.name, version, exc_info=result)
+                failures.append(f"version {version}: {reason}")
+                if version not in model.serving:
+                    model.statuses[version] = (ModelState.UNAVAILABLE, reason)
+        if failures:
+            for served in loaded.values():
+                await served.retire(0)
+                if served.version not in model.serving:
+                    self._metrics.forget(model.name, served.version_str)
+            raise RepositoryError(f"failed to load {model.name!r}: " + "; ".join(failures))
+        return loaded
+
+    async def _load_one(
+        self, name: str, version: int, path: Path, config: ModelConfig, workers: int, sandbox: str | None
+    ) -> ServedVersion:
+        spec = LoadSpec(path=path, workers=workers, sandbox=sandbox, runner_opts=config.parameters)
+        loop = asyncio.get_running_loop()
+        future = loop.run_in_executor(None, self._loader, spec)
+        try:
+            handle = await asyncio.wait_for(asyncio.shield(future), self.options.load_timeout)
+        except TimeoutError:
+            future.add_done_callback(_close_late)
+            raise RepositoryError(f"load timed out after {self.options.load_timeout:g}s") from None
+        try:
+            config.check_tensors(model=name, inputs=handle.inputs, outputs=handle.outputs)
+            stats = VersionStats(name, str(version), self._metrics)
+            return ServedVersion(model=name, version=version, handle=handle, config=config, stats=stats)
+        except BaseException:
+            await loop.run_in_executor(None, _close_quietly, handle)
+            raise
+
+    # ---- unload --------------------------------------------------------------------------------------------------
+    async def unload(self, name: str, *, unload_dependents: bool = False) -> None:
+        """Stop serving `name`; returns once no new request can reach it (in-flight ones finish in the background).
+
+        carton models have no dependents (no ensembles), so `unload_dependents` never widens what is unloaded.
+        """
+        del unload_dependents
+        validate_model_name(name)
+        if not self.options.explicit:
+            raise RepositoryError(
+                "model control mode is 'none': models cannot be loaded or unloaded through the API "
+                "(start the server with --model-control-mode explicit)"
+            )
+        model = self._models.get(name)
+        if model is None:
+            return
+        async with model.lock:
+            retiring = list(model.serving.values())
+            old_upload = model.upload_dir
+            model.serving = {}
+            model.upload_dir = None
+            for old in retiring:
+                model.statuses[old.version] = (ModelState.UNLOADING, "")
+            self._transitions += 1
+            self._spawn(self._retire(model, retiring, old_upload, keep=set(), counted=True))
+
+    async def _retire(
+        self,
+        model: _Model,
+        versions: list[ServedVersion],
+        upload_dir: Path | None,
+        *,
+        keep: set[int],
+        counted: bool = False,
+    ) -> None:
+        try:
+            await asyncio.gather(*(served.retire(self.options.unload_timeout) for served in versions))
+            for served in versions:
+                # A version that is serving again (reloaded) keeps its series; the new one records into them.
+                if served.version in keep or served.version in model.serving:
+                    continue
+                self._metrics.forget(model.name, served.version_str)
+                if model.statuses.get(served.version, (None,))[0] is not ModelState.READY:
+                    model.statuses[served.version] = (ModelState.UNAVAILABLE, "unloaded")
+            if upload_dir is not None:
+                shutil.rmtree(upload_dir, ignore_errors=True)
+        finally:
+            if counted:
+                self._transitions -= 1
+
+    def _spawn(self, coroutine: object) -> None:
+        task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coroutine)  # type: ignore[arg-type]
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def close(self) -> None:
+        """Unload everything and wait for it (server shutdown)."""
+        for name in list(self._models):
+            model = self._models[name]
+            retiring = list(model.serving.values())
+            model.serving = {}
+            self._spawn(self._retire(model, retiring, model.upload_dir, keep=set()))
+            model.upload_dir = None
+        while self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)
+
+
+def _close_late(future: asyncio.Future[ModelHandle]) -> None:
+    if not future.cancelled() and future.exception() is None:
+        _close_quietly(future.result())

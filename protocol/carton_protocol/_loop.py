@@ -1,0 +1,378 @@
+"""The runner side: ``python -m carton_protocol --endpoint ipc://... --entry module:Class [--host-pid N] [--fd N]``.
+
+The loop binds a ROUTER socket at the endpoint (each host thread talks to it over its own DEALER), imports the
+entry, answers ``hello``, then serves ``load``/``pack``/``infer``/``release``/``close``. A ``concurrent`` runner's
+infers run on a thread pool; their replies come back to the socket-owning thread over an inproc socket.
+
+It also guards against orphans: a parent-death signal (SIGTERM) and a pidfd watch on the host both end the process,
+and as a child subreaper it adopts and kills every descendant before it exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import faulthandler
+import importlib
+import os
+import platform
+import select
+import signal
+import socket
+import sys
+import threading
+import traceback
+import types
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from ._framing import decode_tensors, encode_tensors
+from ._limits import DEFAULT_LIMITS, WireLimits
+from ._messages import (
+    PROTOCOL_VERSION,
+    Op,
+    decode_opts,
+    decode_specs,
+    encode_specs,
+    field_list,
+    field_str,
+    pack_header,
+    unpack_header,
+)
+from ._reaper import kill_tree, reap_children, set_child_subreaper, set_parent_death_signal
+from ._runner import LoadContext, PackContext, Runner, Tensor
+from ._shm import SHM_AVAILABLE, FdChannel, PeerSegments, SegmentPool
+from .errors import FrameError, ProtocolError, VersionMismatch
+
+__all__ = ["import_entry", "main"]
+
+_TRACEBACK_CHARS = 8000
+_EXIT_IMPORT_FAILED = 2
+_EXIT_VERSION_MISMATCH = 3
+
+
+class InvalidOutput(Exception):
+    """The runner's `infer` returned something the wire cannot carry (reported to the host under this name)."""
+
+
+def import_entry(entry: str) -> type[Runner]:
+    """The `Runner` subclass named by ``"module:Class"`` (``Class`` may be dotted)."""
+    module_name, _, attribute = entry.partition(":")
+    if not module_name or not attribute:
+        raise ValueError(f"runner entry {entry!r} must look like 'module:Class'")
+    target: object = importlib.import_module(module_name)
+    for part in attribute.split("."):
+        target = getattr(target, part)
+    if not (isinstance(target, type) and issubclass(target, Runner)):
+        raise TypeError(f"runner entry {entry!r} is not a carton_protocol.Runner subclass")
+    return target
+
+
+def _error(exc: BaseException) -> dict[str, str]:
+    text = "".join(traceback.format_exception(exc))
+    return {"kind": type(exc).__name__, "message": str(exc), "traceback": text[-_TRACEBACK_CHARS:]}
+
+
+def _die(code: int) -> None:
+    """Kill every descendant, then leave at once (used when the host is gone)."""
+    kill_tree(os.getpid(), include_root=False)
+    reap_children()
+    os._exit(code)
+
+
+def _watch_host(host_pid: int) -> None:
+    try:
+        pidfd = os.pidfd_open(host_pid)
+    except ProcessLookupError:
+        _die(0)  # the host died before we could watch it
+        return
+    except (OSError, AttributeError):
+        return  # not visible from here (e.g. another PID namespace): the parent-death signal remains
+
+    def wait() -> None:
+        poller = select.poll()
+        poller.register(pidfd, select.POLLIN)
+        while not poller.poll():
+            pass
+        _die(0)
+
+    threading.Thread(target=wait, name="carton-host-watch", daemon=True).start()
+
+
+def _on_sigterm(signum: int, frame: types.FrameType | None) -> None:
+    del frame
+    _die(128 + signum)
+
+
+class _Server:
+    def __init__(self, endpoint: str, entry: str, fd_channel: FdChannel | None, threads: int, limits: WireLimits):
+        self.entry = entry
+        self.limits = limits
+        self.threads = threads
+        self.context = zmq.Context()
+        self.router = self.context.socket(zmq.ROUTER)
+        self.router.linger = 1000
+        self.router.bind(endpoint)
+        self.channel = fd_channel
+        self.pool: SegmentPool | None = None
+        self.peer: PeerSegments | None = None
+        self.threshold = 0
+        self.runner_class: type[Runner] | None = None
+        self.import_error: BaseException | None = None
+        self.runner: Runner | None = None
+        self.executor: ThreadPoolExecutor | None = None
+        self.results: zmq.Socket[Any] | None = None
+        self.local = threading.local()
+        self.main_thread = threading.get_ident()
+        self.running = True
+        self.exit_code = 0
+        try:
+            self.runner_class = import_entry(entry)
+        except BaseException as exc:
+            self.import_error = exc
+
+    # --- socket thread ---------------------------------------------------------------------------------------
+    def serve(self) -> int:
+        if self.runner_class is not None and self.runner_class.concurrent:
+            return self._serve_concurrent()
+        router = self.router
+        while self.running:
+            self._handle(router.recv_multipart(copy=False))
+        return self.exit_code
+
+    def _serve_concurrent(self) -> int:
+        self.results = self.context.socket(zmq.PULL)
+        self.results.bind("inproc://results")
+        self.executor = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="carton-infer")
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        poller.register(self.results, zmq.POLLIN)
+        while self.running:
+            for sock, _ in poller.poll():
+                if sock is self.router:
+                    self._handle(self.router.recv_multipart(copy=False))
+                else:
+                    self.router.send_multipart(self.results.recv_multipart(copy=False), copy=False)
+        return self.exit_code
+
+    def _send(self, ident: Any, header: dict[str, Any], frames: Sequence[Any] = ()) -> None:
+        if self.pool is not None:
+            dropped = self.pool.take_dropped()
+            if dropped:
+                header["drop"] = dropped
+        message = [ident, pack_header(header), *frames]
+        if self.results is None or threading.get_ident() == self.main_thread:
+            self.router.send_multipart(message, copy=False)
+        else:
+            sender = getattr(self.local, "sender", None)
+            if sender is None:
+                sender = self.local.sender = self.context.socket(zmq.PUSH)
+                sender.connect("inproc://results")
+            sender.send_multipart(message, copy=False)
+
+    def _handle(self, frames: list[zmq.Frame]) -> None:
+        if len(frames) < 2:
+            return  # not a request (an empty message from a confused peer): nothing to answer
+        ident = frames[0]
+        try:
+            header = unpack_header(frames[1].buffer, self.limits)
+            request_id = header.get("id")
+            op = header.get("op")
+            if type(request_id) is not int or type(op) is not str:
+                raise FrameError("request header needs an int 'id' and a str 'op'")
+        except ProtocolError as exc:
+            self._send(ident, {"id": -1, "ok": False, "error": _error(exc)})
+            return
+        if "drop" in header and self.peer is not None:
+            drop = header["drop"]
+            if type(drop) is list:
+                self.peer.drop([item for item in drop if type(item) is str])
+        if op == "infer" and self.runner is not None:
+            if self.executor is not None:
+                self.executor.submit(self._infer, ident, request_id, header, frames[2:])
+            else:
+                self._infer(ident, request_id, header, frames[2:])
+            return
+        try:
+            if op == Op.INFER:
+                raise ProtocolError("infer before load: the host must send 'load' first")
+            if op == Op.RELEASE:
+                if self.pool is not None:
+                    for segment_id in field_list(header, "segments", "release"):
+                        if type(segment_id) is str:
+                            self.pool.release(segment_id)
+                return
+            reply: dict[str, Any] = {"id": request_id, "ok": True}
+            if op == Op.HELLO:
+                reply.update(self._hello(header))
+            elif op == Op.LOAD:
+                reply.update(self._load(header))
+            elif op == Op.PACK:
+                reply.update(self._pack(header))
+            elif op == Op.CLOSE:
+                self._close()
+            else:
+                raise FrameError(f"unknown op {op!r}")
+        except VersionMismatch as exc:
+            self._send(ident, {"id": request_id, "ok": False, "protocol": PROTOCOL_VERSION, "error": _error(exc)})
+            self.running = False
+            self.exit_code = _EXIT_VERSION_MISMATCH
+            return
+        except Exception as exc:
+            failure: dict[str, Any] = {"id": request_id, "ok": False, "error": _error(exc)}
+            if op == Op.HELLO:
+                failure["protocol"] = PROTOCOL_VERSION
+                self.running = False
+                self.exit_code = _EXIT_IMPORT_FAILED
+            self._send(ident, failure)
+            return
+        self._send(ident, reply)
+
+    def _hello(self, header: dict[str, Any]) -> dict[str, Any]:
+        remote = header.get("protocol")
+        if remote != PROTOCOL_VERSION:
+            message = f"host speaks carton protocol {remote!r}, this runner ({self.entry}) speaks {PROTOCOL_VERSION}"
+            print(f"carton runner: {message}", file=sys.stderr, flush=True)
+            raise VersionMismatch(message, local=PROTOCOL_VERSION, remote=remote if type(remote) is int else -1)
+        if self.import_error is not None:
+            raise self.import_error
+        assert self.runner_class is not None
+        threshold = header.get("shm_threshold")
+        if self.channel is not None and type(threshold) is int and threshold > 0:
+            self.threshold = threshold
+            self.pool = SegmentPool("r", self.channel)
+            self.peer = PeerSegments(self.channel, writable=True, max_segments=self.limits.max_segments)
+        return {
+            "protocol": PROTOCOL_VERSION,
+            "pid": os.getpid(),
+            "entry": self.entry,
+            "concurrent": bool(self.runner_class.concurrent),
+            "python": platform.python_version(),
+        }
+
+    def _contexts(self, header: dict[str, Any], what: str) -> tuple[Path, Any, Any, Any, list[str]]:
+        model_dir = Path(field_str(header, "model_dir", what))
+        opts = decode_opts(header.get("opts"), f"{what} opts")
+        inputs = decode_specs(header.get("inputs"), f"{what} inputs", self.limits)
+        outputs = decode_specs(header.get("outputs"), f"{what} outputs", self.limits)
+        return model_dir, opts, inputs, outputs, []
+
+    def _load(self, header: dict[str, Any]) -> dict[str, Any]:
+        if self.runner is not None:
+            raise ProtocolError("the model is already loaded; a runner process loads one model")
+        assert self.runner_class is not None
+        model_dir, opts, inputs, outputs, warnings = self._contexts(header, "load")
+        scratch = header.get("scratch_dir")
+        runner = self.runner_class()
+        runner.load(
+            LoadContext(
+                model_dir=model_dir,
+                opts=opts,
+                inputs=inputs,
+                outputs=outputs,
+                scratch_dir=Path(scratch) if type(scratch) is str else None,
+                warn=warnings.append,
+            )
+        )
+        self.runner = runner
+        return {"warnings": [str(warning) for warning in warnings]}
+
+    def _pack(self, header: dict[str, Any]) -> dict[str, Any]:
+        assert self.runner_class is not None
+        model_dir, opts, inputs, outputs, warnings = self._contexts(header, "pack")
+        result = self.runner_class.pack(
+            PackContext(model_dir=model_dir, opts=opts, inputs=inputs, outputs=outputs, warn=warnings.append)
+        )
+        return {
+            "warnings": [str(warning) for warning in warnings],
+            "inputs": encode_specs(tuple(result.inputs)),
+            "outputs": encode_specs(tuple(result.outputs)),
+            "opts": dict(result.opts),
+        }
+
+    def _close(self) -> None:
+        self.running = False
+        if self.executor is not None:
+            self.executor.shutdown(wait=True)
+        if self.runner is not None:
+            runner, self.runner = self.runner, None
+            runner.close()
+
+    # --- any thread ------------------------------------------------------------------------------------------
+    def _infer(self, ident: Any, request_id: int, header: dict[str, Any], frames: list[zmq.Frame]) -> None:
+        try:
+            inputs, _ = decode_tensors(
+                header.get("tensors"),
+                [frame.buffer for frame in frames],
+                limits=self.limits,
+                peer=self.peer,
+                copy_shared=False,
+            )
+            runner = self.runner
+            if runner is None:
+                raise ProtocolError("the model was closed")
+            outputs = runner.infer(inputs)
+            encoded = self._encode_outputs(outputs)
+        except Exception as exc:
+            self._send(ident, {"id": request_id, "ok": False, "error": _error(exc)})
+            return
+        self._send(ident, {"id": request_id, "ok": True, "tensors": encoded.entries}, encoded.frames)
+
+    def _encode_outputs(self, outputs: object) -> Any:
+        if not isinstance(outputs, Mapping):
+            raise InvalidOutput(f"{self.entry}.infer returned a {type(outputs).__name__}, expected a mapping")
+        checked: dict[str, Tensor] = {}
+        for name, value in outputs.items():
+            if isinstance(value, tuple):
+                value = list(value)
+            checked[name] = value
+        try:
+            return encode_tensors(checked, pool=self.pool, threshold=self.threshold)
+        except FrameError as exc:
+            raise InvalidOutput(f"{self.entry}.infer returned an output the wire cannot carry: {exc}") from exc
+
+    def shutdown(self) -> None:
+        if self.runner is not None:
+            with contextlib.suppress(Exception):
+                self.runner.close()
+        if self.pool is not None:
+            self.pool.close()
+        if self.peer is not None:
+            self.peer.close()
+        self.context.destroy(linger=1000)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m carton_protocol",
+        description="Serve one carton runner over the carton wire protocol (started by the carton host).",
+    )
+    parser.add_argument("--endpoint", required=True, help="ZeroMQ endpoint to bind, e.g. ipc:///run/x/runner.sock")
+    parser.add_argument("--entry", required=True, help="the Runner subclass, as module:Class")
+    parser.add_argument("--host-pid", type=int, default=None, help="exit (killing descendants) when it exits")
+    parser.add_argument("--fd", type=int, default=None, help="inherited Unix socket for shared-memory descriptors")
+    parser.add_argument("--threads", type=int, default=8, help="infer threads for a concurrent runner")
+    args = parser.parse_args(argv)
+
+    faulthandler.enable()
+    set_parent_death_signal(signal.SIGTERM)
+    set_child_subreaper()
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    if args.host_pid is not None:
+        _watch_host(args.host_pid)
+
+    channel = None
+    if args.fd is not None and SHM_AVAILABLE:
+        channel = FdChannel(socket.socket(fileno=args.fd))
+    server = _Server(args.endpoint, args.entry, channel, max(1, args.threads), DEFAULT_LIMITS)
+    try:
+        code = server.serve()
+    finally:
+        server.shutdown()
+        kill_tree(os.getpid(), include_root=False)
+        reap_children()
+    return code

@@ -1,0 +1,176 @@
+"""The llama decoder in numpy: embedding, RMSNorm, rotary embeddings, grouped-query attention, SwiGLU, output head.
+
+Every weight matmul is a `Linear` (a quantized kernel or a plain float matrix, see `_weights`). Activations are
+float32 throughout, matching transformers' fp32 computation order where it matters for accuracy (RMSNorm in fp32,
+softmax after subtracting the row maximum, cos/sin from fp32 inverse frequencies).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.typing import NDArray
+
+from ._config import DecoderConfig
+from ._weights import Embedding, Linear
+
+__all__ = ["DecoderLayer", "KVCache", "LlamaModel", "positions_from_mask"]
+
+F32 = NDArray[np.float32]
+I64 = NDArray[np.int64]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DecoderLayer:
+    """One transformer block's weights."""
+
+    input_norm: F32
+    q_proj: Linear
+    k_proj: Linear
+    v_proj: Linear
+    o_proj: Linear
+    post_attention_norm: F32
+    gate_proj: Linear
+    up_proj: Linear
+    down_proj: Linear
+
+
+class KVCache:
+    """Keys and values of every layer, ``[batch, kv_heads, capacity, head_dim]``, plus which slots are real.
+
+    ``key_mask[b, s]`` is False for padding slots, so a padded prompt and its continuation attend only to real
+    tokens. Capacity grows geometrically when a step would overflow it.
+    """
+
+    def __init__(self, config: DecoderConfig, batch: int, capacity: int) -> None:
+        self._config = config
+        self.batch = batch
+        self.length = 0
+        shape = (batch, config.num_kv_heads, max(capacity, 1), config.head_dim)
+        self.keys = [np.zeros(shape, np.float32) for _ in range(config.num_layers)]
+        self.values = [np.zeros(shape, np.float32) for _ in range(config.num_layers)]
+        self.key_mask = np.zeros((batch, shape[2]), dtype=bool)
+
+    @property
+    def capacity(self) -> int:
+        return int(self.key_mask.shape[1])
+
+    def reserve(self, extra: int) -> None:
+        needed = self.length + extra
+        if needed <= self.capacity:
+            return
+        new_capacity = max(needed, 2 * self.capacity)
+        for store in (self.keys, self.values):
+            for index, old in enumerate(store):
+                grown = np.zeros((*old.shape[:2], new_capacity, old.shape[3]), np.float32)
+                grown[:, :, : self.length] = old[:, :, : self.length]
+                store[index] = grown
+        mask = np.zeros((self.batch, new_capacity), dtype=bool)
+        mask[:, : self.length] = self.key_mask[:, : self.length]
+        self.key_mask = mask
+
+
+def positions_from_mask(attention_mask: NDArray[np.bool_], start: I64 | None = None) -> I64:
+    """Rotary positions: each real token's index among the real tokens of its row (padding does not count)."""
+    counts = np.cumsum(attention_mask, axis=1, dtype=np.int64) - 1
+    if start is not None:
+        counts += start[:, None]
+    return np.maximum(counts, 0)
+
+
+class LlamaModel:
+    """Forward pass of a llama-family decoder; ``forward`` fills a `KVCache` and returns final hidden states."""
+
+    def __init__(
+        self,
+        config: DecoderConfig,
+        *,
+        embedding: Embedding,
+        layers: Sequence[DecoderLayer],
+        final_norm: F32,
+        lm_head: Linear,
+    ) -> None:
+        self.config = config
+        self.embedding = embedding
+        self.layers = tuple(layers)
+        self.final_norm = final_norm
+        self.lm_head = lm_head
+        half = config.head_dim // 2
+        exponents = np.arange(0, config.head_dim, 2, dtype=np.float32)[:half] / np.float32(config.head_dim)
+        self._inv_freq = (1.0 / (np.float32(config.rope_theta) ** exponents)).astype(np.float32)
+        if config.rope_scaling_factor != 1.0:
+            self._inv_freq = (self._inv_freq / np.float32(config.rope_scaling_factor)).astype(np.float32)
+        self._scale = np.float32(1.0 / np.sqrt(config.head_dim))
+
+    def _rms_norm(self, x: F32, weight: F32) -> F32:
+        variance = np.einsum("...i,...i->...", x, x)[..., None] / np.float32(x.shape[-1])
+        return (x / np.sqrt(variance + np.float32(self.config.rms_norm_eps))) * weight
+
+    def _rotary(self, positions: I64) -> tuple[F32, F32]:
+        """cos and sin, ``[batch, 1, seq, head_dim // 2]``; the two halves of a head share them."""
+        freqs = positions[:, None, :, None].astype(np.float32) * self._inv_freq
+        return np.cos(freqs), np.sin(freqs)
+
+    @staticmethod
+    def _apply_rotary(x: F32, cos: F32, sin: F32) -> F32:
+        half = x.shape[-1] // 2
+        first, second = x[..., :half], x[..., half:]
+        return np.concatenate((first * cos - second * sin, second * cos + first * sin), axis=-1)
+
+    def forward(self, input_ids: I64, positions: I64, token_mask: NDArray[np.bool_], cache: KVCache) -> F32:
+        """Run ``input_ids [batch, seq]`` at rotary ``positions`` after what ``cache`` holds; returns hidden states.
+
+        ``token_mask`` marks the real (non-padding) tokens of this chunk; they and the cache's real slots are what
+        every query may attend to, causally.
+        """
+        config = self.config
+        batch, seq = input_ids.shape
+        cache.reserve(seq)
+        start = cache.length
+        end = start + seq
+        cache.key_mask[:, start:end] = token_mask
+        # allowed[b, t, s]: query t (slot start + t) sees real slot s <= start + t.
+        slots = np.arange(end)
+        causal = slots[None, :] <= (start + np.arange(seq))[:, None]
+        allowed = causal[None, :, :] & cache.key_mask[:, None, :end]
+        bias = np.where(allowed, np.float32(0.0), np.float32(np.finfo(np.float32).min))[:, None, None, :, :]
+        cos, sin = self._rotary(positions)
+        groups = config.num_heads // config.num_kv_heads
+
+        hidden = self.embedding(input_ids)
+        for index, layer in enumerate(self.layers):
+            normed = self._rms_norm(hidden, layer.input_norm)
+            q = layer.q_proj(normed).reshape(batch, seq, config.num_heads, config.head_dim).transpose(0, 2, 1, 3)
+            k = layer.k_proj(normed).reshape(batch, seq, config.num_kv_heads, config.head_dim).transpose(0, 2, 1, 3)
+            v = layer.v_proj(normed).reshape(batch, seq, config.num_kv_heads, config.head_dim).transpose(0, 2, 1, 3)
+            q = self._apply_rotary(q, cos, sin)
+            keys, values = cache.keys[index], cache.values[index]
+            keys[:, :, start:end] = self._apply_rotary(k, cos, sin)
+            values[:, :, start:end] = v
+            # Grouped-query attention: the `groups` query heads sharing a kv head are one batched matmul.
+            grouped = q.reshape(batch, config.num_kv_heads, groups * seq, config.head_dim) * self._scale
+            scores = np.matmul(grouped, keys[:, :, :end].transpose(0, 1, 3, 2))
+            scores = scores.reshape(batch, config.num_kv_heads, groups, seq, end) + bias
+            scores -= scores.max(axis=-1, keepdims=True)
+            np.exp(scores, out=scores)
+            scores /= scores.sum(axis=-1, keepdims=True)
+            attended = np.matmul(scores.reshape(batch, config.num_kv_heads, groups * seq, end), values[:, :, :end])
+            attended = attended.reshape(batch, config.num_heads, seq, config.head_dim).transpose(0, 2, 1, 3)
+            hidden = hidden + layer.o_proj(attended.reshape(batch, seq, config.num_heads * config.head_dim))
+
+            normed = self._rms_norm(hidden, layer.post_attention_norm)
+            gate = layer.gate_proj(normed)
+            # SiLU(gate) * up, with the sigmoid computed in place to spare temporaries.
+            activated = np.negative(gate)
+            np.exp(activated, out=activated)
+            activated += np.float32(1.0)
+            np.divide(gate, activated, out=activated)
+            activated *= layer.up_proj(normed)
+            hidden = hidden + layer.down_proj(activated)
+        cache.length = end
+        return self._rms_norm(hidden, self.final_norm)
+
+    def logits(self, hidden: F32) -> F32:
+        return self.lm_head(hidden)

@@ -1,0 +1,211 @@
+"""Build a `LlamaModel` from an open MCF file: check ModelInfo against config.json, then wire every tensor.
+
+Tensor names are Hugging Face's (``model.layers.0.self_attn.q_proj.weight``); shapes are checked against the config
+before anything is computed, so a wrong file fails at load with the tensor's name, not inside a matmul.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from carton.errors import MCFError, UnsupportedModel
+from carton.mcf import Architecture, MCFFile, QuantMethod, RopeType, SectionType
+
+from ._config import DecoderConfig, parse_config
+from ._llama import DecoderLayer, LlamaModel
+from ._weights import BiasedLinear, Embedding, FloatEmbedding, FloatLinear, Linear, QuantizedEmbedding
+
+__all__ = ["LoadedDecoder", "load_decoder"]
+
+_SUPPORTED_ARCHS = {Architecture.UNKNOWN: None, Architecture.LLAMA: "llama", Architecture.MISTRAL: "mistral"}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LoadedDecoder:
+    model: LlamaModel
+    config: DecoderConfig
+    unknown_config_keys: tuple[str, ...]
+    quantized: dict[str, str]  # tensor name -> method, for the runner's description
+
+
+def _check_model_info(mcf: MCFFile, config: DecoderConfig) -> None:
+    info = mcf.model_info
+    if info is None:
+        return
+    try:
+        arch = Architecture(info.arch)
+    except ValueError:
+        raise UnsupportedModel(f"{mcf.name}: ModelInfo arch code {int(info.arch)} is unknown") from None
+    if arch not in _SUPPORTED_ARCHS:
+        raise UnsupportedModel(
+            f"{mcf.name}: ModelInfo arch {arch.name.lower()} is not supported by the mcf runner (supported: llama, "
+            "mistral)"
+        )
+    expected_type = _SUPPORTED_ARCHS[arch]
+    if expected_type is not None and expected_type != config.model_type:
+        raise MCFError(f"{mcf.name}: ModelInfo arch {arch.name.lower()} disagrees with config.json model_type "
+                       f"{config.model_type!r}")
+    pairs = (
+        ("vocab_size", info.vocab_size, config.vocab_size),
+        ("hidden_size", info.hidden_size, config.hidden_size),
+        ("layer_count", info.layer_count, config.num_layers),
+        ("head_count", info.head_count, config.num_heads),
+        ("kv_head_count", info.kv_head_count, config.num_kv_heads),
+    )
+    for field, stored, wanted in pairs:
+        if stored and stored != wanted:
+            raise MCFError(f"{mcf.name}: ModelInfo {field} = {stored} disagrees with config.json ({wanted})")
+    rope_type = int(info.rope_type)
+    if rope_type not in (RopeType.NONE, RopeType.STANDARD, RopeType.LINEAR):
+        raise UnsupportedModel(f"{mcf.name}: ModelInfo rope type {rope_type} is not supported (standard or linear)")
+    if info.rope_freq_base and not np.isclose(info.rope_freq_base, config.rope_theta, rtol=1e-6):
+        raise MCFError(
+            f"{mcf.name}: ModelInfo rope_freq_base {info.rope_freq_base} disagrees with config.json rope_theta "
+            f"{config.rope_theta}"
+        )
+    scaled = config.rope_scaling_factor != 1.0
+    if rope_type == RopeType.LINEAR and not scaled and info.rope_scale not in (0.0, 1.0):
+        raise MCFError(f"{mcf.name}: ModelInfo says linear rope scaling x{info.rope_scale} but config.json has none")
+    if rope_type == RopeType.LINEAR and scaled and info.rope_scale not in (0.0, config.rope_scaling_factor):
+        raise MCFError(
+            f"{mcf.name}: ModelInfo rope_scale {info.rope_scale} disagrees with config.json factor "
+            f"{config.rope_scaling_factor}"
+        )
+
+
+class _Tensors:
+    """Typed access to the file's tensors with the shape each must have."""
+
+    def __init__(self, mcf: MCFFile, weight_cache: str | None) -> None:
+        self._mcf = mcf
+        self._cache = weight_cache
+        self.quantized: dict[str, str] = {}
+
+    def _entry(self, name: str, shape: tuple[int, ...]) -> Any:
+        if name not in self._mcf.tensors:
+            raise MCFError(f"{self._mcf.name}: tensor {name!r} is missing")
+        entry = self._mcf.tensors[name]
+        if tuple(entry.shape) != shape:
+            raise MCFError(f"{self._mcf.name}: tensor {name!r} has shape {list(entry.shape)}, expected {list(shape)}")
+        return entry
+
+    def _float(self, name: str, entry: Any) -> NDArray[np.floating]:
+        array = self._mcf.array(name)
+        if not np.issubdtype(array.dtype, np.floating) and array.dtype.name != "bfloat16":
+            raise MCFError(f"{self._mcf.name}: tensor {name!r} has integer dtype {entry.dtype.name}; expected float")
+        return array
+
+    def vector(self, name: str, size: int) -> NDArray[np.float32]:
+        entry = self._entry(name, (size,))
+        if entry.method is not None:
+            raise MCFError(f"{self._mcf.name}: tensor {name!r} is quantized ({entry.method.value}); norms stay float")
+        return np.asarray(self._float(name, entry), dtype=np.float32)
+
+    def has(self, name: str) -> bool:
+        return name in self._mcf.tensors
+
+    def linear(self, name: str, rows: int, cols: int, *, bias: str | None = None) -> Linear:
+        entry = self._entry(name, (rows, cols))
+        result: Linear
+        if entry.method is None:
+            result = FloatLinear(self._float(name, entry))
+        else:
+            from carton.mcf import QuantizedLinear
+
+            self.quantized[name] = entry.method.value
+            payload = np.frombuffer(self._mcf.tensor_bytes(name), dtype=np.uint8)
+            kwargs: dict[str, Any] = {} if self._cache is None else {"cache": self._cache}
+            try:
+                result = QuantizedLinear(payload, entry.method, rows, cols, domain=entry.domain, **kwargs)
+            except MCFError as exc:
+                raise MCFError(f"{self._mcf.name}: tensor {name!r}: {exc}") from exc
+        if bias is not None:
+            result = BiasedLinear(result, self.vector(bias, rows))
+        return result
+
+    def embedding(self, name: str, rows: int, cols: int) -> Embedding:
+        entry = self._entry(name, (rows, cols))
+        if entry.method is None:
+            return FloatEmbedding(self._float(name, entry))
+        from carton.mcf import dequantize
+
+        method: QuantMethod = entry.method
+        domain = entry.domain
+        self.quantized[name] = method.value
+
+        def decode(sub: NDArray[np.uint8], count: int) -> NDArray[np.float32]:
+            return dequantize(sub, method, (count, cols), domain=domain)
+
+        payload = np.frombuffer(self._mcf.tensor_bytes(name), dtype=np.uint8)
+        try:
+            return QuantizedEmbedding(
+                payload,
+                rows=rows,
+                cols=cols,
+                bits=method.bits,
+                family=method.family,
+                activations=bool(int(domain)),
+                dequantize=decode,
+            )
+        except ValueError as exc:
+            raise UnsupportedModel(f"{self._mcf.name}: embedding {name!r}: {exc}") from exc
+
+
+def load_decoder(mcf: MCFFile, *, weight_cache: str | None = None) -> LoadedDecoder:
+    """Read config.json (required) and every tensor of a llama-family decoder from ``mcf``."""
+    raw = mcf.resource(SectionType.HF_CONFIG)
+    if raw is None:
+        raise MCFError(
+            f"{mcf.name}: no config.json section (0x0100); the mcf runner reads the model's hyper-parameters from it"
+        )
+    config, unknown = parse_config(raw, source=mcf.name)
+    _check_model_info(mcf, config)
+    tensors = _Tensors(mcf, weight_cache)
+    h, q_out, kv_out = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    inter = config.intermediate_size
+    attn_bias = config.attention_bias
+    mlp_bias = config.mlp_bias
+
+    def bias(name: str, enabled: bool) -> str | None:
+        return name.replace(".weight", ".bias") if enabled else None
+
+    layers = []
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        q, k, v, o = (f"{p}self_attn.{x}_proj.weight" for x in "qkvo")
+        gate, up, down = (f"{p}mlp.{x}_proj.weight" for x in ("gate", "up", "down"))
+        layers.append(
+            DecoderLayer(
+                input_norm=tensors.vector(f"{p}input_layernorm.weight", h),
+                q_proj=tensors.linear(q, q_out, h, bias=bias(q, attn_bias)),
+                k_proj=tensors.linear(k, kv_out, h, bias=bias(k, attn_bias)),
+                v_proj=tensors.linear(v, kv_out, h, bias=bias(v, attn_bias)),
+                o_proj=tensors.linear(o, h, q_out, bias=bias(o, attn_bias)),
+                post_attention_norm=tensors.vector(f"{p}post_attention_layernorm.weight", h),
+                gate_proj=tensors.linear(gate, inter, h, bias=bias(gate, mlp_bias)),
+                up_proj=tensors.linear(up, inter, h, bias=bias(up, mlp_bias)),
+                down_proj=tensors.linear(down, h, inter, bias=bias(down, mlp_bias)),
+            )
+        )
+    embed_name = "model.embed_tokens.weight"
+    embedding = tensors.embedding(embed_name, config.vocab_size, h)
+    if config.tie_word_embeddings:
+        head = tensors.linear(embed_name, config.vocab_size, h)
+    elif tensors.has("lm_head.weight"):
+        head = tensors.linear("lm_head.weight", config.vocab_size, h)
+    else:
+        raise MCFError(f"{mcf.name}: tensor 'lm_head.weight' is missing and config.json does not tie the embeddings")
+    model = LlamaModel(
+        config,
+        embedding=embedding,
+        layers=layers,
+        final_norm=tensors.vector("model.norm.weight", h),
+        lm_head=head,
+    )
+    return LoadedDecoder(
+        model=model, config=config, unknown_config_keys=tuple(unknown), quantized=dict(tensors.quantized)
+    )

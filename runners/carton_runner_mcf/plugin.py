@@ -1,0 +1,35 @@
+"""Entry point of the ``mcf`` runner (``carton`` entry-point group).
+
+The "framework" is carton's own `carton.mcf` library, so the framework version is the carton distribution's version,
+read from package metadata (discovery imports nothing heavy).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+from carton_protocol import RunnerSpec, hookimpl
+
+__all__ = ["RUNNER_COMPAT_VERSION", "RUNNER_NAME", "carton_runners"]
+
+RUNNER_NAME = "mcf"
+
+#: Version of the layout of ``model/`` this runner reads: one ``.mcf`` file with a config.json section.
+RUNNER_COMPAT_VERSION = 1
+
+
+@hookimpl
+def carton_runners() -> list[RunnerSpec]:
+    """Offer the runner whenever carton itself is installed (it always is when this plugin is found)."""
+    try:
+        framework_version = importlib.metadata.version("carton")
+    except importlib.metadata.PackageNotFoundError:
+        return []
+    return [
+        RunnerSpec(
+            runner_name=RUNNER_NAME,
+            framework_version=framework_version,
+            runner_compat_version=RUNNER_COMPAT_VERSION,
+            entry="carton_runner_mcf.runner:MCFRunner",
+        )
+    ]

@@ -1,0 +1,200 @@
+"""`MCFRunner`: serves a llama-family decoder stored as ``model/*.mcf`` (see docs/mcf-runner.md)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+
+from carton.errors import InvalidInput, MCFError
+from carton.mcf import MCFFile, SectionType
+from carton_protocol import LoadContext, PackContext, PackResult, Runner, Tensor, TensorSpec
+
+from ._generate import SamplingParams, generate
+from ._interface import (
+    INPUT_DTYPES,
+    OUTPUT_DTYPES,
+    Mode,
+    RunnerOptions,
+    default_specs,
+    ids_and_mask,
+    parse_options,
+    scalar_float,
+    scalar_int,
+)
+from ._llama import KVCache, positions_from_mask
+from ._loader import LoadedDecoder, load_decoder
+from ._tokenizer import TextCodec, load_codec
+
+__all__ = ["MCFRunner", "find_model_file"]
+
+
+def find_model_file(model_dir: Path, model_file: str | None) -> Path:
+    """The one ``*.mcf`` file of the model folder, or the one the ``model_file`` option names (inside it)."""
+    if model_file is not None:
+        path = (model_dir / model_file).resolve()
+        if not path.is_relative_to(model_dir.resolve()) or not path.is_file():
+            raise MCFError(f"runner option model_file={model_file!r} is not a file inside the model folder")
+        return path
+    found = sorted(model_dir.glob("*.mcf"))
+    if len(found) != 1:
+        names = ", ".join(p.name for p in found) or "none"
+        raise MCFError(f"the model folder needs exactly one *.mcf file (found: {names}); set runner option model_file")
+    return found[0]
+
+
+def _generation_ids(mcf: MCFFile, loaded: LoadedDecoder) -> tuple[tuple[int, ...], int]:
+    """End-of-sequence ids and the pad id: generation_config.json first, then config.json."""
+    eos, pad = loaded.config.eos_token_ids, loaded.config.pad_token_id
+    raw = mcf.resource(SectionType.HF_GENERATION_CONFIG)
+    if raw is not None:
+        try:
+            generation = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise MCFError(f"{mcf.name}: the generation_config.json section is not valid JSON: {exc}") from exc
+        value = generation.get("eos_token_id") if isinstance(generation, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool):
+            eos = (value,)
+        elif isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            eos = tuple(value)
+        pad_value = generation.get("pad_token_id") if isinstance(generation, dict) else None
+        if isinstance(pad_value, int) and not isinstance(pad_value, bool):
+            pad = pad_value
+    if pad is None:
+        pad = eos[0] if eos else 0
+    return eos, pad
+
+
+class MCFRunner(Runner):
+    """Loads the MCF once (memory-mapped), then answers ``logits`` or ``generate`` requests."""
+
+    def load(self, context: LoadContext) -> None:
+        self._options, unknown = parse_options(context.opts)
+        if unknown:
+            context.warn(f"mcf runner: unknown runner options ignored: {', '.join(sorted(unknown))}")
+        path = find_model_file(context.model_dir, self._options.model_file)
+        self._mcf = MCFFile.open(path)
+        self._loaded = load_decoder(self._mcf, weight_cache=self._options.weight_cache)
+        if self._loaded.unknown_config_keys:
+            keys = ", ".join(self._loaded.unknown_config_keys)
+            context.warn(f"mcf runner: {path.name}: config.json keys not known to the runner, ignored: {keys}")
+        self._eos, self._pad = _generation_ids(self._mcf, self._loaded)
+        self._codec: TextCodec | None = None
+        self._codec_error: MCFError | None = None
+        tokenizer_json = self._mcf.resource(SectionType.HF_TOKENIZER)
+        if tokenizer_json is not None:
+            try:
+                self._codec = load_codec(
+                    tokenizer_json,
+                    self._mcf.resource(SectionType.HF_TOKENIZER_CONFIG),
+                    source=self._mcf.name,
+                    pad_token_id=self._pad,
+                )
+            except MCFError as exc:  # only string prompts need it; token ids still work
+                self._codec_error = exc
+                context.warn(str(exc))
+        self._declared = {spec.name for spec in context.outputs}
+
+    def infer(self, inputs: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
+        mode = self._options.mode
+        unexpected = sorted(set(inputs) - set(INPUT_DTYPES[mode]))
+        if unexpected:
+            raise InvalidInput(f"mcf runner in {mode} mode does not take input(s) {', '.join(unexpected)}")
+        if mode is Mode.LOGITS:
+            return {"logits": self._logits(inputs)}
+        return self._generate(inputs)
+
+    def _logits(self, inputs: Mapping[str, Tensor]) -> np.ndarray:
+        model = self._loaded.model
+        ids, mask = ids_and_mask(inputs, model.config.vocab_size)
+        cache = KVCache(model.config, ids.shape[0], ids.shape[1])
+        hidden = model.forward(ids, positions_from_mask(mask), mask, cache)
+        return model.logits(hidden)
+
+    def _params(self, inputs: Mapping[str, Tensor]) -> SamplingParams:
+        opts: RunnerOptions = self._options
+        try:
+            return SamplingParams(
+                max_new_tokens=scalar_int(inputs, "max_new_tokens", opts.max_new_tokens) or 0,
+                temperature=scalar_float(inputs, "temperature", opts.temperature),
+                top_k=scalar_int(inputs, "top_k", opts.top_k) or 0,
+                top_p=scalar_float(inputs, "top_p", opts.top_p),
+                seed=scalar_int(inputs, "seed", opts.seed),
+                eos_token_ids=self._eos,
+                pad_token_id=self._pad,
+                stop_at_eos=opts.stop_at_eos,
+            )
+        except ValueError as exc:
+            raise InvalidInput(f"mcf runner: {exc}") from exc
+
+    def _generate(self, inputs: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        prompt = inputs.get("prompt")
+        prompt_shape: tuple[int, ...] = ()
+        if prompt is not None:
+            if "input_ids" in inputs:
+                raise InvalidInput("give either 'prompt' or 'input_ids', not both")
+            if self._codec is None:
+                raise self._codec_error or InvalidInput(f"{self._mcf.name} has no tokenizer.json; send input_ids")
+            if isinstance(prompt, list) or prompt.dtype.kind not in "UO" or prompt.size == 0:
+                raise InvalidInput("input 'prompt' must be a non-empty string tensor")
+            prompt_shape = prompt.shape
+            try:
+                ids, mask = self._codec.encode([str(p) for p in prompt.reshape(-1)])
+            except ValueError as exc:
+                raise InvalidInput(f"input 'prompt': {exc}") from exc
+            ids, mask = ids_and_mask({"input_ids": ids, "attention_mask": mask.astype(np.int64)}, self._vocab)
+        else:
+            ids, mask = ids_and_mask(inputs, self._vocab)
+        output_ids = generate(self._loaded.model, ids, mask, self._params(inputs))
+        outputs: dict[str, Tensor] = {"output_ids": output_ids}
+        wants_text = "text" in self._declared or (not self._declared and prompt is not None)
+        if wants_text:
+            if self._codec is None:
+                raise self._codec_error or MCFError(f"{self._mcf.name} has no tokenizer.json; 'text' needs one")
+            texts = self._codec.decode(output_ids, stop_ids=self._eos)
+            outputs["text"] = np.array(texts, dtype=str).reshape(prompt_shape or (len(texts),))
+        if self._declared:
+            outputs = {name: value for name, value in outputs.items() if name in self._declared}
+        return outputs
+
+    @property
+    def _vocab(self) -> int:
+        return self._loaded.config.vocab_size
+
+    def close(self) -> None:
+        mcf = getattr(self, "_mcf", None)
+        if mcf is not None:
+            mcf.close()
+
+    @classmethod
+    def pack(cls, context: PackContext) -> PackResult:
+        options, unknown = parse_options(context.opts)
+        if unknown:
+            context.warn(f"mcf runner: unknown runner options ignored: {', '.join(sorted(unknown))}")
+        path = find_model_file(context.model_dir, options.model_file)
+        with MCFFile.open(path) as mcf:
+            # Building the decoder checks config.json, ModelInfo and every tensor's presence, shape and payload.
+            vocab = load_decoder(mcf, weight_cache="packed").config.vocab_size
+            has_tokenizer = mcf.resource(SectionType.HF_TOKENIZER) is not None
+        inputs, outputs = default_specs(options.mode, vocab_size=vocab, has_tokenizer=has_tokenizer)
+        _check_declared(context.inputs, INPUT_DTYPES[options.mode], "input", options.mode)
+        _check_declared(context.outputs, OUTPUT_DTYPES[options.mode], "output", options.mode)
+        declared = {spec.name for spec in (*context.inputs, *context.outputs)}
+        if not has_tokenizer and declared & {"prompt", "text"}:
+            raise MCFError(f"{path.name} has no tokenizer.json section, so 'prompt' and 'text' cannot be served")
+        return PackResult(
+            inputs=context.inputs or inputs,
+            outputs=context.outputs or outputs,
+            opts=dict(context.opts),
+        )
+
+
+def _check_declared(specs: tuple[TensorSpec, ...], allowed: Mapping[str, object], kind: str, mode: Mode) -> None:
+    for spec in specs:
+        if spec.name not in allowed:
+            names = ", ".join(allowed)
+            raise MCFError(f"declared {kind} {spec.name!r} is not served by the mcf runner in {mode} mode ({names})")
+        if spec.dtype != allowed[spec.name]:
+            raise MCFError(f"declared {kind} {spec.name!r} must have dtype {allowed[spec.name]}, not {spec.dtype}")

@@ -1,0 +1,100 @@
+"""The ``[runner.opts]`` the onnxruntime runner understands, checked before anything is loaded.
+
+Unknown opts are reported through ``warn`` (the spec asks runners to warn, not to stay silent); known opts of the
+wrong type or value raise `InvalidRunnerOption` naming the opt.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from carton_protocol import OptValue
+
+from ._errors import InvalidRunnerOption
+
+__all__ = ["GraphOptimization", "OnnxOptions", "parse_options"]
+
+
+class GraphOptimization(enum.StrEnum):
+    """Values of the ``graph_optimization_level`` opt (onnxruntime's `GraphOptimizationLevel`, lower-cased)."""
+
+    DISABLE = "disable"
+    BASIC = "basic"
+    EXTENDED = "extended"
+    LAYOUT = "layout"
+    ALL = "all"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OnnxOptions:
+    """Parsed runner opts; ``None`` leaves onnxruntime's default in place."""
+
+    model_file: str | None = None
+    intra_op_threads: int | None = None
+    inter_op_threads: int | None = None
+    graph_optimization_level: GraphOptimization | None = None
+    execution_providers: tuple[str, ...] = ()
+
+
+KNOWN_OPTIONS = (
+    "execution_providers",
+    "graph_optimization_level",
+    "inter_op_threads",
+    "intra_op_threads",
+    "model_file",
+)
+
+
+def parse_options(opts: Mapping[str, OptValue], warn: Callable[[str], None]) -> OnnxOptions:
+    """Check ``opts`` and return them typed; warn once, naming every opt this runner does not know."""
+    unknown = sorted(set(opts) - set(KNOWN_OPTIONS))
+    if unknown:
+        names = ", ".join(repr(name) for name in unknown)
+        warn(f"onnxruntime runner: ignoring unknown runner opts {names} (known: {', '.join(KNOWN_OPTIONS)})")
+    level = opts.get("graph_optimization_level")
+    if level is not None and level not in set(GraphOptimization):
+        allowed = ", ".join(repr(value.value) for value in GraphOptimization)
+        raise InvalidRunnerOption(f"runner opt 'graph_optimization_level' must be one of {allowed}, got {level!r}")
+    return OnnxOptions(
+        model_file=_optional_str(opts, "model_file"),
+        intra_op_threads=_optional_thread_count(opts, "intra_op_threads"),
+        inter_op_threads=_optional_thread_count(opts, "inter_op_threads"),
+        graph_optimization_level=None if level is None else GraphOptimization(str(level)),
+        execution_providers=_providers(opts.get("execution_providers")),
+    )
+
+
+def _optional_str(opts: Mapping[str, OptValue], name: str) -> str | None:
+    value = opts.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise InvalidRunnerOption(f"runner opt {name!r} must be a non-empty string, got {value!r}")
+    return value
+
+
+def _optional_thread_count(opts: Mapping[str, OptValue], name: str) -> int | None:
+    value = opts.get(name)
+    if value is None:
+        return None
+    # bool is an int subclass: `intra_op_threads = true` is a mistake, not one thread.
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidRunnerOption(
+            f"runner opt {name!r} must be an integer >= 0 (0: onnxruntime decides), got {value!r}"
+        )
+    return value
+
+
+def _providers(value: OptValue | None) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(item, str) and item for item in value):
+        raise InvalidRunnerOption(
+            f"runner opt 'execution_providers' must be a list of provider names such as "
+            f"['CUDAExecutionProvider', 'CPUExecutionProvider'], got {value!r}"
+        )
+    return tuple(str(item) for item in value)

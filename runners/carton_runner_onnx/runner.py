@@ -1,0 +1,127 @@
+"""`OnnxRunner`: loads ``model/*.onnx`` into an onnxruntime `InferenceSession` and runs it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+from carton_protocol import LoadContext, PackContext, PackResult, Runner, Tensor
+
+from ._errors import InvalidRunnerOption, OnnxRunnerError
+from ._files import check_external_data, find_model_file
+from ._options import GraphOptimization, OnnxOptions, parse_options
+from ._specs import Binding, bind, spec_from_node_arg
+
+__all__ = ["OnnxRunner"]
+
+_LEVELS = {
+    GraphOptimization.DISABLE: "ORT_DISABLE_ALL",
+    GraphOptimization.BASIC: "ORT_ENABLE_BASIC",
+    GraphOptimization.EXTENDED: "ORT_ENABLE_EXTENDED",
+    GraphOptimization.LAYOUT: "ORT_ENABLE_LAYOUT",
+    GraphOptimization.ALL: "ORT_ENABLE_ALL",
+}
+
+
+class OnnxRunner(Runner):
+    """Runs an ONNX graph; `InferenceSession.run` is thread-safe, so requests may run concurrently."""
+
+    concurrent = True
+
+    def load(self, context: LoadContext) -> None:
+        options = parse_options(context.opts, context.warn)
+        self._session = _open_session(context.model_dir, options, context.warn)
+        self._binding: Binding = bind(self._session, context.inputs, context.outputs)
+        self._graph_inputs = dict(self._binding.inputs)
+        self._graph_outputs = [graph_name for _, graph_name in self._binding.outputs]
+
+    def infer(self, inputs: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
+        unexpected = sorted(set(inputs) - set(self._graph_inputs))
+        if unexpected:
+            raise OnnxRunnerError(f"unknown input(s) {', '.join(map(repr, unexpected))}; "
+                                  f"the model takes {', '.join(map(repr, self._graph_inputs))}")
+        feeds: dict[str, Any] = {}
+        for name, graph_name in self._graph_inputs.items():
+            if name not in inputs:
+                raise OnnxRunnerError(f"missing input {name!r}")
+            value = inputs[name]
+            if isinstance(value, list):
+                raise OnnxRunnerError(f"input {name!r} is a nested tensor; ONNX graphs take dense tensors only")
+            feeds[graph_name] = value
+        try:
+            results = self._session.run(self._graph_outputs, feeds)
+        except Exception as exc:  # onnxruntime's pybind errors (InvalidArgument, Fail, ...) share no public base
+            raise OnnxRunnerError(f"onnxruntime failed to run the model: {exc}") from exc
+        return {name: _from_ort(result) for (name, _), result in zip(self._binding.outputs, results, strict=True)}
+
+    def close(self) -> None:
+        self.__dict__.pop("_session", None)
+
+    @classmethod
+    def pack(cls, context: PackContext) -> PackResult:
+        """Check the model loads with the given opts; describe its inputs/outputs when the caller gave none."""
+        options = parse_options(context.opts, context.warn)
+        session = _open_session(context.model_dir, options, context.warn)
+        bind(session, context.inputs, context.outputs)
+        shapeless = _outputs_without_shape(find_model_file(context.model_dir, options.model_file))
+        inputs = context.inputs or tuple(spec_from_node_arg(arg, kind="input") for arg in session.get_inputs())
+        outputs = context.outputs or tuple(
+            spec_from_node_arg(arg, kind="output", shape_known=not (arg.name in shapeless and not arg.shape))
+            for arg in session.get_outputs()
+        )
+        return PackResult(inputs=tuple(inputs), outputs=tuple(outputs), opts=dict(context.opts))
+
+
+def _open_session(model_dir: Path, options: OnnxOptions, warn: Callable[[str], None]) -> Any:
+    model_path = find_model_file(model_dir, options.model_file)
+    check_external_data(model_path, model_dir)
+    session_options = ort.SessionOptions()
+    if options.intra_op_threads is not None:
+        session_options.intra_op_num_threads = options.intra_op_threads
+    if options.inter_op_threads is not None:
+        session_options.inter_op_num_threads = options.inter_op_threads
+    if options.graph_optimization_level is not None:
+        level = getattr(ort.GraphOptimizationLevel, _LEVELS[options.graph_optimization_level], None)
+        if level is None:
+            raise InvalidRunnerOption(f"runner opt graph_optimization_level={options.graph_optimization_level.value!r}"
+                                      f" is not supported by onnxruntime {ort.__version__}")
+        session_options.graph_optimization_level = level
+    try:
+        return ort.InferenceSession(
+            str(model_path), sess_options=session_options, providers=_providers(options.execution_providers, warn)
+        )
+    except Exception as exc:  # onnxruntime's pybind errors (InvalidProtobuf, Fail, ...) share no public base
+        raise OnnxRunnerError(f"onnxruntime {ort.__version__} could not load {model_path.name!r}: {exc}") from exc
+
+
+def _providers(requested: tuple[str, ...], warn: Callable[[str], None]) -> list[str]:
+    """The requested providers that this onnxruntime build has, in order, with CPU always last as the fallback."""
+    available = set(ort.get_available_providers())
+    missing = [name for name in requested if name not in available]
+    if missing:
+        warn(f"onnxruntime runner: execution providers {', '.join(map(repr, missing))} are not available in this "
+             f"onnxruntime build (available: {', '.join(sorted(available))}); skipping them")
+    chosen = [name for name in requested if name in available and name != "CPUExecutionProvider"]
+    return [*chosen, "CPUExecutionProvider"]
+
+
+def _from_ort(value: Any) -> np.ndarray:
+    array = np.asarray(value)
+    if array.dtype == np.object_:  # onnxruntime returns string tensors as object arrays of str
+        return array.astype(np.str_) if array.size else np.empty(array.shape, dtype=np.str_)
+    return array
+
+
+def _outputs_without_shape(model_path: Path) -> set[str]:
+    """Graph outputs declaring no shape at all: where inference found none either, onnxruntime reports ``[]``,
+    which would read as a scalar."""
+    import onnx
+
+    try:
+        model = onnx.load(str(model_path), load_external_data=False)
+    except Exception as exc:  # onnx raises DecodeError and others for a corrupt protobuf
+        raise OnnxRunnerError(f"{model_path.name} is not a valid ONNX model: {exc}") from exc
+    return {output.name for output in model.graph.output if not output.type.tensor_type.HasField("shape")}

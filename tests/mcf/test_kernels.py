@@ -1,0 +1,191 @@
+"""QuantizedLinear: every method x cache x batch path against x @ dequantize(W).T, zero-copy, bad input."""
+
+from __future__ import annotations
+
+import mmap
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from carton import MCFError
+from carton.mcf import QuantDomain, QuantizedLinear, dequantize, matmul, payload_size, quantize
+from carton.mcf._packing import pack_blocks, unpack_blocks
+
+METHODS = ["q8", "q4", "k6", "k4", "k3", "k2", "int8", "int4"]
+CACHES = ["packed", "int8", "fp32"]
+
+
+def _reference(x: np.ndarray, dense: np.ndarray) -> np.ndarray:
+    return (x.astype(np.float64) @ dense.astype(np.float64).T).astype(np.float32)
+
+
+def _assert_close(got: np.ndarray, want: np.ndarray) -> None:
+    assert got.dtype == np.float32 and got.shape == want.shape
+    scale = max(1.0, float(np.abs(want).max()))
+    assert float(np.abs(got - want).max()) <= 2e-5 * scale
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("cache", CACHES)
+def test_matches_dequantized_matmul(method: str, cache: str) -> None:
+    rng = np.random.default_rng(11)
+    rows, cols = 37, 300  # odd rows; cols not a multiple of 32 or 256
+    w = rng.standard_normal((rows, cols)).astype(np.float32)
+    q = quantize(w, method)
+    dense = q.dequantize()
+    # A small tile budget forces several tiles and a ragged last tile on every path.
+    linear = QuantizedLinear.from_quantized(q, cache=cache, tile_bytes=4 * 32 * 40)
+    for batch in (1, 3, 4, 5, 17):
+        x = rng.standard_normal((batch, cols)).astype(np.float32)
+        _assert_close(linear(x), _reference(x, dense))
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("cache", CACHES)
+def test_int_activations_domain_zero_point(method: str, cache: str) -> None:
+    rng = np.random.default_rng(12)
+    w = rng.uniform(0.0, 2.0, (9, 50)).astype(np.float32)
+    q = quantize(w, method, domain=QuantDomain.ACTIVATIONS)
+    linear = QuantizedLinear.from_quantized(q, cache=cache)
+    x = rng.standard_normal((6, 50)).astype(np.float32)
+    _assert_close(linear(x), _reference(x, q.dequantize()))
+
+
+def test_default_settings_and_leading_dimensions() -> None:
+    rng = np.random.default_rng(13)
+    q = quantize(rng.standard_normal((64, 256)).astype(np.float32), "k4")
+    linear = QuantizedLinear(q.payload, "k4", 64, 256)
+    assert linear.cache == "int8" and linear.shape == (64, 256)
+    x = rng.standard_normal((2, 3, 256))
+    y = linear(x)  # float64 input is accepted, float32 returned
+    assert y.shape == (2, 3, 64)
+    _assert_close(y, _reference(x.reshape(6, 256), q.dequantize()).reshape(2, 3, 64))
+    assert linear(np.zeros((0, 256), np.float32)).shape == (0, 64)
+    assert linear(rng.standard_normal(256).astype(np.float32)).shape == (64,)
+
+
+def test_gemv_and_gemm_paths_agree_across_the_threshold() -> None:
+    rng = np.random.default_rng(14)
+    q = quantize(rng.standard_normal((96, 512)).astype(np.float32), "q4")
+    small = QuantizedLinear.from_quantized(q, gemv_max_batch=64)
+    large = QuantizedLinear.from_quantized(q, gemv_max_batch=0)
+    x = rng.standard_normal((8, 512)).astype(np.float32)
+    _assert_close(small(x), large(x))
+
+
+def _payload_with_garbage_in_row_padding(method: str, rows: int, cols: int) -> tuple[bytes, np.ndarray]:
+    """A payload whose codes beyond ``cols`` are non-zero; readers must treat those values as zero."""
+    rng = np.random.default_rng(15)
+    q = quantize(rng.standard_normal((rows, cols)).astype(np.float32), method)
+    layout = q.layout
+    raw = bytearray(q.payload)
+    nb, bits = layout.blocks_per_row, layout.bits
+    data = np.frombuffer(raw, np.uint8, layout.data.size, layout.data.offset).reshape(rows, nb, 4 * bits)
+    last = unpack_blocks(np.ascontiguousarray(data[:, -1]), bits)
+    last[:, cols % 32 :] = 1
+    garbage = np.concatenate([data[:, :-1].reshape(rows, -1), pack_blocks(last, bits)], axis=1)
+    raw[layout.data.offset : layout.data.end] = garbage.tobytes()
+    return bytes(raw), q.dequantize()
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("method", ["q4", "k3"])
+def test_codes_in_row_padding_are_ignored(cache: str, method: str) -> None:
+    payload, dense = _payload_with_garbage_in_row_padding(method, 5, 40)
+    assert np.array_equal(dequantize(payload, method, (5, 40)), dense)
+    linear = QuantizedLinear(payload, method, 5, 40, cache=cache)
+    x = np.random.default_rng(16).standard_normal((3, 40)).astype(np.float32)
+    _assert_close(linear(x), _reference(x, dense))
+    _assert_close(linear(x[:1]), _reference(x[:1], dense))
+
+
+def test_packed_cache_is_zero_copy_over_an_mmap(tmp_path: Path) -> None:
+    rng = np.random.default_rng(17)
+    q = quantize(rng.standard_normal((48, 256)).astype(np.float32), "k4")
+    path = tmp_path / "w.bin"
+    path.write_bytes(b"\0" * 64 + q.payload)
+    with path.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        view = memoryview(mm)[64:]
+        linear = QuantizedLinear(view, "k4", 48, 256, cache="packed")
+        base = np.frombuffer(mm, np.uint8)
+        assert linear._flat is not None and np.shares_memory(linear._flat, base)
+        x = rng.standard_normal((2, 256)).astype(np.float32)
+        _assert_close(linear(x), _reference(x, q.dequantize()))
+        assert linear.nbytes == len(q.payload) + 48 * 8 * 4  # payload + fp32 block scales
+        del linear, base, view
+
+
+@pytest.mark.parametrize("method", ["q4", "k4"])
+def test_int8_cache_memory_within_two_and_a_half_times_the_payload(method: str) -> None:
+    q = quantize(np.random.default_rng(18).standard_normal((256, 1024)).astype(np.float32), method)
+    linear = QuantizedLinear.from_quantized(q)
+    assert linear.nbytes <= 2.5 * payload_size(method, 256, 1024)
+    assert QuantizedLinear.from_quantized(q, cache="fp32").nbytes == 256 * 1024 * 4
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("cache", CACHES)
+def test_take_rows_decodes_only_the_requested_rows(method: str, cache: str) -> None:
+    q = quantize(np.random.default_rng(19).standard_normal((20, 70)).astype(np.float32), method)
+    linear = QuantizedLinear.from_quantized(q, cache=cache)
+    dense = q.dequantize()
+    idx = np.array([[0, 19], [-1, 7]])
+    assert np.array_equal(linear.take_rows(idx), dense[idx])
+    with pytest.raises(MCFError, match="out of range for 20 rows"):
+        linear.take_rows([20])
+    with pytest.raises(MCFError, match="must be integers"):
+        linear.take_rows([1.5])
+
+
+def test_concurrent_calls_use_separate_buffers() -> None:
+    rng = np.random.default_rng(20)
+    q = quantize(rng.standard_normal((128, 512)).astype(np.float32), "q4")
+    linear = QuantizedLinear.from_quantized(q, tile_bytes=64 * 1024)
+    inputs = [rng.standard_normal((batch, 512)).astype(np.float32) for batch in (1, 9, 2, 33)]
+    want = [linear(x) for x in inputs]
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            for _ in range(20):
+                assert np.array_equal(linear(inputs[i]), want[i])
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(inputs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+
+
+def test_matmul_convenience() -> None:
+    rng = np.random.default_rng(21)
+    q = quantize(rng.standard_normal((16, 64)).astype(np.float32), "k6")
+    x = rng.standard_normal((4, 64)).astype(np.float32)
+    _assert_close(matmul(x, q), _reference(x, q.dequantize()))
+    linear = QuantizedLinear.from_quantized(q, cache="fp32")
+    assert matmul(x, linear) is not None
+
+
+def test_bad_construction_and_inputs_are_typed_errors() -> None:
+    q = quantize(np.ones((4, 64), np.float32), "q4")
+    with pytest.raises(MCFError, match="unknown weight cache 'fp16'"):
+        QuantizedLinear(q.payload, "q4", 4, 64, cache="fp16")  # type: ignore[arg-type]
+    with pytest.raises(MCFError, match=r"payload for shape \(4, 64\) must be 192 bytes, got 191"):
+        QuantizedLinear(q.payload[:-1], "q4", 4, 64)
+    with pytest.raises(MCFError, match="tile_bytes must be at least"):
+        QuantizedLinear(q.payload, "q4", 4, 64, tile_bytes=8)
+    with pytest.raises(MCFError, match="only the weights domain"):
+        QuantizedLinear(q.payload, "q4", 4, 64, domain=QuantDomain.ACTIVATIONS)
+    linear = QuantizedLinear(q.payload, "q4", 4, 64)
+    with pytest.raises(MCFError, match=r"shape \[\.\.\., 64\], got \(2, 63\)"):
+        linear(np.ones((2, 63), np.float32))
+    with pytest.raises(MCFError, match="must be a float array, got dtype int64"):
+        linear(np.ones((2, 64), np.int64))
+    bad = bytearray(q.payload)
+    bad[0:2] = (0x7E00).to_bytes(2, "little")  # NaN block scale
+    with pytest.raises(MCFError, match="block scale #0 is not finite"):
+        QuantizedLinear(bytes(bad), "q4", 4, 64)

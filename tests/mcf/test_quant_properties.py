@@ -1,0 +1,104 @@
+"""Property tests (hypothesis) for quantized payloads: round trips, exact representations, corrupted payloads."""
+
+from __future__ import annotations
+
+import numpy as np
+from carton import MCFError
+from carton.mcf import QuantizedLinear, dequantize, payload_size, quantize
+from carton.mcf._fp16 import f16_bits_to_f32
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+METHODS = ["q8", "q4", "k6", "k4", "k3", "k2", "int8", "int4"]
+SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@st.composite
+def weights(draw: st.DrawFn) -> np.ndarray:
+    rows = draw(st.integers(1, 6))
+    cols = draw(st.integers(1, 300))
+    # Multiples of 1/64 up to ~16 in magnitude keep every scale in fp16's normal range.
+    ints = draw(hnp.arrays(np.int32, (rows, cols), elements=st.integers(-1000, 1000)))
+    return (ints / np.float32(64)).astype(np.float32)
+
+
+@SETTINGS
+@given(w=weights(), method=st.sampled_from(METHODS), mode=st.sampled_from(["best", "reference"]))
+def test_round_trip_is_bounded_and_sized(w: np.ndarray, method: str, mode: str) -> None:
+    q = quantize(w, method, mode=mode)  # type: ignore[arg-type]
+    assert len(q.payload) == payload_size(method, *w.shape)
+    d = dequantize(q.payload, method, w.shape)
+    assert d.shape == w.shape and d.dtype == np.float32 and np.isfinite(d).all()
+    amax = float(np.abs(w).max())
+    assert float(np.abs(d - w).max()) <= amax * 1.01 + 1e-6
+    if method in ("q8", "q4") and mode == "reference":
+        # Half a step of max|block| / qmax, plus what truncating the scale to fp16 costs the largest code.
+        qmax = (1 << (q.layout.bits - 1)) - 1
+        blocks = np.zeros((w.shape[0], q.layout.padded_cols), np.float32)
+        blocks[:, : w.shape[1]] = w
+        step = np.repeat(np.abs(blocks.reshape(w.shape[0], -1, 32)).max(axis=2) / qmax, 32, axis=1)[:, : w.shape[1]]
+        assert (np.abs(d - w) <= step * (0.5 + qmax * 2.0**-10) + 1e-6).all()
+
+
+@SETTINGS
+@given(
+    rows=st.integers(1, 5),
+    blocks=st.integers(1, 9),
+    bits=st.sampled_from([8, 4]),
+    scale_bits=st.integers(0x2000, 0x5000),
+    data=st.data(),
+)
+def test_best_mode_reproduces_exactly_representable_blocks(
+    rows: int, blocks: int, bits: int, scale_bits: int, data: st.DataObject
+) -> None:
+    qmax = (1 << (bits - 1)) - 1
+    codes = data.draw(hnp.arrays(np.int8, (rows, blocks * 32), elements=st.integers(-qmax, qmax)))
+    codes.reshape(rows, blocks, 32)[:, :, 0] = qmax  # every block uses the full code range
+    scale = f16_bits_to_f32(np.array([scale_bits], np.uint16))[0]
+    w = (codes.astype(np.float32) * scale).astype(np.float32)
+    assert np.array_equal(quantize(w, "q8" if bits == 8 else "q4").dequantize(), w)
+
+
+@SETTINGS
+@given(
+    method=st.sampled_from(METHODS),
+    flips=st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)), min_size=1, max_size=8),
+    cut=st.integers(0, 3),
+)
+def test_corrupted_payloads_give_typed_errors_or_finite_values(
+    method: str, flips: list[tuple[int, int]], cut: int
+) -> None:
+    w = np.random.default_rng(7).standard_normal((3, 70)).astype(np.float32)
+    raw = bytearray(quantize(w, method).payload)
+    for position, value in flips:
+        raw[position % len(raw)] = value
+    corrupted = bytes(raw[: len(raw) - cut])
+    for attempt in (
+        lambda: dequantize(corrupted, method, (3, 70)),
+        lambda: QuantizedLinear(corrupted, method, 3, 70)(np.ones((2, 70), np.float32)),
+        lambda: QuantizedLinear(corrupted, method, 3, 70, cache="packed")(np.ones((1, 70), np.float32)),
+    ):
+        try:
+            out = attempt()
+        except MCFError:
+            continue
+        assert cut == 0 and np.isfinite(out).all()
+
+
+@SETTINGS
+@given(
+    w=weights(),
+    method=st.sampled_from(METHODS),
+    cache=st.sampled_from(["packed", "int8", "fp32"]),
+    batch=st.integers(1, 9),
+    tile=st.sampled_from([128, 4096, 1 << 21]),
+)
+def test_linear_matches_dequantized_matmul(w: np.ndarray, method: str, cache: str, batch: int, tile: int) -> None:
+    q = quantize(w, method)
+    linear = QuantizedLinear.from_quantized(q, cache=cache, tile_bytes=tile)
+    x = np.random.default_rng(batch).standard_normal((batch, w.shape[1])).astype(np.float32)
+    want = x.astype(np.float64) @ q.dequantize().astype(np.float64).T
+    got = linear(x)
+    assert got.shape == (batch, w.shape[0])
+    assert float(np.abs(got - want).max()) <= 1e-4 * max(1.0, float(np.abs(want).max()))

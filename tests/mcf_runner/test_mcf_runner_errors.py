@@ -1,0 +1,234 @@
+"""Unsupported models, broken files, bad options and bad inputs: each ends in a typed error naming the culprit."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mcf_runner_models import edit_config, load_runner, to_mcf
+
+import carton.mcf
+from carton.errors import ConfigError, InvalidInput, MCFError, UnsupportedModel
+from carton_protocol import DType, PackContext, TensorSpec
+from carton_runner_mcf.runner import MCFRunner
+
+
+def _variant(hf_model: Callable[..., Path], root: Path, name: str, **changes: object) -> Path:
+    """The base model with config.json edited, converted to a float MCF."""
+    hf = root / f"hf-{name}"
+    if hf.exists():
+        shutil.rmtree(hf)
+    shutil.copytree(hf_model("base"), hf)
+    edit_config(hf, **changes)
+    return to_mcf(hf, root / f"mcf-{name}")
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"model_type": "gemma", "architectures": ["GemmaForCausalLM"]}, "model_type 'gemma' is not supported"),
+        ({"architectures": ["Qwen2ForCausalLM"]}, "architectures ['Qwen2ForCausalLM'] are not supported"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "rope_type = 'yarn'"),
+        ({"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_type = 'dynamic'"),
+        ({"hidden_act": "gelu"}, "hidden_act = 'gelu'"),
+        ({"attn_logit_softcapping": 50.0}, "'attn_logit_softcapping' = 50.0"),
+        ({"logits_scaling": 8.0}, "'logits_scaling' = 8.0"),
+        ({"sliding_window": 16}, "sliding_window = 16"),
+    ],
+)
+def test_unsupported_models_are_refused_by_name(
+    changes: dict[str, object], message: str, hf_model: Callable[..., Path], tmp_path: Path
+):
+    folder = _variant(hf_model, tmp_path, "unsupported", **changes)
+    with pytest.raises(UnsupportedModel, match=message.replace("[", r"\[").replace("]", r"\]")):
+        load_runner(folder)
+    with pytest.raises(UnsupportedModel):
+        MCFRunner.pack(PackContext(model_dir=folder, opts={}))
+
+
+def test_model_info_architecture_is_checked(mcf_model: Callable[..., Path], tmp_path: Path):
+    source = carton.mcf.MCFFile.open(mcf_model("base") / "model.mcf")
+    tensors = {name: np.array(source.array(name)) for name in source.tensors}
+    config = source.resource("config.json")
+    assert config is not None
+    source.close()
+    (tmp_path / "gemma").mkdir()
+    carton.mcf.write_mcf(
+        tmp_path / "gemma" / "model.mcf",
+        tensors=tensors,
+        model_info=carton.mcf.ModelInfo(arch=carton.mcf.Architecture.GEMMA),
+        resources={"config.json": config},
+    )
+    with pytest.raises(UnsupportedModel, match="ModelInfo arch gemma is not supported"):
+        load_runner(tmp_path / "gemma")
+    (tmp_path / "vocab").mkdir()
+    carton.mcf.write_mcf(
+        tmp_path / "vocab" / "model.mcf",
+        tensors=tensors,
+        model_info=carton.mcf.ModelInfo(arch=carton.mcf.Architecture.LLAMA, vocab_size=1000),
+        resources={"config.json": config},
+    )
+    with pytest.raises(MCFError, match="ModelInfo vocab_size = 1000 disagrees with config.json"):
+        load_runner(tmp_path / "vocab")
+    (tmp_path / "noconfig").mkdir()
+    carton.mcf.write_mcf(tmp_path / "noconfig" / "model.mcf", tensors=tensors)
+    with pytest.raises(MCFError, match=r"no config.json section \(0x0100\)"):
+        load_runner(tmp_path / "noconfig")
+
+
+def test_missing_and_misshapen_tensors_are_named(mcf_model: Callable[..., Path], tmp_path: Path):
+    source = carton.mcf.MCFFile.open(mcf_model("base") / "model.mcf")
+    tensors = {name: np.array(source.array(name)) for name in source.tensors}
+    config = source.resource("config.json")
+    assert config is not None
+    source.close()
+    missing = dict(tensors)
+    del missing["model.layers.1.mlp.up_proj.weight"]
+    (tmp_path / "missing").mkdir()
+    carton.mcf.write_mcf(tmp_path / "missing" / "model.mcf", tensors=missing, resources={"config.json": config})
+    with pytest.raises(MCFError, match="tensor 'model.layers.1.mlp.up_proj.weight' is missing"):
+        load_runner(tmp_path / "missing")
+    wrong = dict(tensors)
+    wrong["model.layers.0.self_attn.k_proj.weight"] = np.zeros((16, 64), np.float32)
+    (tmp_path / "wrong").mkdir()
+    carton.mcf.write_mcf(tmp_path / "wrong" / "model.mcf", tensors=wrong, resources={"config.json": config})
+    with pytest.raises(MCFError, match=r"'model.layers.0.self_attn.k_proj.weight' has shape \[16, 64\], expected"):
+        load_runner(tmp_path / "wrong")
+    untied = dict(tensors)
+    del untied["lm_head.weight"]
+    (tmp_path / "nohead").mkdir()
+    carton.mcf.write_mcf(tmp_path / "nohead" / "model.mcf", tensors=untied, resources={"config.json": config})
+    with pytest.raises(MCFError, match="'lm_head.weight' is missing and config.json does not tie"):
+        load_runner(tmp_path / "nohead")
+
+
+def test_bad_config_json(hf_model: Callable[..., Path], tmp_path: Path):
+    folder = _variant(hf_model, tmp_path, "heads", num_key_value_heads=3)
+    with pytest.raises(MCFError, match=r"num_attention_heads \(4\) is not a multiple of num_key_value_heads \(3\)"):
+        load_runner(folder)
+    folder = _variant(hf_model, tmp_path, "nohidden", hidden_size=None)
+    with pytest.raises(MCFError, match="config.json has no 'hidden_size'"):
+        load_runner(folder)
+
+
+def test_model_folder_must_hold_one_mcf(mcf_model: Callable[..., Path], tmp_path: Path):
+    with pytest.raises(MCFError, match=r"exactly one \*.mcf file \(found: none\)"):
+        load_runner(tmp_path)
+    shutil.copy(mcf_model("base") / "model.mcf", tmp_path / "a.mcf")
+    shutil.copy(mcf_model("base") / "model.mcf", tmp_path / "b.mcf")
+    with pytest.raises(MCFError, match=r"found: a.mcf, b.mcf"):
+        load_runner(tmp_path)
+    load_runner(tmp_path, model_file="b.mcf").close()
+    with pytest.raises(MCFError, match="model_file='../x.mcf' is not a file inside the model folder"):
+        load_runner(tmp_path, model_file="../x.mcf")
+
+
+def test_options_are_checked(mcf_model: Callable[..., Path]):
+    seen: list[str] = []
+    load_runner(mcf_model("base"), seen, temprature=0.5).close()
+    assert seen == ["mcf runner: unknown runner options ignored: temprature"]
+    with pytest.raises(ConfigError, match="runner option 'mode' must be 'logits' or 'generate', got 'chat'"):
+        load_runner(mcf_model("base"), mode="chat")
+    with pytest.raises(ConfigError, match="runner option 'max_new_tokens' must be int, got '8'"):
+        load_runner(mcf_model("base"), max_new_tokens="8")
+    with pytest.raises(ConfigError, match="runner option 'stop_at_eos' must be bool, got 1"):
+        load_runner(mcf_model("base"), stop_at_eos=1)
+    with pytest.raises(ConfigError, match="'weight_cache' must be one of packed, int8, fp32, got 'bf16'"):
+        load_runner(mcf_model("base", "q8"), weight_cache="bf16")
+
+
+def test_unknown_config_keys_are_reported(hf_model: Callable[..., Path], tmp_path: Path):
+    folder = _variant(hf_model, tmp_path, "extra", my_new_knob=3)
+    seen: list[str] = []
+    load_runner(folder, seen).close()
+    assert any("config.json keys not known to the runner, ignored: my_new_knob" in message for message in seen)
+
+
+@pytest.mark.parametrize(
+    ("inputs", "message"),
+    [
+        ({"input_ids": np.array([[1, 512]])}, r"'input_ids'\[0, 1\] = 512 is outside the vocabulary \[0, 512\)"),
+        ({"input_ids": np.array([[-1]])}, r"'input_ids'\[0, 0\] = -1 is outside"),
+        ({"input_ids": np.array([1, 2])}, r"must be an integer tensor \[batch, seq\], got int64 \[2\]"),
+        ({"input_ids": np.array([[1.0]])}, r"got float64 \[1, 1\]"),
+        ({"input_ids": np.zeros((1, 0), np.int64)}, "must not be empty"),
+        ({"input_ids": np.array([[1, 2]]), "attention_mask": np.array([[1]])}, "shaped like input_ids"),
+        ({"input_ids": np.array([[1, 2]]), "attention_mask": np.array([[1, 2]])}, "may only hold 0 and 1"),
+        ({"input_ids": np.array([[1, 2], [3, 4]]), "attention_mask": np.array([[1, 1], [0, 0]])}, "row 1 masks"),
+        ({"input_ids": np.array([[1]]), "pixels": np.zeros(3)}, "does not take input"),
+        ({"attention_mask": np.array([[1]])}, "'input_ids' is missing"),
+    ],
+)
+def test_bad_logits_inputs(inputs: dict[str, np.ndarray], message: str, mcf_model: Callable[..., Path]):
+    runner = load_runner(mcf_model("base"))
+    try:
+        with pytest.raises(InvalidInput, match=message):
+            runner.infer(inputs)
+    finally:
+        runner.close()
+
+
+@pytest.mark.parametrize(
+    ("inputs", "message"),
+    [
+        ({"top_p": np.array(0.0)}, r"top_p must be in \(0, 1\]"),
+        ({"temperature": np.array(-1.0)}, "temperature must be a finite number >= 0"),
+        ({"top_k": np.array(-2)}, "top_k must be >= 0"),
+        ({"max_new_tokens": np.array(1.5)}, "'max_new_tokens' must be an integer"),
+        ({"seed": np.array([1, 2])}, "'seed' must be a single number"),
+        ({"prompt": np.array(["hello"])}, "has no tokenizer.json"),
+    ],
+)
+def test_bad_generate_inputs(inputs: dict[str, np.ndarray], message: str, mcf_model: Callable[..., Path]):
+    runner = load_runner(mcf_model("base"), mode="generate", max_new_tokens=2)
+    try:
+        with pytest.raises(InvalidInput, match=message):
+            runner.infer({"input_ids": np.array([[1, 2]])} | inputs if "prompt" not in inputs else inputs)
+    finally:
+        runner.close()
+
+
+def test_pack_checks_declared_tensors(mcf_model: Callable[..., Path]):
+    folder = mcf_model("base")
+    result = MCFRunner.pack(PackContext(model_dir=folder, opts={}))
+    assert result.inputs == (TensorSpec(name="input_ids", dtype=DType.INT64, shape=("batch", "seq")),)
+    assert result.outputs == (TensorSpec(name="logits", dtype=DType.FLOAT32, shape=("batch", "seq", 512)),)
+    generate = MCFRunner.pack(PackContext(model_dir=folder, opts={"mode": "generate"}))
+    assert [s.name for s in generate.inputs] == ["input_ids"] and [s.name for s in generate.outputs] == ["output_ids"]
+    assert generate.opts == {"mode": "generate"}
+    with pytest.raises(MCFError, match="declared input 'pixels' is not served by the mcf runner in logits mode"):
+        MCFRunner.pack(PackContext(model_dir=folder, opts={}, inputs=(TensorSpec(name="pixels", dtype=DType.INT64),)))
+    with pytest.raises(MCFError, match="declared input 'input_ids' must have dtype int64, not float32"):
+        MCFRunner.pack(
+            PackContext(model_dir=folder, opts={}, inputs=(TensorSpec(name="input_ids", dtype=DType.FLOAT32),))
+        )
+    with pytest.raises(MCFError, match="no tokenizer.json section"):
+        MCFRunner.pack(
+            PackContext(
+                model_dir=folder, opts={"mode": "generate"}, outputs=(TensorSpec(name="text", dtype=DType.STRING),)
+            )
+        )
+
+
+def test_config_json_must_be_json(hf_model: Callable[..., Path], tmp_path: Path):
+    hf = tmp_path / "hf-badjson"
+    shutil.copytree(hf_model("base"), hf)
+    (hf / "config.json").write_text("{not json")
+    # The converter refuses it first; write the MCF directly to reach the runner's own check.
+    source = carton.mcf.MCFFile.open(to_mcf(hf_model("base"), tmp_path / "good") / "model.mcf")
+    tensors = {name: np.array(source.array(name)) for name in source.tensors}
+    source.close()
+    (tmp_path / "badjson").mkdir()
+    carton.mcf.write_mcf(tmp_path / "badjson" / "model.mcf", tensors=tensors, resources={"config.json": b"{not json"})
+    with pytest.raises(MCFError, match="the config.json section is not valid JSON"):
+        load_runner(tmp_path / "badjson")
+    (tmp_path / "list").mkdir()
+    carton.mcf.write_mcf(
+        tmp_path / "list" / "model.mcf", tensors=tensors, resources={"config.json": json.dumps([1]).encode()}
+    )
+    with pytest.raises(MCFError, match="must hold a JSON object"):
+        load_runner(tmp_path / "list")

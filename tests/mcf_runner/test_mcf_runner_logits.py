@@ -1,0 +1,93 @@
+"""Logits of the mcf runner against transformers' fp32 llama, for float and every quantized MCF."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mcf_runner_models import (
+    infer_logits,
+    max_relative_error,
+    reference_logits,
+    relative_rmse,
+    to_mcf,
+)
+
+from carton_runner_mcf._llama import positions_from_mask
+
+IDS = np.random.default_rng(7).integers(0, 512, size=(2, 24), dtype=np.int64)
+
+#: Relative RMSE of logits against the fp32 MCF, every weight (embeddings, attention, MLP, head) quantized, on the
+#: BASE model. q8 and k6 are the issue's bounds; the others are the values measured when this test was written
+#: (q8 0.0095, k6 0.037, q4 0.161, k4 0.161, k3 0.331, k2 0.683; int8 0.017, int4 0.216) with a margin of about 1.4x.
+QUANT_BOUNDS = {
+    "q8": 0.02,
+    "k6": 0.05,
+    "q4": 0.22,
+    "k4": 0.22,
+    "k3": 0.47,
+    "k2": 0.97,
+    "int8": 0.025,
+    "int4": 0.30,
+}
+
+
+@pytest.mark.parametrize("name", ["base", "tied_linear", "biased"])
+def test_fp32_logits_match_transformers(name: str, hf_model: Callable[..., Path], mcf_model: Callable[..., Path]):
+    ours = infer_logits(mcf_model(name), {"input_ids": IDS})
+    reference = reference_logits(hf_model(name), IDS)
+    assert ours.dtype == np.float32 and ours.shape == reference.shape
+    assert max_relative_error(ours, reference) < 1e-4
+
+
+def test_float16_storage_stays_close(hf_model: Callable[..., Path], model_root: Path):
+    # f16 weights are widened to fp32 at load; only the rounding of the stored weights remains.
+    folder = to_mcf(hf_model("tied_linear"), model_root / "mcf-tied-f16", None, float_dtype="f16")
+    ours = infer_logits(folder, {"input_ids": IDS})
+    assert max_relative_error(ours, reference_logits(hf_model("tied_linear"), IDS)) < 5e-3
+
+
+@pytest.mark.parametrize("method", list(QUANT_BOUNDS))
+def test_quantized_logits_error_is_bounded(method: str, mcf_model: Callable[..., Path], record_property):
+    fp32 = infer_logits(mcf_model("base"), {"input_ids": IDS})
+    quantized = infer_logits(mcf_model("base", method), {"input_ids": IDS})
+    error = relative_rmse(quantized, fp32)
+    record_property(f"logits_relative_rmse_{method}", error)
+    print(f"{method}: logits relative RMSE vs fp32 = {error:.4f}")
+    assert error < QUANT_BOUNDS[method]
+    # Quantization must not break the model: the argmax mostly survives at 8 and 6 bits.
+    if method in ("q8", "k6", "int8"):
+        assert np.mean(quantized.argmax(-1) == fp32.argmax(-1)) > 0.9
+
+
+@pytest.mark.parametrize("cache", ["packed", "int8", "fp32"])
+def test_weight_caches_agree(cache: str, mcf_model: Callable[..., Path]):
+    folder = mcf_model("tied_linear", "k4")
+    default = infer_logits(folder, {"input_ids": IDS})
+    chosen = infer_logits(folder, {"input_ids": IDS}, weight_cache=cache)
+    assert max_relative_error(chosen, default) < 1e-5
+
+
+def test_attention_mask_padding(hf_model: Callable[..., Path], mcf_model: Callable[..., Path]):
+    """Left- and right-padded rows give the logits of the unpadded sequences (rotary positions skip padding)."""
+    rng = np.random.default_rng(3)
+    short = rng.integers(0, 512, size=10)
+    long = rng.integers(0, 512, size=16)
+    ids = np.zeros((3, 16), dtype=np.int64)
+    mask = np.zeros((3, 16), dtype=np.int64)
+    ids[0], mask[0] = long, 1
+    ids[1, 6:], mask[1, 6:] = short, 1  # left padding
+    ids[2, :10], mask[2, :10] = short, 1  # right padding
+    folder = mcf_model("tied_linear")
+    ours = infer_logits(folder, {"input_ids": ids, "attention_mask": mask})
+
+    alone = infer_logits(folder, {"input_ids": short[None]})[0]
+    np.testing.assert_allclose(ours[1, 6:], alone, rtol=0, atol=1e-4 * np.abs(alone).max())
+    np.testing.assert_allclose(ours[2, :10], alone, rtol=0, atol=1e-4 * np.abs(alone).max())
+
+    positions = positions_from_mask(mask.astype(bool))
+    reference = reference_logits(hf_model("tied_linear"), ids, mask, positions)
+    real = mask.astype(bool)
+    assert max_relative_error(ours[real], reference[real]) < 1e-4

@@ -1,0 +1,280 @@
+"""Runner environments: version choice, what gets installed, the registry's atomicity, the CLI, and (marked
+``network``) real installs, including two onnxruntime versions side by side in one host process."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import venv
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from runner_models import write_mlp
+
+import carton
+from carton._environments import plugin as environments_plugin
+from carton._environments._frameworks import FRAMEWORKS, carton_install_args, runner_requirements
+from carton._environments._install import available_versions, choose_version
+from carton._environments._registry import (
+    ENTRY_FILE,
+    RunnerEnvironment,
+    environment_dir,
+    runners_dir,
+    sweep_leftovers,
+    write_entry,
+)
+from carton._runtime import VersionReq
+from carton.cli import main as cli_main
+
+log = logging.getLogger(__name__)
+
+#: An onnxruntime older than the installed one, with a cp311 wheel, that works with today's numpy.
+OLD_ONNXRUNTIME = "1.19.2"
+
+
+@pytest.fixture
+def data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("CARTON_DATA_DIR", str(tmp_path / "data"))
+    return tmp_path / "data"
+
+
+# --- choosing a version ------------------------------------------------------------------------------------------
+
+OFFERED = ["1.32.0", "1.31.1", "1.31.0", "1.20.0rc1", "1.19.2", "1.19.0", "1.18.1", "1.17.3", "1!2.0.0"]
+
+
+@pytest.mark.parametrize("requirement, chosen", [
+    ("=1.19.2", "1.19.2"),
+    ("1.19", "1.32.0"),            # bare = caret: ^1.19 allows every 1.x >= 1.19
+    ("~1.19", "1.19.2"),
+    ("~1.18", "1.18.1"),
+    ("<1.19", "1.18.1"),
+    (">=1.17, <1.19.1", "1.19.0"),
+    ("*", "1.32.0"),
+    ("=1.20.0-rc.1", "1.20.0rc1"),  # a pre-release only when the requirement names one
+    ("1.19.*", "1.19.2"),
+])
+def test_choose_the_highest_matching_version(requirement: str, chosen: str) -> None:
+    assert choose_version(OFFERED, VersionReq.parse(requirement), requirement_text=requirement,
+                          distribution="onnxruntime") == chosen
+
+
+def test_no_matching_version_lists_what_the_index_offers() -> None:
+    with pytest.raises(carton.EnvironmentInstallError,
+                       match=r"no onnxruntime release matches '=1\.5\.0'; the package index offers: 1\.32\.0, "):
+        choose_version(OFFERED, VersionReq.parse("=1.5.0"), requirement_text="=1.5.0", distribution="onnxruntime")
+
+
+def test_invalid_requirement_and_unknown_runner_fail_before_anything_runs(data_dir: Path) -> None:
+    with pytest.raises(carton.InvalidVersionReq):
+        carton.install_runner("onnxruntime", framework_version="==1.19.2")
+    with pytest.raises(carton.EnvironmentInstallError, match="cannot build environments for runner 'torch'"):
+        carton.install_runner("torch", framework_version="*")
+    assert not data_dir.exists()
+
+
+# --- what an environment gets ------------------------------------------------------------------------------------
+
+def test_requirements_pin_the_framework_and_take_only_what_the_runner_needs() -> None:
+    onnx_requirements = runner_requirements(FRAMEWORKS["onnxruntime"], "1.19.2")
+    assert onnx_requirements[0] == "onnxruntime==1.19.2"
+    names = {requirement.split(">")[0].split("=")[0].split("<")[0] for requirement in onnx_requirements}
+    assert names == {"onnxruntime", "onnx", "numpy", "pluggy", "pyzmq", "msgpack"}
+    assert not any("extra" in requirement for requirement in onnx_requirements)
+    xgboost_requirements = runner_requirements(FRAMEWORKS["xgboost"], "2.1.4")
+    assert xgboost_requirements[0] == "xgboost==2.1.4" and not any("onnx" in r for r in xgboost_requirements)
+
+
+def test_carton_is_installed_from_where_it_is_installed() -> None:
+    arguments = carton_install_args()
+    direct_url = json.loads(carton._environments._frameworks._carton().read_text("direct_url.json") or "{}")
+    if direct_url.get("dir_info", {}).get("editable"):
+        assert arguments[0] == "-e" and (Path(arguments[1]) / "pyproject.toml").is_file()
+        assert Path(arguments[1], "runners", "carton_runner_onnx").is_dir()
+    else:  # installed from a local wheel or a URL: that same file is installed again
+        assert arguments and (Path(arguments[-1]).exists() or arguments[-1].startswith("carton @ "))
+
+
+# --- the registry ------------------------------------------------------------------------------------------------
+
+def _registered(runner_name: str = "onnxruntime", version: str = "1.19.2") -> RunnerEnvironment:
+    """A real (pip-less) venv registered by hand, as the last step of an install does."""
+    folder = environment_dir(runner_name, version)
+    venv.EnvBuilder(symlinks=True, with_pip=False).create(folder)
+    environment = RunnerEnvironment(
+        runner_name=runner_name, framework_version=version, requirement=f"={version}", path=folder,
+        runner_compat_version=1, entry="carton_runner_onnx.runner:OnnxRunner", concurrent=True,
+    )
+    write_entry(environment)
+    return environment
+
+
+def test_registered_environment_is_offered_to_discovery(data_dir: Path) -> None:
+    environment = _registered()
+    assert carton.list_runner_environments() == [environment]
+    [spec] = environments_plugin.carton_runners()
+    assert spec.runner_name == "onnxruntime" and spec.framework_version == "1.19.2"
+    assert spec.python == str(environment.path / "bin" / "python") and Path(spec.python).exists()
+    assert spec.environment == spec.source == str(environment.path)
+    assert any(found.environment == spec.environment for found in carton.discover_runners())
+
+
+def test_unfinished_and_broken_environments_are_never_offered(data_dir: Path) -> None:
+    environment = _registered()
+    runners = runners_dir()
+    (runners / ".tmp-onnxruntime-1.18.1-abc").mkdir()                  # a build in progress or killed
+    venv.EnvBuilder(with_pip=False).create(runners / "onnxruntime-1.17.3")  # renamed, never registered
+    broken = runners / "onnxruntime-1.16.0"
+    broken.mkdir()
+    (broken / ENTRY_FILE).write_text("{not json")
+    newer = runners / "xgboost-9.0.0"
+    venv.EnvBuilder(with_pip=False).create(newer)
+    (newer / ENTRY_FILE).write_text(json.dumps({**environment.to_json(), "format": 99}))
+    assert [spec.framework_version for spec in environments_plugin.carton_runners()] == ["1.19.2"]
+    removed = sorted(path.name for path in sweep_leftovers())
+    assert removed == [".tmp-onnxruntime-1.18.1-abc", "onnxruntime-1.17.3"]
+    assert broken.exists() and newer.exists()  # an entry we cannot read is not ours to delete
+
+
+def test_environment_whose_interpreter_is_gone_is_not_offered(data_dir: Path) -> None:
+    environment = _registered()
+    environment.python.unlink()
+    assert environments_plugin.carton_runners() == []
+
+
+def test_entry_is_written_atomically(data_dir: Path) -> None:
+    environment = _registered()
+    assert [path.name for path in environment.path.iterdir() if path.name.startswith(".entry-")] == []
+    assert json.loads((environment.path / ENTRY_FILE).read_text())["framework_version"] == "1.19.2"
+
+
+def test_remove(data_dir: Path) -> None:
+    _registered(version="1.19.2")
+    _registered(version="1.18.1")
+    [removed] = carton.remove_runner_environment("onnxruntime", "1.18.1")
+    assert removed.framework_version == "1.18.1" and not removed.path.exists()
+    assert [env.framework_version for env in carton.list_runner_environments()] == ["1.19.2"]
+    assert carton.remove_runner_environment("onnxruntime", "1.0.0") == []
+    assert len(carton.remove_runner_environment("onnxruntime")) == 1
+    assert carton.list_runner_environments() == [] and sorted(os.listdir(runners_dir())) == [".lock"]
+
+
+# --- CLI ---------------------------------------------------------------------------------------------------------
+
+def test_cli_list_and_remove(data_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["runner", "list"]) == 0
+    assert "no runner environments installed" in capsys.readouterr().out
+    environment = _registered()
+    assert cli_main(["runner", "list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["RUNNER", "FRAMEWORK", "COMPAT", "REQUIREMENT", "PATH"]
+    assert lines[1].split() == ["onnxruntime", "1.19.2", "1", "=1.19.2", str(environment.path)]
+    assert cli_main(["runner", "list", "--json"]) == 0
+    [listed] = json.loads(capsys.readouterr().out)
+    assert listed["python"] == str(environment.python) and listed["framework_version"] == "1.19.2"
+    assert cli_main(["runner", "remove", "onnxruntime"]) == 2
+    assert "give either a VERSION or --all" in capsys.readouterr().err
+    assert cli_main(["runner", "remove", "onnxruntime", "1.0.0"]) == 1
+    assert cli_main(["runner", "remove", "onnxruntime", "1.19.2"]) == 0
+    assert f"removed onnxruntime 1.19.2 ({environment.path})" in capsys.readouterr().out
+
+
+def test_cli_install_refuses_bad_input(data_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        cli_main(["runner", "install", "torch"])
+    assert exited.value.code == 2 and "invalid choice: 'torch'" in capsys.readouterr().err
+    assert cli_main(["runner", "install", "onnxruntime", "--framework-version", "1.2.3.4.5"]) == 1
+    assert "InvalidVersionReq" in capsys.readouterr().err
+
+
+# --- real installs (package registry needed) ---------------------------------------------------------------------
+
+@functools.cache
+def _registry_problem() -> str | None:
+    try:
+        available_versions("onnxruntime")
+    except carton.EnvironmentInstallError as exc:
+        return str(exc)
+    return None
+
+
+def _require_registry() -> None:
+    problem = _registry_problem()
+    if problem is not None:
+        log.warning("skipping: the package registry cannot be reached: %s", problem)
+        pytest.skip(f"the package registry cannot be reached: {problem.splitlines()[0]}")
+
+
+def _cached_data_dir() -> Path:
+    """A data directory kept across test runs so the environment is built once per carton checkout."""
+    key = hashlib.sha256(" ".join(carton_install_args()).encode()).hexdigest()[:12]
+    base = os.environ.get("CARTON_TEST_ENVIRONMENTS_DIR") or Path.home() / ".cache" / "carton-tests"
+    return Path(base) / f"environments-{key}"
+
+
+@pytest.mark.network
+@pytest.mark.slow
+def test_two_onnxruntime_versions_side_by_side(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _require_registry()
+    monkeypatch.setenv("CARTON_DATA_DIR", str(_cached_data_dir()))
+    lines: list[str] = []
+    environment = carton.install_runner("onnxruntime", framework_version=f"={OLD_ONNXRUNTIME}",
+                                        progress=lines.append)
+    assert lines[0].startswith("[1/5] looking up onnxruntime versions matching")
+    assert environment.framework_version == OLD_ONNXRUNTIME and environment.python.exists()
+    assert OLD_ONNXRUNTIME != ort.__version__
+
+    path = write_mlp(tmp_path / "model")
+    # Packing for the old version validates the model in the old environment's runner.
+    packed = carton.pack(tmp_path / "model", tmp_path / "mlp.carton", runner_name="onnxruntime",
+                         required_framework_version=f"={OLD_ONNXRUNTIME}")
+    x = np.random.default_rng(0).standard_normal((32, 16)).astype(np.float32)
+    in_process = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    with carton.load(packed) as old, carton.load(packed, override_required_framework_version="*") as new:
+        assert old.runner.framework_version == OLD_ONNXRUNTIME and old.runner.environment == str(environment.path)
+        assert new.runner.framework_version == ort.__version__ and new.runner.environment is None
+        old_out, new_out = old.infer({"x": x})["probs"], new.infer({"x": x})["probs"]
+    assert np.array_equal(new_out, in_process)
+    assert np.allclose(old_out, in_process, rtol=1e-6, atol=1e-7)  # two onnxruntime builds: kernels may differ
+
+
+@pytest.mark.network
+def test_install_with_no_matching_release(data_dir: Path) -> None:
+    _require_registry()
+    with pytest.raises(carton.EnvironmentInstallError, match=r"no onnxruntime release matches '=1\.0\.99'"):
+        carton.install_runner("onnxruntime", framework_version="=1.0.99")
+    assert carton.list_runner_environments() == []
+
+
+@pytest.mark.network
+def test_killed_install_leaves_nothing_resolution_would_pick(data_dir: Path) -> None:
+    _require_registry()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "carton", "runner", "install", "onnxruntime", "--framework-version", "=1.18.1"],
+        env={**os.environ, "CARTON_DATA_DIR": str(data_dir)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not any(path.name.startswith(".tmp-") for path in data_dir.glob("runners/*")):
+            assert process.poll() is None, process.stdout.read().decode() if process.stdout else ""
+            assert time.monotonic() < deadline, "the install never started building"
+            time.sleep(0.05)
+        time.sleep(1.0)  # let it get into pip
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    assert any(path.name.startswith(".tmp-") for path in (data_dir / "runners").iterdir())
+    assert carton.list_runner_environments() == [] and environments_plugin.carton_runners() == []
+    assert not any(spec.environment for spec in carton.discover_runners())
+    carton.remove_runner_environment("onnxruntime")  # any later install or removal sweeps the leftovers
+    assert sorted(os.listdir(data_dir / "runners")) == [".lock"]

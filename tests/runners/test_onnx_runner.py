@@ -1,0 +1,381 @@
+"""The onnxruntime runner class in this process: load, infer, pack, options and every refusal.
+
+Outputs are compared bit for bit (`np.array_equal`) with an `onnxruntime.InferenceSession` on the same file.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from carton_protocol import DType, LoadContext, PackContext, TensorSpec
+from onnx import TensorProto, helper
+from runner_models import (
+    DTYPES,
+    sample,
+    write_external_data,
+    write_graph_names,
+    write_identity_all_dtypes,
+    write_mlp,
+    write_string_ops,
+    write_symlinked_external_data,
+)
+
+from carton_runner_onnx import InvalidRunnerOption, OnnxRunnerError, UnsafeModelPath, UnsupportedTensorType
+from carton_runner_onnx.runner import OnnxRunner
+
+
+def _load(model_dir: Path, *, opts: dict | None = None, inputs=(), outputs=(), warnings: list[str] | None = None):
+    runner = OnnxRunner()
+    sink = warnings if warnings is not None else []
+    runner.load(LoadContext(model_dir=model_dir, opts=opts or {}, inputs=tuple(inputs), outputs=tuple(outputs),
+                            warn=sink.append))
+    return runner
+
+
+def _reference(path: Path, feeds: dict) -> list:
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)
+
+
+# --- results -----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("batch", [1, 7, 256])
+def test_mlp_matches_inference_session_bit_for_bit(tmp_path: Path, batch: int) -> None:
+    path = write_mlp(tmp_path)
+    x = np.random.default_rng(batch).standard_normal((batch, 16)).astype(np.float32)
+    x.setflags(write=False)  # tensors decoded from the wire are read-only views
+    outputs = _load(tmp_path).infer({"x": x})
+    assert list(outputs) == ["probs"]
+    assert outputs["probs"].dtype == np.float32
+    assert np.array_equal(outputs["probs"], _reference(path, {"x": x})[0])
+
+
+def test_every_carton_dtype_round_trips(tmp_path: Path) -> None:
+    write_identity_all_dtypes(tmp_path)
+    runner = _load(tmp_path)
+    inputs = {f"in_{name}": sample(name, (3, 5), seed=i) for i, name in enumerate(DTYPES)}
+    outputs = runner.infer(inputs)
+    for name in DTYPES:
+        got, sent = outputs[f"out_{name}"], inputs[f"in_{name}"]
+        assert got.dtype.kind == "U" if name == "string" else got.dtype == sent.dtype, name
+        assert np.array_equal(got, sent), name
+    assert outputs["out_string"].dtype.kind == "U"
+
+
+def test_string_ops_and_empty_string_tensor(tmp_path: Path) -> None:
+    path = write_string_ops(tmp_path)
+    words = np.array(["a", "b", "héllo", "", "b"], dtype=np.str_)
+    outputs = _load(tmp_path).infer({"words": words})
+    with_end, is_b = _reference(path, {"words": words})
+    assert outputs["with_end"].dtype.kind == "U"
+    assert outputs["with_end"].tolist() == ["a", "b", "héllo", "", "b", "end"] == with_end.tolist()
+    assert np.array_equal(outputs["is_b"], is_b) and outputs["is_b"].tolist() == [0, 1, 0, 0, 1]
+    empty = _load(tmp_path).infer({"words": np.array([], dtype=np.str_)})
+    assert empty["is_b"].shape == (0,) and empty["with_end"].tolist() == ["end"]
+
+
+def test_internal_names_map_carton_names_to_graph_names(tmp_path: Path) -> None:
+    write_graph_names(tmp_path)
+    runner = _load(
+        tmp_path,
+        inputs=[TensorSpec(name="x", dtype=DType.FLOAT32, shape=("batch", 3), internal_name="ns/in_x:0")],
+        outputs=[TensorSpec(name="y", dtype=DType.FLOAT32, shape=("batch", 3), internal_name="ns/out_y:0")],
+    )
+    x = np.array([[0, 1, 2], [3, 4, 5]], dtype=np.float32)
+    assert list(runner.infer({"x": x})) == ["y"]
+    assert np.array_equal(runner.infer({"x": x})["y"], 2 * x + 1)
+
+
+def test_internal_name_that_is_not_in_the_graph_is_refused(tmp_path: Path) -> None:
+    write_graph_names(tmp_path)
+    with pytest.raises(OnnxRunnerError, match=r"declared input 'x': the graph has no input 'ns/x'.*'ns/in_x:0'"):
+        _load(tmp_path, inputs=[TensorSpec(name="x", dtype=DType.FLOAT32, internal_name="ns/x")])
+
+
+def test_declared_dtype_that_disagrees_with_the_graph_is_refused(tmp_path: Path) -> None:
+    write_mlp(tmp_path)
+    with pytest.raises(OnnxRunnerError, match=r"declared input 'x' has dtype float64 .* tensor\(float\)"):
+        _load(tmp_path, inputs=[TensorSpec(name="x", dtype=DType.FLOAT64)])
+
+
+def test_graph_input_left_undeclared_is_refused(tmp_path: Path) -> None:
+    write_identity_all_dtypes(tmp_path)
+    with pytest.raises(OnnxRunnerError, match=r"the graph needs input\(s\) 'in_float64'"):
+        _load(tmp_path, inputs=[TensorSpec(name="in_float32", dtype=DType.FLOAT32)]
+              + [TensorSpec(name=f"in_{n}", dtype=DType(n)) for n in DTYPES if n not in ("float32", "float64")])
+
+
+def test_declared_outputs_select_and_order_what_is_returned(tmp_path: Path) -> None:
+    write_string_ops(tmp_path)
+    runner = _load(tmp_path, inputs=[TensorSpec(name="words", dtype=DType.STRING)],
+                   outputs=[TensorSpec(name="is_b", dtype=DType.UINT8)])
+    assert list(runner.infer({"words": np.array(["b"])})) == ["is_b"]
+
+
+def test_concurrent_infer_from_threads(tmp_path: Path) -> None:
+    path = write_mlp(tmp_path)
+    runner = _load(tmp_path)
+    assert OnnxRunner.concurrent
+    xs = [np.random.default_rng(i).standard_normal((4, 16)).astype(np.float32) for i in range(8)]
+    expected = [_reference(path, {"x": x})[0] for x in xs]
+    results: dict[int, np.ndarray] = {}
+
+    def work(i: int) -> None:
+        for _ in range(20):
+            results[i] = runner.infer({"x": xs[i]})["probs"]
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(np.array_equal(results[i], expected[i]) for i in range(8))
+
+
+# --- pack --------------------------------------------------------------------------------------------------------
+
+def test_pack_fills_specs_from_the_graph(tmp_path: Path) -> None:
+    write_mlp(tmp_path)
+    result = OnnxRunner.pack(PackContext(model_dir=tmp_path, opts={"intra_op_threads": 1}))
+    assert result.inputs == (TensorSpec(name="x", dtype=DType.FLOAT32, shape=("batch", 16)),)
+    assert result.outputs == (TensorSpec(name="probs", dtype=DType.FLOAT32, shape=("batch", 4)),)
+    assert dict(result.opts) == {"intra_op_threads": 1}
+
+
+def test_pack_describes_every_dtype_with_symbolic_and_free_dims(tmp_path: Path) -> None:
+    write_identity_all_dtypes(tmp_path)
+    result = OnnxRunner.pack(PackContext(model_dir=tmp_path, opts={}))
+    assert [(spec.name, spec.dtype.value, spec.shape) for spec in result.inputs] == [
+        (f"in_{name}", name, ("n", "*")) for name in DTYPES
+    ]
+    assert [spec.dtype.value for spec in result.outputs] == list(DTYPES)
+
+
+def test_pack_keeps_caller_specs_and_checks_them(tmp_path: Path) -> None:
+    write_graph_names(tmp_path)
+    inputs = (TensorSpec(name="x", dtype=DType.FLOAT32, shape=("b", 3), internal_name="ns/in_x:0"),)
+    outputs = (TensorSpec(name="y", dtype=DType.FLOAT32, shape=("b", 3), internal_name="ns/out_y:0"),)
+    result = OnnxRunner.pack(PackContext(model_dir=tmp_path, opts={}, inputs=inputs, outputs=outputs))
+    assert (result.inputs, result.outputs) == (inputs, outputs)
+    with pytest.raises(OnnxRunnerError, match="the graph has no output 'y'"):
+        OnnxRunner.pack(PackContext(model_dir=tmp_path, opts={}, inputs=inputs,
+                                    outputs=(TensorSpec(name="y", dtype=DType.FLOAT32),)))
+
+
+def test_pack_output_without_any_shape_is_any_shape_not_scalar(tmp_path: Path) -> None:
+    graph = helper.make_graph(
+        [helper.make_node("Reshape", ["x", "shape"], ["y"]), helper.make_node("ReduceSum", ["x"], ["total"],
+                                                                             keepdims=0)],
+        "reshape",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n"]),
+         helper.make_tensor_value_info("shape", TensorProto.INT64, [None])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None),
+         helper.make_tensor_value_info("total", TensorProto.FLOAT, [])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, tmp_path / "reshape.onnx")
+    result = OnnxRunner.pack(PackContext(model_dir=tmp_path, opts={}))
+    assert [(spec.name, spec.shape) for spec in result.inputs] == [("x", ("n",)), ("shape", ("*",))]
+    assert [(spec.name, spec.shape) for spec in result.outputs] == [("y", "*"), ("total", ())]
+
+
+def test_pack_refuses_tensor_types_carton_cannot_declare(tmp_path: Path) -> None:
+    graph = helper.make_graph(
+        [helper.make_node("Greater", ["x", "x"], ["mask"])], "bool_out",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n"])],
+        [helper.make_tensor_value_info("mask", TensorProto.BOOL, ["n"])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, tmp_path / "bool.onnx")
+    with pytest.raises(UnsupportedTensorType, match=r"graph output 'mask' has type tensor\(bool\)"):
+        OnnxRunner.pack(PackContext(model_dir=tmp_path, opts={}))
+
+
+# --- external data -----------------------------------------------------------------------------------------------
+
+def test_external_data_inside_the_folder_loads(tmp_path: Path) -> None:
+    weights = write_external_data(tmp_path, "weights/w.bin")
+    x = np.ones((2, 4), dtype=np.float32)
+    assert np.array_equal(_load(tmp_path).infer({"x": x})["y"], x @ weights)
+
+
+def test_external_data_with_dotdot_is_refused(tmp_path: Path) -> None:
+    model_dir = tmp_path / "model"
+    write_external_data(model_dir, "../w.bin")
+    assert (tmp_path / "w.bin").exists()  # the file is there: the path itself is what is refused
+    with pytest.raises(UnsafeModelPath, match=r"tensor 'w' \(location '\.\./w\.bin'\): '\.\.' is not allowed"):
+        _load(model_dir)
+    with pytest.raises(UnsafeModelPath):
+        OnnxRunner.pack(PackContext(model_dir=model_dir, opts={}))
+
+
+def test_external_data_with_an_absolute_path_is_refused(tmp_path: Path) -> None:
+    model_dir = tmp_path / "model"
+    outside = tmp_path / "abs.bin"
+    write_external_data(model_dir, str(outside), weights_path=outside)
+    with pytest.raises(UnsafeModelPath, match="absolute paths are not allowed"):
+        _load(model_dir)
+
+
+def test_external_data_symlink_leading_out_is_refused(tmp_path: Path) -> None:
+    model_dir = tmp_path / "model"
+    write_symlinked_external_data(model_dir, tmp_path / "secret.bin")
+    with pytest.raises(UnsafeModelPath, match=r"resolves to .*secret\.bin', outside the model folder"):
+        _load(model_dir)
+
+
+def test_external_data_symlink_inside_the_folder_is_fine(tmp_path: Path) -> None:
+    weights = write_external_data(tmp_path, "real.bin")
+    data = (tmp_path / "real.bin").read_bytes()
+    write_external_data(tmp_path, "alias.bin", weights_path=tmp_path / "unused.bin")
+    os.symlink("real.bin", tmp_path / "alias.bin")
+    assert (tmp_path / "alias.bin").read_bytes() == data
+    x = np.eye(4, dtype=np.float32)
+    assert np.array_equal(_load(tmp_path).infer({"x": x})["y"], weights)
+
+
+def test_missing_external_data_file_is_refused(tmp_path: Path) -> None:
+    write_external_data(tmp_path, "w.bin")
+    (tmp_path / "w.bin").unlink()
+    with pytest.raises(UnsafeModelPath, match="the file does not exist in the model folder"):
+        _load(tmp_path)
+
+
+# --- model file --------------------------------------------------------------------------------------------------
+
+def test_model_file_opt_chooses_among_several(tmp_path: Path) -> None:
+    write_mlp(tmp_path, file_name="a.onnx", classes=3)
+    write_mlp(tmp_path, file_name="b.onnx", classes=5)
+    with pytest.raises(OnnxRunnerError, match=r"several \.onnx files in the model folder \(a\.onnx, b\.onnx\)"):
+        _load(tmp_path)
+    x = np.zeros((1, 16), dtype=np.float32)
+    assert _load(tmp_path, opts={"model_file": "b.onnx"}).infer({"x": x})["probs"].shape == (1, 5)
+
+
+def test_model_file_in_a_subfolder(tmp_path: Path) -> None:
+    write_mlp(tmp_path / "nested", file_name="net.onnx")
+    assert _load(tmp_path, opts={"model_file": "nested/net.onnx"}).infer(
+        {"x": np.zeros((2, 16), dtype=np.float32)})["probs"].shape == (2, 4)
+
+
+@pytest.mark.parametrize("model_file, message", [
+    ("../other.onnx", "'..' is not allowed"),
+    ("/etc/passwd", "absolute paths are not allowed"),
+    ("missing.onnx", "does not exist in the model folder"),
+    ("", "must be a non-empty string"),
+])
+def test_bad_model_file_opt(tmp_path: Path, model_file: str, message: str) -> None:
+    write_mlp(tmp_path / "model")
+    write_mlp(tmp_path, file_name="other.onnx")
+    with pytest.raises(OnnxRunnerError, match=message):
+        _load(tmp_path / "model", opts={"model_file": model_file})
+
+
+def test_model_file_symlink_leading_out_is_refused(tmp_path: Path) -> None:
+    write_mlp(tmp_path, file_name="outside.onnx")
+    (tmp_path / "model").mkdir()
+    os.symlink(tmp_path / "outside.onnx", tmp_path / "model" / "model.onnx")
+    with pytest.raises(UnsafeModelPath, match="outside the model folder"):
+        _load(tmp_path / "model")
+
+
+def test_folder_without_onnx_file(tmp_path: Path) -> None:
+    (tmp_path / "weights.bin").write_bytes(b"1234")
+    with pytest.raises(OnnxRunnerError, match=r"no \.onnx file in the model folder \(it holds: weights\.bin\)"):
+        _load(tmp_path)
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"", "model file 'model.onnx' is empty"),
+    (b"\x08\x07garbage that is not a protobuf" * 10, "could not load 'model.onnx'"),
+])
+def test_corrupt_model_file(tmp_path: Path, content: bytes, message: str) -> None:
+    (tmp_path / "model.onnx").write_bytes(content)
+    with pytest.raises(OnnxRunnerError, match=message):
+        _load(tmp_path)
+
+
+def test_corrupt_model_mentioning_external_data(tmp_path: Path) -> None:
+    (tmp_path / "model.onnx").write_bytes(b"\xff\xff location \xff\xff" * 4)
+    with pytest.raises(OnnxRunnerError, match="is not a valid ONNX model"):
+        _load(tmp_path)
+
+
+# --- options -----------------------------------------------------------------------------------------------------
+
+def test_unknown_opts_warn_naming_them(tmp_path: Path) -> None:
+    write_mlp(tmp_path)
+    warnings: list[str] = []
+    _load(tmp_path, opts={"num_threads": 2, "intra_op_threads": 1, "fancy": True}, warnings=warnings)
+    assert len(warnings) == 1
+    assert "'fancy', 'num_threads'" in warnings[0] and "intra_op_threads" in warnings[0].split("known:")[1]
+
+
+@pytest.mark.parametrize("level", ["disable", "basic", "extended", "all"])
+def test_graph_optimization_levels_give_the_same_result(tmp_path: Path, level: str) -> None:
+    path = write_mlp(tmp_path)
+    x = np.random.default_rng(3).standard_normal((5, 16)).astype(np.float32)
+    got = _load(tmp_path, opts={"graph_optimization_level": level, "intra_op_threads": 1,
+                                "inter_op_threads": 1}).infer({"x": x})["probs"]
+    assert np.allclose(got, _reference(path, {"x": x})[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("opts, message", [
+    ({"intra_op_threads": "2"}, "runner opt 'intra_op_threads' must be an integer >= 0"),
+    ({"inter_op_threads": True}, "runner opt 'inter_op_threads' must be an integer >= 0"),
+    ({"intra_op_threads": -1}, "runner opt 'intra_op_threads' must be an integer >= 0"),
+    ({"graph_optimization_level": "fast"}, "runner opt 'graph_optimization_level' must be one of"),
+    ({"execution_providers": [1, 2]}, "runner opt 'execution_providers' must be a list of provider names"),
+    ({"model_file": 3}, "runner opt 'model_file' must be a non-empty string"),
+])
+def test_invalid_opts_are_refused_naming_the_opt(tmp_path: Path, opts: dict, message: str) -> None:
+    write_mlp(tmp_path)
+    with pytest.raises(InvalidRunnerOption, match=message):
+        _load(tmp_path, opts=opts)
+    with pytest.raises(InvalidRunnerOption, match=message):
+        OnnxRunner.pack(PackContext(model_dir=tmp_path, opts=opts))
+
+
+def test_unavailable_execution_providers_fall_back_to_cpu_with_a_warning(tmp_path: Path) -> None:
+    path = write_mlp(tmp_path)
+    warnings: list[str] = []
+    runner = _load(tmp_path, opts={"execution_providers": ["NoSuchExecutionProvider", "CPUExecutionProvider"]},
+                   warnings=warnings)
+    assert warnings == [
+        "onnxruntime runner: execution providers 'NoSuchExecutionProvider' are not available in this onnxruntime "
+        f"build (available: {', '.join(sorted(ort.get_available_providers()))}); skipping them"
+    ]
+    assert runner._session.get_providers() == ["CPUExecutionProvider"]
+    x = np.ones((1, 16), dtype=np.float32)
+    assert np.array_equal(runner.infer({"x": x})["probs"], _reference(path, {"x": x})[0])
+
+
+# --- infer refusals ----------------------------------------------------------------------------------------------
+
+def test_infer_refuses_unknown_and_missing_inputs(tmp_path: Path) -> None:
+    write_mlp(tmp_path)
+    runner = _load(tmp_path)
+    with pytest.raises(OnnxRunnerError, match=r"unknown input\(s\) 'y'; the model takes 'x'"):
+        runner.infer({"x": np.zeros((1, 16), np.float32), "y": np.zeros(1)})
+    with pytest.raises(OnnxRunnerError, match="missing input 'x'"):
+        runner.infer({})
+    with pytest.raises(OnnxRunnerError, match="nested tensor"):
+        runner.infer({"x": [np.zeros(16, np.float32)]})
+
+
+def test_infer_translates_onnxruntime_errors(tmp_path: Path) -> None:
+    write_mlp(tmp_path)
+    runner = _load(tmp_path)
+    with pytest.raises(OnnxRunnerError, match=r"onnxruntime failed to run the model: .*tensor\(double\)") as info:
+        runner.infer({"x": np.zeros((1, 16), np.float64)})
+    assert info.value.__cause__ is not None
+    with pytest.raises(OnnxRunnerError, match="onnxruntime failed to run the model"):
+        runner.infer({"x": np.zeros((1, 15), np.float32)})

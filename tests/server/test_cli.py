@@ -1,0 +1,66 @@
+"""`carton serve` as a user runs it: a subprocess on free ports, stopped with SIGINT."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_serve_subprocess_stops_on_sigint(repository: Path) -> None:
+    port = _free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "carton", "serve", str(repository), "--http-port", str(port), "--no-grpc",
+         "--model-control-mode", "explicit", "--load-model", "sum"],
+        stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/models/sum/ready").status == 200:
+                    break
+            except OSError:
+                pass
+            assert process.poll() is None, process.stderr.read() if process.stderr else ""
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        process.send_signal(signal.SIGINT)
+        assert process.wait(30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+def test_serve_refuses_bad_flags(repository: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "carton", "serve", str(repository), "--load-model", "sum"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode != 0 and "--load-model needs --model-control-mode explicit" in result.stderr
+    result = subprocess.run(
+        [sys.executable, "-m", "carton", "serve", str(repository), "--max-body-size", "lots"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2 and "is not a size" in result.stderr
+
+
+@pytest.mark.parametrize("missing", ["does-not-exist"])
+def test_serve_missing_repository(tmp_path: Path, missing: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "carton", "serve", str(tmp_path / missing), "--http-port", "0", "--no-grpc"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 1 and "is not a directory" in result.stderr

@@ -1,0 +1,157 @@
+"""Loads and unloads with requests in flight, load timeouts, readiness, and dynamic batching, on real cartons.
+
+A loader wrapping the real `load_carton` adds delays where the test needs a window (a slow load, a slow request);
+the models themselves are real cartons run by real runner processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+from carton.server import LoadSpec, ModelControlMode, ModelHandle, Server, ServerOptions, load_carton, serve_in_thread
+from carton_protocol import Tensor, TensorSpec
+from tritonclient.utils import InferenceServerException
+
+from .conftest import arange
+
+
+class _Slow:
+    """A real model handle whose requests take `delay` seconds longer (the window for an unload to land in)."""
+
+    def __init__(self, inner: ModelHandle, delay: float) -> None:
+        self.inner, self.delay = inner, delay
+        self.closed = threading.Event()
+
+    @property
+    def inputs(self) -> tuple[TensorSpec, ...]:
+        return self.inner.inputs
+
+    @property
+    def outputs(self) -> tuple[TensorSpec, ...]:
+        return self.inner.outputs
+
+    async def infer(self, inputs: dict[str, np.ndarray]) -> Mapping[str, Tensor]:
+        await asyncio.sleep(self.delay)
+        return await self.inner.infer(inputs)
+
+    def close(self) -> None:
+        self.inner.close()
+        self.closed.set()
+
+
+class _Loader:
+    def __init__(self) -> None:
+        self.load_delay = 0.0
+        self.handles: list[tuple[str, _Slow]] = []
+        self.block = threading.Event()
+
+    def __call__(self, spec: LoadSpec) -> ModelHandle:
+        if self.block.is_set():
+            time.sleep(5)  # longer than the server's load timeout in these tests
+        time.sleep(self.load_delay)
+        handle = _Slow(load_carton(spec), 0.5 if "identity" in str(spec.path) else 0.0)
+        self.handles.append((str(spec.path), handle))
+        return handle
+
+
+@pytest.fixture
+def loader() -> _Loader:
+    return _Loader()
+
+
+@pytest.fixture
+def lifecycle_server(repository: Path, loader: _Loader) -> Iterator[Server]:
+    options = ServerOptions(
+        repository=repository, http_port=0, grpc_port=None, model_control_mode=ModelControlMode.EXPLICIT,
+        load_models=("identity", "batched"), loader=loader, load_timeout=2.0,
+    )  # fmt: skip
+    with serve_in_thread(options) as running:
+        yield running
+
+
+def _infer(port: int, model: str, x: np.ndarray) -> np.ndarray:
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{port}", network_timeout=60)
+    tensor = httpclient.InferInput("INPUT0", list(x.shape), "FP32")
+    tensor.set_data_from_numpy(x)
+    return client.infer(model, [tensor]).as_numpy("OUTPUT0")
+
+
+def test_unload_lets_in_flight_requests_finish(lifecycle_server: Server, loader: _Loader) -> None:
+    port = lifecycle_server.http_port
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{port}")
+    with ThreadPoolExecutor(4) as pool:
+        running = [pool.submit(_infer, port, "identity", arange((1, 4)) + i) for i in range(4)]
+        time.sleep(0.2)  # requests are inside the model now
+        client.unload_model("identity")
+        with pytest.raises(InferenceServerException, match="has no available versions"):
+            _infer(port, "identity", arange((1, 4)))
+        for i, future in enumerate(running):
+            np.testing.assert_array_equal(future.result(timeout=30), (arange((1, 4)) + i) * 2)
+    deadline = time.monotonic() + 30
+    identity = next(handle for path, handle in loader.handles if "identity" in path)
+    while not identity.closed.is_set():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert {"name": "identity", "version": "2", "state": "UNAVAILABLE", "reason": "unloaded"} in (
+        client.get_model_repository_index()
+    )
+    assert client.is_server_ready()
+
+
+def test_reload_while_serving_swaps_versions(lifecycle_server: Server) -> None:
+    port = lifecycle_server.http_port
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{port}")
+    with ThreadPoolExecutor(2) as pool:
+        before = pool.submit(_infer, port, "identity", arange((1, 2)))
+        time.sleep(0.1)
+        client.load_model("identity", config='{"version_policy": {"specific": {"versions": [1]}}}')
+        np.testing.assert_array_equal(before.result(timeout=30), arange((1, 2)) * 2)  # finished on version 2
+    np.testing.assert_array_equal(_infer(port, "identity", arange((1, 2))), arange((1, 2)))  # now version 1
+    assert client.get_model_metadata("identity")["versions"] == ["1"]
+
+
+def test_readiness_false_while_loading_and_load_timeout(lifecycle_server: Server, loader: _Loader) -> None:
+    port = lifecycle_server.http_port
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{port}")
+    loader.load_delay = 1.0
+    with ThreadPoolExecutor(1) as pool:
+        # tritonclient.http clients are gevent-based: one per thread.
+        loading = pool.submit(lambda: httpclient.InferenceServerClient(f"127.0.0.1:{port}").load_model("sum"))
+        time.sleep(0.4)
+        assert not client.is_server_ready()
+        assert {"name": "sum", "version": "1", "state": "LOADING"} in client.get_model_repository_index()
+        loading.result(timeout=30)
+    assert client.is_server_ready() and client.is_model_ready("sum")
+
+    loader.load_delay = 0.0
+    loader.block.set()
+    started = time.monotonic()
+    with pytest.raises(InferenceServerException, match=r"load timed out after 2s"):
+        client.load_model("strings")
+    assert time.monotonic() - started < 4.5
+    entry = next(e for e in client.get_model_repository_index() if e["name"] == "strings")
+    assert entry["state"] == "UNAVAILABLE" and "timed out" in entry["reason"]
+    assert client.is_server_ready()
+
+
+def test_dynamic_batching_merges_concurrent_requests(lifecycle_server: Server) -> None:
+    port = lifecycle_server.http_port
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{port}")
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(_infer, port, "batched", np.full((1, 4), i, np.float32)) for i in range(16)]
+        for i, future in enumerate(futures):
+            np.testing.assert_array_equal(future.result(timeout=30), np.full((1, 4), 2 * i, np.float32))
+    stats = client.get_inference_statistics("batched")["model_stats"][0]
+    assert stats["inference_count"] == 16
+    assert stats["execution_count"] < 16  # some requests ran together
+    assert any(batch["batch_size"] > 1 for batch in stats["batch_stats"])
+    with pytest.raises(InferenceServerException, match="larger than the model's max_batch_size 8"):
+        _infer(port, "batched", np.zeros((9, 4), np.float32))
