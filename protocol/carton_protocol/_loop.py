@@ -45,6 +45,7 @@ from ._messages import (
 )
 from ._reaper import kill_tree, reap_children, set_child_subreaper, set_parent_death_signal
 from ._runner import LoadContext, PackContext, Runner, Tensor
+from ._zmqio import recv_message, send_message
 from ._shm import SHM_AVAILABLE, FdChannel, PeerSegments, SegmentPool
 from .errors import FrameError, ProtocolError, VersionMismatch
 
@@ -141,7 +142,7 @@ class _Server:
             return self._serve_concurrent()
         router = self.router
         while self.running:
-            self._handle(router.recv_multipart(copy=False))
+            self._handle(recv_message(router))
         return self.exit_code
 
     def _serve_concurrent(self) -> int:
@@ -154,9 +155,9 @@ class _Server:
         while self.running:
             for sock, _ in poller.poll():
                 if sock is self.router:
-                    self._handle(self.router.recv_multipart(copy=False))
+                    self._handle(recv_message(self.router))
                 else:
-                    self.router.send_multipart(self.results.recv_multipart(copy=False), copy=False)
+                    send_message(self.router, recv_message(self.results))
         return self.exit_code
 
     def _send(self, ident: Any, header: dict[str, Any], frames: Sequence[Any] = ()) -> None:
@@ -166,13 +167,13 @@ class _Server:
                 header["drop"] = dropped
         message = [ident, pack_header(header), *frames]
         if self.results is None or threading.get_ident() == self.main_thread:
-            self.router.send_multipart(message, copy=False)
+            send_message(self.router, message)
         else:
             sender = getattr(self.local, "sender", None)
             if sender is None:
                 sender = self.local.sender = self.context.socket(zmq.PUSH)
                 sender.connect("inproc://results")
-            sender.send_multipart(message, copy=False)
+            send_message(sender, message)
 
     def _handle(self, frames: list[zmq.Frame]) -> None:
         if len(frames) < 2:
@@ -323,15 +324,12 @@ class _Server:
         self._send(ident, {"id": request_id, "ok": True, "tensors": encoded.entries}, encoded.frames)
 
     def _encode_outputs(self, outputs: object) -> Any:
-        if not isinstance(outputs, Mapping):
+        if type(outputs) is not dict and not isinstance(outputs, Mapping):
             raise InvalidOutput(f"{self.entry}.infer returned a {type(outputs).__name__}, expected a mapping")
-        checked: dict[str, Tensor] = {}
-        for name, value in outputs.items():
-            if isinstance(value, tuple):
-                value = list(value)
-            checked[name] = value
+        if any(isinstance(value, tuple) for value in outputs.values()):
+            outputs = {name: list(value) if isinstance(value, tuple) else value for name, value in outputs.items()}
         try:
-            return encode_tensors(checked, pool=self.pool, threshold=self.threshold)
+            return encode_tensors(outputs, pool=self.pool, threshold=self.threshold)  # type: ignore[arg-type]
         except FrameError as exc:
             raise InvalidOutput(f"{self.entry}.infer returned an output the wire cannot carry: {exc}") from exc
 

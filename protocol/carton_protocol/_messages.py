@@ -30,6 +30,8 @@ __all__ = [
     "field_list",
     "field_map",
     "field_str",
+    "hello_request",
+    "infer_request",
     "pack_header",
     "unpack_header",
 ]
@@ -91,6 +93,19 @@ def unpack_header(data: bytes | memoryview, limits: WireLimits) -> dict[str, Any
     if not isinstance(header, dict):
         raise FrameError(f"header frame is a msgpack {type(header).__name__}, expected a map")
     return header
+
+
+def hello_request(*, host_pid: int, shm_threshold: int | None) -> dict[str, Any]:
+    """The host's first message. ``shm_threshold`` absent means: no shared memory on this connection."""
+    header: dict[str, Any] = {"op": Op.HELLO.value, "id": 0, "protocol": PROTOCOL_VERSION, "host_pid": host_pid}
+    if shm_threshold is not None:
+        header["shm_threshold"] = shm_threshold
+    return header
+
+
+def infer_request(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """An infer request header; the connection sets ``id`` when it sends it."""
+    return {"op": Op.INFER.value, "id": 0, "tensors": entries}
 
 
 def _missing(header: Mapping[str, Any], key: str, what: str) -> FrameError:

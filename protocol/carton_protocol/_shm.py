@@ -155,6 +155,8 @@ class SegmentPool:
 
     def take_dropped(self) -> list[str]:
         """Ids dropped since the last call; the next outgoing message tells the peer to unmap them."""
+        if not self._dropped:
+            return []  # the common case, without taking the lock
         with self._lock:
             dropped, self._dropped = self._dropped, []
             return dropped

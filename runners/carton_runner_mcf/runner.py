@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from carton.errors import InvalidInput, MCFError
+from carton.errors import InvalidInput, MCFError, PackError
 from carton.mcf import MCFFile, SectionType
 from carton_protocol import LoadContext, PackContext, PackResult, Runner, Tensor, TensorSpec
 
@@ -183,7 +183,7 @@ class MCFRunner(Runner):
         _check_declared(context.outputs, OUTPUT_DTYPES[options.mode], "output", options.mode)
         declared = {spec.name for spec in (*context.inputs, *context.outputs)}
         if not has_tokenizer and declared & {"prompt", "text"}:
-            raise MCFError(f"{path.name} has no tokenizer.json section, so 'prompt' and 'text' cannot be served")
+            raise PackError(f"{path.name} has no tokenizer.json section, so 'prompt' and 'text' cannot be served")
         return PackResult(
             inputs=context.inputs or inputs,
             outputs=context.outputs or outputs,
@@ -195,6 +195,6 @@ def _check_declared(specs: tuple[TensorSpec, ...], allowed: Mapping[str, object]
     for spec in specs:
         if spec.name not in allowed:
             names = ", ".join(allowed)
-            raise MCFError(f"declared {kind} {spec.name!r} is not served by the mcf runner in {mode} mode ({names})")
+            raise PackError(f"declared {kind} {spec.name!r} is not served by the mcf runner in {mode} mode ({names})")
         if spec.dtype != allowed[spec.name]:
-            raise MCFError(f"declared {kind} {spec.name!r} must have dtype {allowed[spec.name]}, not {spec.dtype}")
+            raise PackError(f"declared {kind} {spec.name!r} must have dtype {allowed[spec.name]}, not {spec.dtype}")

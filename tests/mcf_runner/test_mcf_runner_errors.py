@@ -12,7 +12,7 @@ import pytest
 from mcf_runner_models import edit_config, load_runner, to_mcf
 
 import carton.mcf
-from carton.errors import ConfigError, InvalidInput, MCFError, UnsupportedModel
+from carton.errors import ConfigError, InvalidInput, MCFError, PackError, UnsupportedModel
 from carton_protocol import DType, PackContext, TensorSpec
 from carton_runner_mcf.runner import MCFRunner
 
@@ -200,13 +200,13 @@ def test_pack_checks_declared_tensors(mcf_model: Callable[..., Path]):
     generate = MCFRunner.pack(PackContext(model_dir=folder, opts={"mode": "generate"}))
     assert [s.name for s in generate.inputs] == ["input_ids"] and [s.name for s in generate.outputs] == ["output_ids"]
     assert generate.opts == {"mode": "generate"}
-    with pytest.raises(MCFError, match="declared input 'pixels' is not served by the mcf runner in logits mode"):
+    with pytest.raises(PackError, match="declared input 'pixels' is not served by the mcf runner in logits mode"):
         MCFRunner.pack(PackContext(model_dir=folder, opts={}, inputs=(TensorSpec(name="pixels", dtype=DType.INT64),)))
-    with pytest.raises(MCFError, match="declared input 'input_ids' must have dtype int64, not float32"):
+    with pytest.raises(PackError, match="declared input 'input_ids' must have dtype int64, not float32"):
         MCFRunner.pack(
             PackContext(model_dir=folder, opts={}, inputs=(TensorSpec(name="input_ids", dtype=DType.FLOAT32),))
         )
-    with pytest.raises(MCFError, match="no tokenizer.json section"):
+    with pytest.raises(PackError, match="no tokenizer.json section"):
         MCFRunner.pack(
             PackContext(
                 model_dir=folder, opts={"mode": "generate"}, outputs=(TensorSpec(name="text", dtype=DType.STRING),)

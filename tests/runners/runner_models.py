@@ -126,7 +126,8 @@ def write_graph_names(model_dir: Path) -> Path:
     """Graph tensor names a carton would not show users: ``ns/in_x:0`` -> ``ns/out_y:0`` (y = 2x + 1)."""
     two = numpy_helper.from_array(np.array(2.0, dtype=np.float32), "two")
     one = numpy_helper.from_array(np.array(1.0, dtype=np.float32), "one")
-    nodes = [helper.make_node("Mul", ["ns/in_x:0", "two"], ["t"]), helper.make_node("Add", ["t", "one"], ["ns/out_y:0"])]
+    nodes = [helper.make_node("Mul", ["ns/in_x:0", "two"], ["t"]),
+             helper.make_node("Add", ["t", "one"], ["ns/out_y:0"])]
     graph = helper.make_graph(
         nodes, "names",
         [helper.make_tensor_value_info("ns/in_x:0", TensorProto.FLOAT, ["batch", 3])],

@@ -6,10 +6,12 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
+import carton
 import numpy as np
 import onnxruntime as ort
 import pytest
 import xgboost as xgb
+from carton import DType, TensorSpec
 from runner_models import (
     DTYPES,
     sample,
@@ -19,9 +21,6 @@ from runner_models import (
     write_mlp,
     write_string_ops,
 )
-
-import carton
-from carton import DType, TensorSpec
 
 
 def _session_outputs(path: Path, feeds: dict) -> list:
@@ -139,6 +138,7 @@ def test_xgboost_pickle_is_refused_out_of_process(tmp_path: Path) -> None:
 
     x, target = training_data(rows=100)
     (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "model.ubj").write_bytes(pickle.dumps(xgb.XGBRegressor(n_estimators=2, n_jobs=1).fit(x, target)))
+    regressor = xgb.XGBRegressor(n_estimators=2, n_jobs=1).fit(x, target)
+    (tmp_path / "model" / "model.ubj").write_bytes(pickle.dumps(regressor))
     with pytest.raises(carton.PackError, match="is not an xgboost JSON or UBJSON model"):
         carton.pack(tmp_path / "model", runner_name="xgboost", required_framework_version="*")

@@ -15,12 +15,10 @@ import time
 import venv
 from pathlib import Path
 
+import carton
 import numpy as np
 import onnxruntime as ort
 import pytest
-from runner_models import write_mlp
-
-import carton
 from carton._environments import plugin as environments_plugin
 from carton._environments._frameworks import FRAMEWORKS, carton_install_args, runner_requirements
 from carton._environments._install import available_versions, choose_version
@@ -34,6 +32,7 @@ from carton._environments._registry import (
 )
 from carton._runtime import VersionReq
 from carton.cli import main as cli_main
+from runner_models import write_mlp
 
 log = logging.getLogger(__name__)
 
@@ -231,7 +230,7 @@ def test_two_onnxruntime_versions_side_by_side(tmp_path: Path, monkeypatch: pyte
                                         progress=lines.append)
     assert lines[0].startswith("[1/5] looking up onnxruntime versions matching")
     assert environment.framework_version == OLD_ONNXRUNTIME and environment.python.exists()
-    assert OLD_ONNXRUNTIME != ort.__version__
+    assert ort.__version__ != OLD_ONNXRUNTIME
 
     path = write_mlp(tmp_path / "model")
     # Packing for the old version validates the model in the old environment's runner.

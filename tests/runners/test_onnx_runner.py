@@ -14,6 +14,8 @@ import onnx
 import onnxruntime as ort
 import pytest
 from carton_protocol import DType, LoadContext, PackContext, TensorSpec
+from carton_runner_onnx import InvalidRunnerOption, OnnxRunnerError, UnsafeModelPath, UnsupportedTensorType
+from carton_runner_onnx.runner import OnnxRunner
 from onnx import TensorProto, helper
 from runner_models import (
     DTYPES,
@@ -25,9 +27,6 @@ from runner_models import (
     write_string_ops,
     write_symlinked_external_data,
 )
-
-from carton_runner_onnx import InvalidRunnerOption, OnnxRunnerError, UnsafeModelPath, UnsupportedTensorType
-from carton_runner_onnx.runner import OnnxRunner
 
 
 def _load(model_dir: Path, *, opts: dict | None = None, inputs=(), outputs=(), warnings: list[str] | None = None):

@@ -8,10 +8,9 @@ import json
 import subprocess
 import sys
 
+import carton
 import onnxruntime
 import xgboost
-
-import carton
 
 
 def test_entry_points_name_the_plugin_modules() -> None:

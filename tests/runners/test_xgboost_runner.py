@@ -14,11 +14,10 @@ import numpy as np
 import pytest
 import xgboost as xgb
 from carton_protocol import DType, LoadContext, PackContext, TensorSpec
-from runner_models import training_data
-
 from carton_runner_xgboost import InvalidRunnerOption, UnsupportedModelFile, XGBoostRunnerError
 from carton_runner_xgboost.plugin import carton_serialize_model
 from carton_runner_xgboost.runner import XGBoostRunner
+from runner_models import training_data
 
 X, TARGET = training_data()
 LABELS = (TARGET > 0).astype(np.int64)
@@ -43,8 +42,10 @@ def _load(model_dir: Path, opts: dict, *, inputs=(), outputs=(), warnings: list[
 @pytest.fixture(scope="module")
 def models() -> dict[str, tuple[Any, Any]]:
     """name -> (model, in-process prediction function)."""
-    booster = xgb.train({"objective": "reg:squarederror", "max_depth": 3, "nthread": 1}, xgb.DMatrix(X, label=TARGET), 30)
-    softprob = xgb.train({"objective": "multi:softprob", "num_class": 3, "nthread": 1}, xgb.DMatrix(X, label=CLASSES3), 10)
+    booster = xgb.train({"objective": "reg:squarederror", "max_depth": 3, "nthread": 1},
+                        xgb.DMatrix(X, label=TARGET), 30)
+    softprob = xgb.train({"objective": "multi:softprob", "num_class": 3, "nthread": 1},
+                         xgb.DMatrix(X, label=CLASSES3), 10)
     binary = xgb.XGBClassifier(n_estimators=25, max_depth=3, n_jobs=1).fit(X, LABELS)
     softmax = xgb.XGBClassifier(n_estimators=10, objective="multi:softmax", n_jobs=1).fit(X, CLASSES3)
     multiclass = xgb.XGBClassifier(n_estimators=10, n_jobs=1).fit(X, CLASSES3)
@@ -130,7 +131,7 @@ def test_declared_names_are_used(tmp_path: Path, models: dict) -> None:
 
 def test_more_than_one_declared_input_is_refused(tmp_path: Path, models: dict) -> None:
     opts = _serialize(models["booster"][0], tmp_path)
-    with pytest.raises(XGBoostRunnerError, match="exactly one input; carton.toml declares 'a', 'b'"):
+    with pytest.raises(XGBoostRunnerError, match=r"exactly one input; carton\.toml declares 'a', 'b'"):
         _load(tmp_path, opts, inputs=[TensorSpec(name="a", dtype=DType.FLOAT32),
                                       TensorSpec(name="b", dtype=DType.FLOAT32)])
 
@@ -143,7 +144,7 @@ def test_concurrent_infer_matches() -> None:
 
 def test_pickled_model_is_refused(tmp_path: Path, models: dict) -> None:
     (tmp_path / "model.ubj").write_bytes(pickle.dumps(models["booster"][0]))
-    with pytest.raises(UnsupportedModelFile, match="'model.ubj' is not an xgboost JSON or UBJSON model"):
+    with pytest.raises(UnsupportedModelFile, match=r"'model\.ubj' is not an xgboost JSON or UBJSON model"):
         _load(tmp_path, {})
 
 
@@ -162,7 +163,7 @@ def test_model_file_selection(tmp_path: Path, models: dict) -> None:
     assert _load(tmp_path, {"model_file": "b.ubj"}).infer({"x": X[:2]})["predictions"].shape == (2,)
     with pytest.raises(UnsupportedModelFile, match="leads outside the model folder"):
         _load(tmp_path, {"model_file": "../a.json"})
-    with pytest.raises(UnsupportedModelFile, match="'c.json' does not exist"):
+    with pytest.raises(UnsupportedModelFile, match=r"'c\.json' does not exist"):
         _load(tmp_path, {"model_file": "c.json"})
 
 

@@ -6,6 +6,8 @@ import pytest
 import semver
 from carton._runtime._semver import Comparator, Op, VersionReq, framework_version
 from carton.errors import InvalidVersion, InvalidVersionReq
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 # (requirement, its canonical display, versions that match, versions that do not) -- the crate's
 # tests/test_version_req.rs, case for case.
@@ -239,9 +241,6 @@ def test_bad_framework_versions(bad: str) -> None:
 
 
 # --- properties -------------------------------------------------------------------------------------------------
-
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
 
 _REQ_ALPHABET = st.sampled_from(list("0123456789.,*xX^~=<>- +abc|"))
 

@@ -19,6 +19,7 @@ from zmq.backend import zmq_poll
 from carton_protocol._limits import WireLimits
 from carton_protocol._messages import pack_header, unpack_header
 from carton_protocol._shm import FdChannel, PeerSegments, SegmentPool
+from carton_protocol._zmqio import recv_message, send_message
 
 __all__ = ["CallTimeout", "Connection", "PeerGone"]
 
@@ -113,7 +114,7 @@ class Connection:
         request_id = next(self._ids)
         header["id"] = request_id
         self._attach_drops(header)
-        sock.send_multipart([pack_header(header), *frames], copy=False)
+        send_message(sock, [pack_header(header), *frames])
         deadline = None if timeout is None else time.monotonic() + timeout
         slice_ms = -1 if self._pidfd is not None else _LIVENESS_SLICE_MS
         poll_items = state.poll_items
@@ -139,7 +140,7 @@ class Connection:
                 raise CallTimeout
 
     def _receive(self, sock: zmq.Socket[Any], request_id: int) -> tuple[dict[str, Any], list[zmq.Frame]] | None:
-        frames = sock.recv_multipart(copy=False)
+        frames = recv_message(sock)
         header = unpack_header(frames[0].buffer, self.limits)
         reply_id = header.get("id")
         if reply_id == request_id or (reply_id == -1 and header.get("ok") is False):

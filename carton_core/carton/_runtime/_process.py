@@ -32,6 +32,8 @@ from carton_protocol._messages import (
     decode_opts,
     decode_specs,
     encode_specs,
+    hello_request,
+    infer_request,
 )
 from carton_protocol._reaper import kill_tree
 from carton_protocol._shm import SHM_AVAILABLE, FdChannel
@@ -197,9 +199,7 @@ class RunnerProcess:
         return runner
 
     def _handshake(self, timeout: float, use_shm: bool) -> None:
-        header: dict[str, Any] = {"op": Op.HELLO.value, "id": 0, "protocol": PROTOCOL_VERSION, "host_pid": os.getpid()}
-        if use_shm:
-            header["shm_threshold"] = self._threshold
+        header = hello_request(host_pid=os.getpid(), shm_threshold=self._threshold if use_shm else None)
         try:
             reply, _ = self._connection().call(header, timeout=timeout)
         except PeerGone:
@@ -338,8 +338,7 @@ class RunnerProcess:
         segment = encoded.segment
         try:
             reply, frames = self._request(
-                "infer", {"op": Op.INFER.value, "id": 0, "tensors": encoded.entries}, encoded.frames, timeout,
-                "infer timeout",
+                "infer", infer_request(encoded.entries), encoded.frames, timeout, "infer timeout"
             )
         finally:
             if segment is not None and connection.pool is not None:
