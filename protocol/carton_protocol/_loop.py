@@ -44,7 +44,7 @@ from ._messages import (
     unpack_header,
 )
 from ._reaper import kill_tree, reap_children, set_child_subreaper, set_parent_death_signal
-from ._runner import LoadContext, PackContext, Runner, Tensor
+from ._runner import LoadContext, PackContext, PackResult, Runner, Tensor
 from ._zmqio import recv_message, send_message
 from ._shm import SHM_AVAILABLE, FdChannel, PeerSegments, SegmentPool
 from .errors import FrameError, ProtocolError, VersionMismatch
@@ -131,6 +131,7 @@ class _Server:
         self.main_thread = threading.get_ident()
         self.running = True
         self.exit_code = 0
+        self.warnings: list[str] = []
         try:
             self.runner_class = import_entry(entry)
         except BaseException as exc:
@@ -208,6 +209,7 @@ class _Server:
                             self.pool.release(segment_id)
                 return
             reply: dict[str, Any] = {"id": request_id, "ok": True}
+            self.warnings = []
             if op == Op.HELLO:
                 reply.update(self._hello(header))
             elif op == Op.LOAD:
@@ -225,6 +227,8 @@ class _Server:
             return
         except Exception as exc:
             failure: dict[str, Any] = {"id": request_id, "ok": False, "error": _error(exc)}
+            if self.warnings:
+                failure["warnings"] = [str(warning) for warning in self.warnings]
             if op == Op.HELLO:
                 failure["protocol"] = PROTOCOL_VERSION
                 self.running = False
@@ -260,7 +264,7 @@ class _Server:
         opts = decode_opts(header.get("opts"), f"{what} opts")
         inputs = decode_specs(header.get("inputs"), f"{what} inputs", self.limits)
         outputs = decode_specs(header.get("outputs"), f"{what} outputs", self.limits)
-        return model_dir, opts, inputs, outputs, []
+        return model_dir, opts, inputs, outputs, self.warnings
 
     def _load(self, header: dict[str, Any]) -> dict[str, Any]:
         if self.runner is not None:
@@ -288,12 +292,17 @@ class _Server:
         result = self.runner_class.pack(
             PackContext(model_dir=model_dir, opts=opts, inputs=inputs, outputs=outputs, warn=warnings.append)
         )
-        return {
-            "warnings": [str(warning) for warning in warnings],
-            "inputs": encode_specs(tuple(result.inputs)),
-            "outputs": encode_specs(tuple(result.outputs)),
-            "opts": dict(result.opts),
-        }
+        if not isinstance(result, PackResult):
+            raise InvalidOutput(f"{self.entry}.pack returned a {type(result).__name__}, expected a PackResult")
+        try:
+            encoded = {
+                "inputs": encode_specs(tuple(result.inputs)),
+                "outputs": encode_specs(tuple(result.outputs)),
+                "opts": decode_opts(dict(result.opts), "pack opts"),
+            }
+        except (ValueError, TypeError, AttributeError, ProtocolError) as exc:
+            raise InvalidOutput(f"{self.entry}.pack returned specs or opts the wire cannot carry: {exc}") from exc
+        return {"warnings": [str(warning) for warning in warnings], **encoded}
 
     def _close(self) -> None:
         self.running = False

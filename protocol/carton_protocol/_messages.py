@@ -154,7 +154,7 @@ def encode_specs(specs: tuple[TensorSpec, ...]) -> list[dict[str, Any]]:
     for spec in specs:
         entry: dict[str, Any] = {
             "name": spec.name,
-            "dtype": spec.dtype.value,
+            "dtype": DType(spec.dtype).value,
             "shape": spec.shape if isinstance(spec.shape, str) else list(spec.shape),
         }
         if spec.description is not None:

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
-from carton_protocol import LoadContext, PackContext, PackResult, Runner, Tensor, TensorSpec
+from carton_protocol import DType, LoadContext, PackContext, PackResult, Runner, Tensor, TensorSpec
 
 
 class Echo(Runner):
@@ -39,7 +39,7 @@ class Echo(Runner):
             raise ValueError("the model folder has no model in it")
         context.warn("pack warning")
         return PackResult(
-            inputs=(TensorSpec(name="x", dtype=context.inputs[0].dtype if context.inputs else "float32", shape=(1, "n")),),  # type: ignore[arg-type]
+            inputs=(TensorSpec(name="x", dtype=DType.FLOAT32, shape=(1, "n")),),
             outputs=context.outputs,
             opts={**context.opts, "packed": True},
         )
@@ -158,7 +158,12 @@ class Environment(Runner):
 
     def infer(self, inputs: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
         env = sorted(f"{key}={value}" for key, value in os.environ.items())
-        fds = sorted(os.listdir("/proc/self/fd"))
+        fds = []
+        for fd in sorted(os.listdir("/proc/self/fd")):
+            try:
+                fds.append(os.readlink(f"/proc/self/fd/{fd}"))
+            except OSError:
+                continue
         return {
             "env": np.array(env, dtype=str),
             "fds": np.array(fds, dtype=str),

