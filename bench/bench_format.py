@@ -135,7 +135,7 @@ def run(root: Path, big: int, repeat: int) -> None:
 
     cp = timed(lambda: subprocess.run(["cp", str(model_bytes), str(out)], check=True), repeat, rm_out)
     ours = timed(lambda: open_carton(stored), repeat, clear)
-    rows.append(("open_carton stored (copy_file_range + hash) vs cp", ours, cp, "goal >= 80 % of cp"))
+    rows.append(("open_carton stored (copy_file_range + mmap hash) vs cp", ours, cp, "goal >= 80 % of cp"))
     loop = timed(lambda: copy_loop(stored, out, offset, length), repeat, rm_out)
     rows.append(("  alternative: read/hash/write loop vs cp", loop, cp, ""))
     send = timed(lambda: copy_sendfile(stored, out, offset, length), repeat, rm_out)

@@ -31,9 +31,8 @@ import zmq
 ROOT = Path(__file__).resolve().parent.parent
 TEST_RUNNERS = str(ROOT / "tests" / "protocol")
 
-from carton_protocol import RunnerSpec
-
 from carton._runtime._process import RunnerProcess
+from carton_protocol import RunnerSpec
 
 
 def spec(entry: str, name: str = "bench") -> RunnerSpec:

@@ -44,9 +44,9 @@ from ._messages import (
     unpack_header,
 )
 from ._reaper import kill_tree, reap_children, set_child_subreaper, set_parent_death_signal
-from ._runner import LoadContext, PackContext, PackResult, Runner, Tensor
-from ._zmqio import recv_message, send_message
+from ._runner import LoadContext, PackContext, PackResult, Runner
 from ._shm import SHM_AVAILABLE, FdChannel, PeerSegments, SegmentPool
+from ._zmqio import recv_message, send_message
 from .errors import FrameError, ProtocolError, VersionMismatch
 
 __all__ = ["import_entry", "main"]

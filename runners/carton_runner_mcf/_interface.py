@@ -15,6 +15,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from carton.errors import ConfigError, InvalidInput
+from carton.mcf import CacheMode
 from carton_protocol import DType, OptValue, Tensor, TensorSpec
 
 __all__ = [
@@ -67,7 +68,7 @@ class RunnerOptions:
 
     mode: Mode = Mode.LOGITS
     model_file: str | None = None
-    weight_cache: str | None = None
+    weight_cache: CacheMode = "int8"
     max_new_tokens: int = 64
     temperature: float = 0.0
     top_k: int = 0

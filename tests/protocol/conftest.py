@@ -7,9 +7,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from carton_protocol import RunnerSpec
-
 from carton._runtime._process import RunnerProcess
+from carton_protocol import RunnerSpec
 
 HERE = Path(__file__).resolve().parent
 TEST_ENV = {"PYTHONPATH": str(HERE)}

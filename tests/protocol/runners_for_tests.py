@@ -133,6 +133,11 @@ class Spawner(Runner):
             "    os._exit(0)\n"
         )
         subprocess.run([sys.executable, "-c", grandchild_script, str(self.pid_file)], check=True)
+        deadline = time.monotonic() + 10
+        while not (self.pid_file.exists() and self.pid_file.read_text().endswith("\n")):
+            if time.monotonic() > deadline:
+                raise TimeoutError("the setsid grandchild never reported its pid")
+            time.sleep(0.01)
         with self.pid_file.open("a") as handle:
             handle.write(f"{child.pid}\n")
 

@@ -16,14 +16,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import carton
 import numpy as np
 import pytest
-from carton_protocol import DType, RemoteError, TensorSpec
-
-import carton
 from carton._runtime import _process
 from carton._runtime._launch import LaunchPlan
 from carton._runtime._process import RunnerProcess
+from carton_protocol import DType, RemoteError, TensorSpec
 
 from .conftest import HERE, TEST_ENV, make_spec
 

@@ -15,11 +15,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import zmq
-from zmq.backend import zmq_poll
 from carton_protocol._limits import WireLimits
 from carton_protocol._messages import pack_header, unpack_header
 from carton_protocol._shm import FdChannel, PeerSegments, SegmentPool
 from carton_protocol._zmqio import recv_message, send_message
+from zmq.backend import zmq_poll
 
 __all__ = ["CallTimeout", "Connection", "PeerGone"]
 

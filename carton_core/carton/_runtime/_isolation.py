@@ -41,9 +41,11 @@ class RunnerLimits:
     cpu_seconds: float | None = None
     request_seconds: float | None = None
     processes: int | None = None
+    open_files: int | None = None
+    file_size_bytes: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("memory_bytes", "cpu_seconds", "request_seconds", "processes"):
+        for name in ("memory_bytes", "cpu_seconds", "request_seconds", "processes", "open_files", "file_size_bytes"):
             value = getattr(self, name)
             if value is None:
                 continue
@@ -53,7 +55,9 @@ class RunnerLimits:
     def needs_sandbox(self) -> tuple[str, ...]:
         """The limits that only the sandbox layer can enforce."""
         return tuple(
-            name for name in ("memory_bytes", "cpu_seconds", "processes") if getattr(self, name) is not None
+            name
+            for name in ("memory_bytes", "cpu_seconds", "processes", "open_files", "file_size_bytes")
+            if getattr(self, name) is not None
         )
 
 

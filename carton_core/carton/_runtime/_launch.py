@@ -51,6 +51,11 @@ class LaunchPlan:
     model_dir: Path | None = None
     pass_fds: tuple[int, ...] = ()
     host_pid: int = field(default_factory=os.getpid)
+    #: Resource limits a sandbox applied, by `carton.RunnerLimits` field name (for error messages).
+    limits: Mapping[str, float] = field(default_factory=dict)
+    #: Set by a wrapper that reports its runner's death by signal N as exit status ``exit_signal_base + N``
+    #: (bubblewrap and the sandbox shim use 128).
+    exit_signal_base: int | None = None
 
 
 def _runtime_base() -> Path:

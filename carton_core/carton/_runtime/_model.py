@@ -341,11 +341,14 @@ def load(
     model's ``runner_compat_version`` is not enforced, since it belongs to the original runner). ``runner_opts``
     override carton.toml's options key by key. ``workers`` runner processes serve the model; ``timeout`` is the
     default per-request limit in seconds (``None``: no limit, or ``limits.request_seconds``). ``sandbox`` and
-    ``limits`` choose the isolation of the runner processes (see docs/runners.md).
+    ``limits`` choose the isolation of the runner processes (see docs/sandbox.md); a carton loaded from an
+    http(s) URL defaults to ``sandbox="best_effort"``, any other to ``"none"``.
     """
     from .._format import open_carton
 
     workers = _check_workers(workers)
+    if sandbox is None and str(path_or_url).startswith(("http://", "https://")):
+        sandbox = SandboxPolicy.BEST_EFFORT  # a carton from a URL is untrusted unless the caller says otherwise
     opened = open_carton(path_or_url)
     info = opened.info
     runner_info = info.runner

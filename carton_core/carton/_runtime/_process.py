@@ -43,9 +43,11 @@ from ..errors import (
     InvalidOutput,
     ModelClosed,
     ProtocolMismatch,
+    RunnerCPULimit,
     RunnerCrashed,
     RunnerError,
     RunnerFailed,
+    RunnerMemoryLimit,
     RunnerProtocolError,
     RunnerStartError,
     RunnerTimeout,
@@ -62,14 +64,26 @@ DEFAULT_SHM_THRESHOLD = 1 << 18
 _PROTOCOL_KINDS = frozenset({"ProtocolError", "FrameError", "LimitExceeded"})
 
 
-def _describe_exit(returncode: int | None) -> str:
+def _exit_signal(returncode: int | None, signal_base: int | None) -> int | None:
+    """The signal that ended the runner: a negative status, or ``signal_base + N`` from a sandbox wrapper."""
+    if returncode is None:
+        return None
+    if returncode < 0:
+        return -returncode
+    if signal_base is not None and signal_base < returncode < signal_base + 65:
+        return returncode - signal_base
+    return None
+
+
+def _describe_exit(returncode: int | None, signal_base: int | None = None) -> str:
     if returncode is None:
         return "is still running"
-    if returncode < 0:
+    signum = _exit_signal(returncode, signal_base)
+    if signum is not None:
         try:
-            name = signal.Signals(-returncode).name
+            name = signal.Signals(signum).name
         except ValueError:
-            name = f"signal {-returncode}"
+            name = f"signal {signum}"
         return f"was killed by {name}"
     return f"exited with status {returncode}"
 
@@ -279,9 +293,13 @@ class RunnerProcess:
             return type(fate)(f"{fate} (while waiting for {what})")
         if self._closed:
             return ModelClosed(f"runner {self.spec.entry} was closed during {what}")
-        return RunnerCrashed(
-            f"runner {self.spec.entry} (pid {self.pid}) {self._exit_text()} during {what}{self._log_text()}"
-        )
+        text = f"runner {self.spec.entry} (pid {self.pid}) {self._exit_text()} during {what}"
+        signum = _exit_signal(self.returncode, self.plan.exit_signal_base)
+        cpu = self.plan.limits.get("cpu_seconds")
+        if cpu is not None and signum in (signal.SIGXCPU, signal.SIGKILL):
+            # SIGXCPU at the soft limit; SIGKILL at the hard one (a second later) if the runner caught SIGXCPU.
+            return RunnerCPULimit(f"{text}: it went over its CPU-time limit (cpu_seconds={cpu:g}){self._log_text()}")
+        return RunnerCrashed(f"{text}{self._log_text()}")
 
     def _kill(self, fate: RunnerError) -> None:
         with self._lock:
@@ -384,6 +402,10 @@ class RunnerProcess:
         cause = self._remote_error(reply)
         if kind == "InvalidOutput":
             failure: Exception = InvalidOutput(f"runner {self.spec.entry}: {text}")
+        elif isinstance(kind, str) and kind.endswith("MemoryError"):
+            memory = self.plan.limits.get("memory_bytes")
+            limit = f"its memory limit (memory_bytes={memory:.0f})" if memory is not None else "memory"
+            failure = RunnerMemoryLimit(f"runner {self.spec.entry} ran out of {limit} during infer: {text}")
         elif kind in _PROTOCOL_KINDS:
             failure = RunnerProtocolError(f"runner {self.spec.entry} rejected the request: {text}")
         else:
@@ -462,7 +484,7 @@ class RunnerProcess:
         if process is not None:
             with contextlib.suppress(Exception):
                 returncode = process.wait(timeout=1)
-        return _describe_exit(returncode)
+        return _describe_exit(returncode, self.plan.exit_signal_base)
 
     def _log_text(self) -> str:
         tail = read_log_tail(self.plan.log_path)

@@ -11,6 +11,7 @@ The container (header, sections, ModelInfo, QuantInfo, TensorIndex, TensorData, 
 """
 
 from ._container import MCFHeader, QuantRecord, SectionEntry, TensorEntry
+from ._convert import ConvertReport, TensorClass, classify_tensor, convert, model_info_from_config
 from ._decode import dequantize
 from ._kernels import CacheMode, QuantizedLinear, matmul
 from ._layout import PayloadLayout, Region, payload_layout, payload_size
@@ -20,13 +21,12 @@ from ._reader import MCFFile, open_mcf
 from ._types import Architecture, MCFDType, QuantDomain, QuantMethod, RopeType, SectionType
 from ._writer import MCFWriter, QuantizedPayload, write_mcf
 
-# --- converter (helper C) ---
-
 open = open_mcf  # carton.mcf.open(path) mirrors the builtin on purpose
 
 __all__ = [
     "Architecture",
     "CacheMode",
+    "ConvertReport",
     "KVValue",
     "MCFDType",
     "MCFFile",
@@ -45,9 +45,13 @@ __all__ = [
     "RopeType",
     "SectionEntry",
     "SectionType",
+    "TensorClass",
     "TensorEntry",
+    "classify_tensor",
+    "convert",
     "dequantize",
     "matmul",
+    "model_info_from_config",
     "open",
     "open_mcf",
     "payload_layout",

@@ -1,0 +1,117 @@
+"""Fixtures of the sandbox tests: the adversarial plugin, the available backends, models and host-side probes."""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from carton._runtime import plugin_manager
+from carton._sandbox import BACKEND_ENV, Backend, machine_support
+from carton.errors import CartonWarning
+from carton_protocol import RunnerSpec, hookimpl
+
+HERE = Path(__file__).resolve().parent
+log = logging.getLogger("carton.tests.sandbox")
+
+
+def _spec(name: str, entry: str) -> RunnerSpec:
+    return RunnerSpec(runner_name=name, framework_version="1.0.0", runner_compat_version=1, entry=entry,
+                      concurrent=True, env=(("PYTHONPATH", str(HERE)),))
+
+
+class AdversarialPlugin:
+    """Ships ``adversary`` (attacks on request) and ``never-ready`` (never answers the handshake)."""
+
+    @hookimpl
+    def carton_runners(self) -> list[RunnerSpec]:
+        return [_spec("adversary", "adversarial_runners:Adversary"), _spec("never-ready", "adversarial_hang:Never")]
+
+
+@pytest.fixture
+def adversarial_plugin() -> Iterator[AdversarialPlugin]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CartonWarning)
+        manager = plugin_manager()
+    plugin = AdversarialPlugin()
+    manager.register(plugin, name="sandbox-tests")
+    yield plugin
+    if manager.is_registered(plugin):
+        manager.unregister(plugin)
+
+
+def _backend_params() -> list[object]:
+    support = machine_support()
+    params: list[object] = []
+    for backend in Backend:
+        reason = support.backends[backend]
+        if reason is not None:
+            log.warning("sandbox backend %s is not available here, its tests are skipped: %s", backend.value, reason)
+        marks = [pytest.mark.skip(reason=f"backend {backend.value} unavailable: {reason}")] if reason else []
+        params.append(pytest.param(backend, marks=marks, id=backend.value))
+    return params
+
+
+@pytest.fixture(params=_backend_params())
+def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Backend:
+    value: Backend = request.param
+    monkeypatch.setenv(BACKEND_ENV, value.value)
+    return value
+
+
+def policy_for(backend: Backend) -> str:
+    """The strictest policy the backend can start here: strict when every layer is present, else best_effort."""
+    layers = machine_support().layers(backend)
+    return "strict" if all(status.available for status in layers) else "best_effort"
+
+
+def _model(root: Path, name: str, note: str) -> Path:
+    folder = root / name
+    folder.mkdir(parents=True)
+    (folder / "note.txt").write_text(note)
+    (folder / "secret.txt").write_text(f"secret of {name}")
+    return folder
+
+
+@pytest.fixture
+def models(tmp_path: Path) -> tuple[Path, Path]:
+    """Two model folders: the one the adversary loads and another model's, whose files it must not see."""
+    return _model(tmp_path, "mine", "mine:"), _model(tmp_path, "theirs", "theirs:")
+
+
+@pytest.fixture
+def home_secret() -> Iterator[Path]:
+    """A file in the host user's real home directory (removed afterwards)."""
+    path = Path.home() / f".carton-sandbox-test-{uuid.uuid4().hex}"
+    path.write_text("host home secret")
+    yield path
+    path.unlink(missing_ok=True)
+
+
+def processes_mentioning(*needles: str) -> list[tuple[int, str]]:
+    """Host processes whose command line contains any of `needles` (runner trees carry their runtime dir)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode("utf-8", "replace")
+            status = (entry / "status").read_text()
+        except OSError:
+            continue
+        if "State:\tZ" in status:
+            continue
+        if any(needle in cmdline for needle in needles):
+            found.append((int(entry.name), cmdline))
+    return found
+
+
+def host_rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
