@@ -27,12 +27,11 @@ from pathlib import Path
 
 import numpy as np
 import zmq
+from carton._runtime._process import RunnerProcess
+from carton_protocol import RunnerSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 TEST_RUNNERS = str(ROOT / "tests" / "protocol")
-
-from carton._runtime._process import RunnerProcess
-from carton_protocol import RunnerSpec
 
 
 def spec(entry: str, name: str = "bench") -> RunnerSpec:

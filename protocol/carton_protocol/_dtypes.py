@@ -42,7 +42,8 @@ def _bfloat16() -> np.dtype[Any] | None:
         import ml_dtypes
     except ImportError:  # optional in a runner environment: BF16 is then refused with a clear error
         return None
-    return np.dtype(ml_dtypes.bfloat16)
+    bfloat16: np.dtype[Any] = np.dtype(ml_dtypes.bfloat16)
+    return bfloat16
 
 
 _BF16 = _bfloat16()

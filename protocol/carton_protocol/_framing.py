@@ -14,6 +14,7 @@ before it allocates anything.
 
 from __future__ import annotations
 
+import contextlib
 import struct
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -196,10 +197,8 @@ def decode_tensors(
 _FIXED: dict[str, np.dtype[Any]] = {}
 for _wire in WireType:
     if _wire is not WireType.BYTES:
-        try:
+        with contextlib.suppress(FrameError):  # BF16 without ml_dtypes
             _FIXED[_wire.value] = to_numpy(_wire, tensor="")
-        except FrameError:
-            pass
 
 
 class _Decoder:

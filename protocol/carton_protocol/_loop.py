@@ -338,7 +338,7 @@ class _Server:
         if any(isinstance(value, tuple) for value in outputs.values()):
             outputs = {name: list(value) if isinstance(value, tuple) else value for name, value in outputs.items()}
         try:
-            return encode_tensors(outputs, pool=self.pool, threshold=self.threshold)  # type: ignore[arg-type]
+            return encode_tensors(outputs, pool=self.pool, threshold=self.threshold)
         except FrameError as exc:
             raise InvalidOutput(f"{self.entry}.infer returned an output the wire cannot carry: {exc}") from exc
 

@@ -216,12 +216,12 @@ def _check_opt(value: object, where: str, depth: int) -> None:
     kind = type(value)
     if kind in (str, int, float, bool):
         return
-    if kind is list:
-        for index, item in enumerate(value):  # type: ignore[arg-type]
+    if isinstance(value, list) and kind is list:
+        for index, item in enumerate(value):
             _check_opt(item, f"{where}[{index}]", depth + 1)
         return
-    if kind is dict:
-        for key, item in value.items():  # type: ignore[attr-defined]
+    if isinstance(value, dict) and kind is dict:
+        for key, item in value.items():
             _check_opt(item, f"{where}.{key}", depth + 1)
         return
     raise FrameError(f"{where}: a runner option cannot be a {kind.__name__}")

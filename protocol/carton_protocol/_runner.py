@@ -76,14 +76,14 @@ class Runner(abc.ABC):
 
     concurrent: ClassVar[bool] = False
 
-    def load(self, context: LoadContext) -> None:
+    def load(self, context: LoadContext) -> None:  # noqa: B027 - optional hook, empty by design
         """Load the model. Raise any exception to fail the load; its message reaches the host."""
 
     @abc.abstractmethod
     def infer(self, inputs: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
         """Compute outputs from inputs, both keyed by carton tensor name."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook, empty by design
         """Release resources; called once before the process exits."""
 
     @classmethod

@@ -266,7 +266,7 @@ def test_a_bad_entry_is_runner_start_error(entry: str, message: str) -> None:
 
 def test_an_interpreter_that_does_not_exist_is_runner_start_error() -> None:
     spec = replace(make_spec("runners_for_tests:Echo"), python="/nonexistent/python3")
-    with pytest.raises(carton.RunnerStartError, match="cannot start runner .*/nonexistent/python3"):
+    with pytest.raises(carton.RunnerStartError, match=r"cannot start runner .*/nonexistent/python3"):
         RunnerProcess.start(spec)
 
 

@@ -39,6 +39,12 @@ class LaunchPlan:
     are the only descriptors the process inherits (the shared-memory channel). ``runtime_dir`` must stay visible
     to the runner at the same path (it holds ``endpoint``'s socket file); ``model_dir`` is read-only input and
     ``scratch_dir`` the runner's only writable place. ``host_pid`` is what the runner watches to exit with the host.
+
+    ``limits`` records the resource limits a wrapper applied (keys ``memory_bytes``, ``cpu_seconds``,
+    ``request_seconds``, ``processes``, ``open_files``, ``file_size_bytes``): the host names them when the runner
+    dies of one, and ``request_seconds`` is the default timeout of every request. ``exit_signal_base`` is set when
+    the started process is a wrapper that reports its child's death by signal N as exit status ``base + N``
+    (bubblewrap and shells use 128), so the host can still name the signal.
     """
 
     argv: tuple[str, ...]
@@ -51,6 +57,8 @@ class LaunchPlan:
     model_dir: Path | None = None
     pass_fds: tuple[int, ...] = ()
     host_pid: int = field(default_factory=os.getpid)
+    limits: Mapping[str, float] = field(default_factory=dict)
+    exit_signal_base: int | None = None
     #: Resource limits a sandbox applied, by `carton.RunnerLimits` field name (for error messages).
     limits: Mapping[str, float] = field(default_factory=dict)
     #: Set by a wrapper that reports its runner's death by signal N as exit status ``exit_signal_base + N``
@@ -59,7 +67,7 @@ class LaunchPlan:
 
 
 def _runtime_base() -> Path:
-    shm = Path("/dev/shm")
+    shm = Path("/dev/shm")  # noqa: S108 - tmpfs by design; the directory itself is a private mkdtemp (0700)
     if shm.is_dir() and os.access(shm, os.W_OK | os.X_OK):
         return shm
     return Path(tempfile.gettempdir())
