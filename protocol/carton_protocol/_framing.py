@@ -30,6 +30,8 @@ from .errors import FrameError, LimitExceeded
 __all__ = ["Encoded", "decode_tensors", "encode_tensors"]
 
 _PREFIX = struct.Struct("<I")
+# Largest dimension accepted: numpy's own limit is below 2**63, and no real tensor comes near this.
+_MAX_DIM = 1 << 62
 _EMPTY = b""
 
 
@@ -226,8 +228,8 @@ class _Decoder:
             raise LimitExceeded(f"tensor {name!r}: rank {len(shape)} is over the limit of {limits.max_rank}")
         count = 1
         for dim in shape:
-            if type(dim) is not int or dim < 0:
-                raise FrameError(f"tensor {name!r}: shape {shape!r} must hold non-negative ints")
+            if type(dim) is not int or not 0 <= dim <= _MAX_DIM:
+                raise FrameError(f"tensor {name!r}: shape {shape!r} must hold ints from 0 to 2**62")
             count *= dim  # Python ints do not overflow; the product is checked against the size below
         if type(size) is not int or size < 0:
             raise FrameError(f"tensor {name!r}: 'size' must be a non-negative int")
@@ -236,9 +238,11 @@ class _Decoder:
         self.total += size
         if self.total > limits.max_message_bytes:
             raise LimitExceeded(f"message tensors total over {limits.max_message_bytes} bytes")
-        dtype = _FIXED.get(datatype)  # type: ignore[arg-type]
+        if type(datatype) is not str:
+            raise FrameError(f"tensor {name!r}: 'datatype' must be a string, got {type(datatype).__name__}")
+        dtype = _FIXED.get(datatype)
         if dtype is None:
-            wire = WIRE_TYPES.get(datatype)  # type: ignore[arg-type]
+            wire = WIRE_TYPES.get(datatype)
             if wire is None:
                 raise FrameError(f"tensor {name!r}: unknown datatype {datatype!r}")
             if wire is WireType.BYTES:
@@ -257,7 +261,7 @@ class _Decoder:
             )
         buffer, offset = self._locate(entry, name, size)
         if count == 0:
-            return np.empty(shape, dtype)
+            return _empty(shape, dtype, name)
         array = np.frombuffer(buffer, dtype, count, offset).reshape(shape)
         if datatype == "BOOL" and array.view(np.uint8).max() > 1:
             raise FrameError(f"tensor {name!r}: BOOL bytes must be 0 or 1")
@@ -298,6 +302,14 @@ class _Decoder:
         return segment.mapping, offset
 
 
+def _empty(shape: list[int], dtype: np.dtype[Any], name: str) -> np.ndarray:
+    """A zero-element array; numpy refuses some shapes (``[0, 2**62, 2**62]``) even though they hold nothing."""
+    try:
+        return np.empty(shape, dtype)
+    except ValueError as exc:
+        raise FrameError(f"tensor {name!r}: shape {shape} is too large for a numpy array") from exc
+
+
 def _decode_strings(buffer: Any, offset: int, size: int, count: int, shape: list[int], name: str) -> np.ndarray:
     data = memoryview(buffer)[offset : offset + size]
     values: list[str] = []
@@ -321,5 +333,5 @@ def _decode_strings(buffer: Any, offset: int, size: int, count: int, shape: list
     if position != size:
         raise FrameError(f"tensor {name!r}: {size - position} bytes left over after {count} BYTES elements")
     if not values:
-        return np.empty(shape, dtype="<U1")
+        return _empty(shape, np.dtype("<U1"), name)
     return np.array(values, dtype=str).reshape(shape)

@@ -75,6 +75,7 @@ class RunnerOptions:
     top_p: float = 1.0
     seed: int | None = None
     stop_at_eos: bool = True
+    chat: bool = False
 
 
 def _typed(name: str, value: OptValue, kind: type) -> OptValue:
@@ -105,7 +106,7 @@ def parse_options(opts: Mapping[str, OptValue]) -> tuple[RunnerOptions, list[str
             known[name] = _typed(name, value, int)
         elif name in ("temperature", "top_p"):
             known[name] = float(_typed(name, value, float))  # type: ignore[arg-type]
-        elif name == "stop_at_eos":
+        elif name in ("stop_at_eos", "chat"):
             known[name] = _typed(name, value, bool)
         else:
             unknown.append(name)

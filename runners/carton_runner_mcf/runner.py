@@ -91,10 +91,15 @@ class MCFRunner(Runner):
                     self._mcf.resource(SectionType.HF_TOKENIZER_CONFIG),
                     source=self._mcf.name,
                     pad_token_id=self._pad,
+                    chat=self._options.chat,
                 )
             except MCFError as exc:  # only string prompts need it; token ids still work
+                if self._options.chat:
+                    raise
                 self._codec_error = exc
                 context.warn(str(exc))
+        elif self._options.chat:
+            raise MCFError(f"{path.name}: runner option chat needs a tokenizer.json section")
         self._declared = {spec.name for spec in context.outputs}
 
     def infer(self, inputs: Mapping[str, Tensor]) -> Mapping[str, Tensor]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -9,6 +11,7 @@ import numpy as np
 import pytest
 from mcf_runner_models import build_llama, load_runner, to_mcf, word_tokenizer_json
 
+from carton.errors import MCFError
 from carton_runner_mcf._generate import SamplingParams, generate, sample_next
 from carton_runner_mcf._llama import KVCache, positions_from_mask
 
@@ -145,3 +148,41 @@ def test_string_prompts_through_tokenizer_json(model_root: Path):
         np.testing.assert_array_equal(ids[0], out["output_ids"][0])
     finally:
         runner.close()
+
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}w5 {{ message['content'] }} w6{% endfor %}"
+    "{% if add_generation_prompt %} w7{% endif %}"
+)
+
+
+def test_chat_template_wraps_prompts(model_root: Path):
+    hf = build_llama(model_root / "hf-chat", tie=True, initializer_range=0.1, seed=6, tokenizer_json=word_tokenizer_json(512))
+    (hf / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE, "eos_token": "<eos>"}))
+    folder = to_mcf(hf, model_root / "mcf-chat")
+    runner = load_runner(folder, mode="generate", chat=True, max_new_tokens=4, stop_at_eos=False)
+    try:
+        chat = runner.infer({"prompt": np.array(["w10 w11"])})["output_ids"]
+        by_hand = runner.infer({"input_ids": np.array([[5, 10, 11, 6, 7]])})["output_ids"]
+        np.testing.assert_array_equal(chat, by_hand)
+    finally:
+        runner.close()
+
+
+def test_chat_templates_run_sandboxed(model_root: Path, tmp_path: Path):
+    hf = tmp_path / "hf-evil"
+    shutil.copytree(build_llama(model_root / "hf-chat-evil", tokenizer_json=word_tokenizer_json(512)), hf)
+    evil = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
+    (hf / "tokenizer_config.json").write_text(json.dumps({"chat_template": evil}))
+    runner = load_runner(to_mcf(hf, tmp_path / "mcf-evil"), mode="generate", chat=True, max_new_tokens=1)
+    try:
+        with pytest.raises(MCFError, match="the chat_template of tokenizer_config.json failed: .*unsafe"):
+            runner.infer({"prompt": np.array(["w10"])})
+    finally:
+        runner.close()
+    (hf / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{% for %}"}))
+    with pytest.raises(MCFError, match="chat_template of tokenizer_config.json does not compile"):
+        load_runner(to_mcf(hf, tmp_path / "mcf-broken"), mode="generate", chat=True)
+    (hf / "tokenizer_config.json").write_text(json.dumps({}))
+    with pytest.raises(MCFError, match="runner option chat needs a chat_template in tokenizer_config.json"):
+        load_runner(to_mcf(hf, tmp_path / "mcf-none"), mode="generate", chat=True)

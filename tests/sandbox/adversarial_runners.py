@@ -79,7 +79,13 @@ class Adversary(Runner):
         if action == "env":
             return {"out": np.array(["\n".join(f"{k}={v}" for k, v in sorted(os.environ.items()))])}
         if action == "fds":
-            return {"out": np.array([",".join(sorted(os.listdir("/proc/self/fd"), key=int))])}
+            targets = []
+            for fd in os.listdir("/proc/self/fd"):
+                try:
+                    targets.append(os.readlink(f"/proc/self/fd/{fd}"))
+                except OSError:
+                    continue
+            return {"out": np.array(["\n".join(sorted(targets))])}
         if action == "whoami":
             return {"out": np.array([f"{os.getuid()} {os.getpid()}"])}
         raise ValueError(f"unknown action {action!r}")

@@ -189,13 +189,15 @@ def test_nothing_of_the_host_leaks_in(models: tuple[Path, Path], backend: Backen
         with load(models[0], backend) as model:
             environment = attack(model, "env")["out"].tolist()[0]
             assert "hunter2" not in environment and "CARTON_TEST_HOST_SECRET" not in environment
-            assert str(Path.home()) not in environment
+            assert f"HOME={Path.home()}" not in environment and os.environ["PATH"] not in environment
             uid, pid = map(int, attack(model, "whoami")["out"].tolist()[0].split())
             assert pid < 10  # a fresh PID namespace: the runner's pid is tiny
             if machine_support().layers(backend)[-1].available:
                 assert uid != 0
-            descriptors = attack(model, "fds")["out"].tolist()[0].split(",")
-            assert str(leaked.fileno()) not in descriptors or leaked.fileno() < 3
+            descriptors = attack(model, "fds")["out"].tolist()[0].splitlines()
+            assert leaked.name not in descriptors
+            assert [target for target in descriptors if target.startswith("/") and not target.startswith(
+                ("/dev/null", "/dev/shm/carton-", "/memfd:", "/proc/"))] == []
     finally:
         leaked.close()
 

@@ -57,8 +57,6 @@ class LaunchPlan:
     model_dir: Path | None = None
     pass_fds: tuple[int, ...] = ()
     host_pid: int = field(default_factory=os.getpid)
-    limits: Mapping[str, float] = field(default_factory=dict)
-    exit_signal_base: int | None = None
     #: Resource limits a sandbox applied, by `carton.RunnerLimits` field name (for error messages).
     limits: Mapping[str, float] = field(default_factory=dict)
     #: Set by a wrapper that reports its runner's death by signal N as exit status ``exit_signal_base + N``

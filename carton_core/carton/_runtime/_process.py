@@ -360,9 +360,13 @@ class RunnerProcess:
         except ProtocolError as exc:
             raise InvalidInput(str(exc)) from exc
         segment = encoded.segment
+        limit_name = "infer timeout"
+        if timeout is None and "request_seconds" in self.plan.limits:
+            timeout = self.plan.limits["request_seconds"]
+            limit_name = "its request_seconds limit"
         try:
             reply, frames = self._request(
-                "infer", infer_request(encoded.entries), encoded.frames, timeout, "infer timeout"
+                "infer", infer_request(encoded.entries), encoded.frames, timeout, limit_name
             )
         finally:
             if segment is not None and connection.pool is not None:

@@ -23,7 +23,7 @@ from ..errors import SandboxError, SandboxUnavailable, SandboxWarning
 from ._layers import Backend, Layer, LayerStatus, MachineSupport, machine_support
 from ._paths import import_roots, system_paths
 
-__all__ = ["BACKEND_ENV", "SandboxSetup", "launch_wrapper", "plan_setup"]
+__all__ = ["BACKEND_ENV", "SandboxSetup", "forced_backend", "launch_wrapper", "plan_setup"]
 
 LaunchWrapper = Callable[[LaunchPlan], LaunchPlan]
 
@@ -36,6 +36,7 @@ _UID_BASE = 0x10000000
 _UID_SPAN = 1 << 24
 _NOBODY = 65534
 _NOFILE_DEFAULT = 4096
+_SYSTEM_PATH = ("/usr/local/bin", "/usr/bin", "/bin")
 
 
 class SandboxSetup:
@@ -104,7 +105,9 @@ class SandboxSetup:
             outer = {"pdeathsig": True}
             argv = (*_shim_argv(shim_python, outer), *self._unshare_argv(), *_shim_argv(shim_python, inner),
                     *runner_argv)
-        return replace(plan, argv=argv, limits=self.plan_limits(), exit_signal_base=128)
+        # The host's PATH names its own folders; the runner gets its interpreter's and the system's.
+        env = {**plan.env, "PATH": os.pathsep.join([os.path.dirname(plan.argv[0]), *_SYSTEM_PATH])}
+        return replace(plan, argv=argv, env=env, limits=self.plan_limits(), exit_signal_base=128)
 
     def _uid(self, plan: LaunchPlan) -> int | None:
         if self.backend is not Backend.BWRAP or not self.support.is_root:
@@ -196,7 +199,8 @@ def _without_host_pid(argv: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _forced_backend() -> Backend | None:
+def forced_backend() -> Backend | None:
+    """The backend named by `BACKEND_ENV`, if any."""
     value = os.environ.get(BACKEND_ENV, "").strip()
     if not value:
         return None
@@ -213,7 +217,7 @@ def plan_setup(policy: SandboxPolicy, limits: RunnerLimits | None) -> SandboxSet
     support = machine_support()
     if policy is SandboxPolicy.NONE:
         return SandboxSetup(policy, limits, None, (), support)
-    forced = _forced_backend()
+    forced = forced_backend()
     backend = support.backend(forced)
     layers = list(support.layers(backend))
     if forced is not None and backend is None:

@@ -13,7 +13,7 @@ __all__ = ["main"]
 
 #: Modules under carton.cli, each with ``register(subparsers) -> None`` adding subcommands whose handler is stored
 #: as ``func`` (``(args) -> int``). Add a module here when its file exists.
-_COMMAND_MODULES: tuple[str, ...] = ("_format", "_mcf", "_environments", "_serve", "_runtime")
+_COMMAND_MODULES: tuple[str, ...] = ("_format", "_mcf", "_environments", "_serve", "_runtime", "_doctor")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -32,6 +32,16 @@ def _port(text: str) -> int:
     return value
 
 
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from exc
+    if not value > 0:
+        raise argparse.ArgumentTypeError("the number of seconds must be positive")
+    return value
+
+
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "serve",
@@ -93,6 +103,22 @@ def register(subparsers: Any) -> None:
         help="sandbox policy for uploaded models, which are untrusted (default: best_effort)",
     )
     parser.add_argument(
+        "--memory-limit", type=_size, default=None, metavar="SIZE",
+        help="address-space limit of each runner process, bytes or with k/m/g (exceeding it: RunnerMemoryLimit)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--cpu-limit", type=_positive, default=None, metavar="SECONDS",
+        help="CPU-time limit of each runner process over its life (exceeding it: RunnerCPULimit)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--request-timeout", type=_positive, default=None, metavar="SECONDS",
+        help="wall-time limit of each inference; the runner is killed and restarted (RunnerTimeout)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--process-limit", type=int, default=None, metavar="N",
+        help="processes and threads each runner may have (RLIMIT_NPROC; needs a sandbox with a non-root uid)",
+    )  # fmt: skip
+    parser.add_argument(
         "--load-timeout", type=float, default=300.0, metavar="SECONDS",
         help="a model load taking longer fails and is reported UNAVAILABLE (default: 300)",
     )  # fmt: skip
@@ -100,15 +126,27 @@ def register(subparsers: Any) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    import functools
+
+    from .._runtime import RunnerLimits
     from ..server import ModelControlMode, ServerOptions, run_server
+    from ..server._handle import load_carton
 
     if args.workers < 1:
         raise SystemExit("carton serve: --workers must be at least 1")
     if args.load_model and args.model_control_mode != "explicit":
         raise SystemExit("carton serve: --load-model needs --model-control-mode explicit")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        limits = RunnerLimits(memory_bytes=args.memory_limit, cpu_seconds=args.cpu_limit,
+                              request_seconds=args.request_timeout, processes=args.process_limit)
+    except ValueError as exc:
+        raise SystemExit(f"carton serve: {exc}") from exc
+    limited = any(value is not None for value in (args.memory_limit, args.cpu_limit, args.request_timeout,
+                                                  args.process_limit))
     run_server(
         ServerOptions(
+            loader=functools.partial(load_carton, limits=limits) if limited else load_carton,
             repository=args.repository,
             host=args.host,
             http_port=args.http_port,

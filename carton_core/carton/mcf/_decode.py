@@ -12,14 +12,11 @@ import numpy.typing as npt
 from carton.errors import MCFError
 from carton.mcf._fp16 import f16_bits_to_f32
 from carton.mcf._layout import SUPER_BLOCKS, PayloadLayout, as_payload_array, payload_layout
-from carton.mcf._packing import BLOCK, block_bytes, unpack_blocks
+from carton.mcf._lut import MIN_PARALLEL_VALUES, BlockDecoder, IntDecoder, chunk_rows, parallel_ranges, resolve_threads
+from carton.mcf._packing import block_bytes, unpack_blocks
 from carton.mcf._types import QuantDomain, QuantMethod
 
 __all__ = ["block_codes", "block_scales", "dequantize", "int_codes", "int_parameters"]
-
-# Rows decoded per step when dequantizing: keeps the intermediates inside L2.
-_DEQUANT_ROW_BYTES = 1 << 17
-
 
 def _region(flat: npt.NDArray[np.uint8], offset: int, size: int) -> npt.NDArray[np.uint8]:
     return flat[offset : offset + size]
@@ -92,11 +89,13 @@ def dequantize(
     *,
     domain: QuantDomain | int = QuantDomain.WEIGHTS,
     out: npt.NDArray[np.float32] | None = None,
+    threads: int | None = 1,
 ) -> npt.NDArray[np.float32]:
     """Reconstruct the float32 ``shape`` tensor from a quantized payload (validating size, scales, sub-scales).
 
     ``out``, a C-contiguous float32 array of that shape, receives the result instead of a new array (saves the page
-    faults of a fresh allocation when the same buffer is reused).
+    faults of a fresh allocation when the same buffer is reused). ``threads`` splits large tensors' rows across a
+    small thread pool (``None``: one per CPU); results do not depend on it.
     """
     if not isinstance(shape, tuple | list) or len(shape) != 2:
         raise MCFError(f"quantized tensors are rank 2; got shape {shape!r}")
@@ -109,24 +108,26 @@ def dequantize(
         raise MCFError(
             f"out must be a C-contiguous float32 array of shape ({rows}, {cols}); got {out.dtype} {out.shape}"
         )
+    workers = resolve_threads(threads) if rows * cols >= MIN_PARALLEL_VALUES else 1
     if layout.method.family == "int":
         scale, zero = int_parameters(flat, layout)
+        int_decoder = IntDecoder(flat, layout, scale, zero)
         flat_out = out.reshape(-1)
-        np.copyto(flat_out, int_codes(flat, layout), casting="unsafe")
-        if zero != 0:
-            flat_out -= zero
-        flat_out *= scale
+        parallel_ranges(rows * cols, workers, 2, lambda v0, v1: int_decoder.decode(v0, v1, flat_out[v0:v1]))
         return out
-    scales = block_scales(flat, layout)
-    nb = layout.blocks_per_row
-    step = max(1, _DEQUANT_ROW_BYTES // (nb * BLOCK))
-    aligned = cols == nb * BLOCK
-    padded = None if aligned else np.empty((min(step, rows), nb, BLOCK), dtype=np.float32)
-    for r0 in range(0, rows, step):
-        r1 = min(rows, r0 + step)
-        tile = out[r0:r1].reshape(r1 - r0, nb, BLOCK) if padded is None else padded[: r1 - r0]
-        np.copyto(tile, block_codes(flat, layout, r0, r1), casting="unsafe")
-        tile *= scales[r0:r1, :, None]
-        if padded is not None:
-            out[r0:r1] = tile.reshape(r1 - r0, nb * BLOCK)[:, :cols]
+    decoder = BlockDecoder(flat, layout, block_scales(flat, layout))
+    if cols == layout.padded_cols:
+        parallel_ranges(rows, workers, 1, lambda r0, r1: decoder.decode(r0, r1, out[r0:r1]))
+        return out
+    step = chunk_rows(layout.padded_cols)
+
+    def ragged(r0: int, r1: int) -> None:
+        # Rows whose last block is partial: decode whole blocks into a per-thread tile, keep the first cols.
+        tile = np.empty((min(step, r1 - r0), layout.padded_cols), dtype=np.float32)
+        for c0 in range(r0, r1, step):
+            c1 = min(r1, c0 + step)
+            decoder.decode(c0, c1, tile[: c1 - c0])
+            out[c0:c1] = tile[: c1 - c0, :cols]
+
+    parallel_ranges(rows, workers, step, ragged)
     return out

@@ -67,11 +67,15 @@ class _CartonHandle:
         self._model.close()
 
 
-def load_carton(spec: LoadSpec) -> ModelHandle:
-    """Load with `carton.load` (imported here: the runtime is a peer module, not a dependency of the protocol code)."""
+def load_carton(spec: LoadSpec, *, limits: Any = None) -> ModelHandle:
+    """Load with `carton.load` (imported here: the runtime is a peer module, not a dependency of the protocol code).
+
+    `limits` (a `carton.RunnerLimits`, from ``carton serve``'s limit flags) applies to every model."""
     from .._runtime import load
 
     options: dict[str, Any] = {"workers": spec.workers}
+    if limits is not None:
+        options["limits"] = limits
     if spec.sandbox is not None:
         options["sandbox"] = spec.sandbox
     if spec.runner_opts:

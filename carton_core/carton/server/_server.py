@@ -102,7 +102,9 @@ class Server:
         import uvicorn
         from grpc import aio
 
-        from ._grpc import GrpcService
+        if self.options.grpc_port is not None:
+            # Imported before anything listens: it needs the generated stubs, and HTTP-only serving does not.
+            from ._grpc import GrpcService
 
         sock = socket.socket(socket.AF_INET6 if ":" in self.options.host else socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -1,5 +1,7 @@
-"""``python -m carton.server._proto``: compile the gRPC protocol now and print where the descriptor set is."""
+"""``python -m carton.server._proto``: generate ``kserve_v2_pb2.py`` in place (what the build backend does)."""
 
-from . import compile_descriptor_set
+from pathlib import Path
 
-print(compile_descriptor_set())
+from ._generate import generate
+
+print(generate(Path(__file__).resolve().parents[3]))

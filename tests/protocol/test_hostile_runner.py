@@ -1,0 +1,216 @@
+"""The host against a runner that lies: the test plays the runner on the real endpoint and sends bad replies.
+
+`wrap` swaps the runner for a sleeping process (so the host's pidfd stays quiet) and hands the endpoint and the
+runner's end of the shared-memory channel to a thread here, which answers with whatever the case needs.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+from carton_protocol._messages import PROTOCOL_VERSION, hello_request, pack_header
+
+import carton
+from carton._runtime._launch import LaunchPlan
+from carton._runtime._process import DEFAULT_SHM_THRESHOLD, RunnerProcess
+
+from .conftest import make_spec
+
+Script = Callable[["FakeRunner"], None]
+
+
+class FakeRunner:
+    def __init__(self, plan: LaunchPlan, script: Script) -> None:
+        self.context = zmq.Context()
+        self.router = self.context.socket(zmq.ROUTER)
+        self.router.linger = 0
+        self.router.bind(plan.endpoint)
+        self.channel = socket.socket(fileno=os.dup(plan.pass_fds[0])) if plan.pass_fds else None
+        self.received: list[list[bytes]] = []
+        self.script = script
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.script(self)
+        except zmq.ZMQError:
+            pass  # the test is over and closed the context
+
+    def receive(self) -> tuple[bytes, dict[str, Any]]:
+        frames = self.router.recv_multipart()
+        self.received.append(frames[1:])
+        return frames[0], msgpack.unpackb(frames[1])
+
+    def reply(self, ident: bytes, header: Any, *frames: bytes, raw_header: bytes | None = None) -> None:
+        self.router.send_multipart([ident, raw_header if raw_header is not None else msgpack.packb(header), *frames])
+
+    def hello(self) -> None:
+        ident, header = self.receive()
+        self.reply(ident, {"id": header["id"], "ok": True, "protocol": PROTOCOL_VERSION, "pid": os.getpid()})
+
+    def close(self) -> None:
+        self.context.destroy(linger=0)
+        if self.channel is not None:
+            self.channel.close()
+
+
+@pytest.fixture
+def fake() -> Iterator[Callable[[Script], tuple[RunnerProcess, FakeRunner]]]:
+    made: list[tuple[RunnerProcess | None, FakeRunner]] = []
+
+    def start(script: Script, **kwargs: Any) -> tuple[RunnerProcess, FakeRunner]:
+        holder: list[FakeRunner] = []
+
+        def wrap(plan: LaunchPlan) -> LaunchPlan:
+            holder.append(FakeRunner(plan, script))
+            made.append((None, holder[0]))
+            return replace(plan, argv=(sys.executable, "-c", "import time; time.sleep(120)"))
+
+        runner = RunnerProcess.start(make_spec("fake:Runner"), wrap=wrap, handshake_timeout=5, **kwargs)
+        made[-1] = (runner, holder[0])
+        return runner, holder[0]
+
+    yield start
+    for runner, fake_runner in made:
+        if runner is not None:
+            runner.close(timeout=0.2)
+        fake_runner.close()
+
+
+def serve_one_infer(reply: Callable[[FakeRunner, bytes, dict[str, Any]], None]) -> Script:
+    def script(runner: FakeRunner) -> None:
+        runner.hello()
+        ident, header = runner.receive()
+        reply(runner, ident, header)
+
+    return script
+
+
+def test_the_host_sends_the_documented_hello(fake: Any) -> None:
+    runner, peer = fake(lambda peer: peer.hello())
+    expected = hello_request(host_pid=os.getpid(), shm_threshold=DEFAULT_SHM_THRESHOLD)
+    expected["id"] = 1
+    assert peer.received[0] == [pack_header(expected)]
+    assert runner.alive
+
+
+def test_a_garbled_handshake_is_runner_protocol_error(fake: Any) -> None:
+    def script(peer: FakeRunner) -> None:
+        ident, _ = peer.receive()
+        peer.reply(ident, None, raw_header=b"\xc1\xc1")
+
+    with pytest.raises(carton.RunnerProtocolError, match="malformed handshake: header frame is not valid msgpack"):
+        fake(script)
+
+
+def test_a_handshake_from_another_version_is_protocol_mismatch(fake: Any) -> None:
+    def script(peer: FakeRunner) -> None:
+        ident, header = peer.receive()
+        peer.reply(ident, {"id": header["id"], "ok": True, "protocol": 7})
+
+    with pytest.raises(carton.ProtocolMismatch, match="host speaks carton protocol 1, runner fake:Runner speaks 7"):
+        fake(script)
+
+
+def test_stale_replies_are_skipped(fake: Any) -> None:
+    def reply(peer: FakeRunner, ident: bytes, header: dict[str, Any]) -> None:
+        peer.reply(ident, {"id": header["id"] - 1, "ok": True, "tensors": []})  # a late answer to an older call
+        entry = {"name": "y", "datatype": "INT8", "shape": [1], "size": 1}
+        peer.reply(ident, {"id": header["id"], "ok": True, "tensors": [entry]}, b"\x05")
+
+    runner, _ = fake(serve_one_infer(reply))
+    assert runner.infer({"x": np.zeros(1)})["y"].tolist() == [5]
+
+
+@pytest.mark.parametrize(
+    ("tensors", "frames", "message"),
+    [
+        ([{"name": "y", "datatype": "FP32", "shape": [4], "size": 16}], [b"\x00" * 8], "data frame is 8 bytes"),
+        ([{"name": "y", "datatype": "FP32", "shape": [1 << 40], "size": 4}], [b"\x00" * 4], "needs 4398046511104"),
+        ([{"name": "y", "datatype": "BYTES", "shape": [1 << 22], "size": 1 << 24}], [b""], "BYTES elements, over"),
+        ([{"name": "y", "datatype": "FP32", "shape": [1], "size": 4, "shm": ["../../etc/passwd", 0]}], [],
+         "segment '../../etc/passwd' was never passed"),
+        ("not a list", [], "'tensors' is missing or not a list"),
+    ],
+)
+def test_lying_outputs_are_runner_protocol_errors(
+    fake: Any, tensors: Any, frames: list[bytes], message: str
+) -> None:
+    def reply(peer: FakeRunner, ident: bytes, header: dict[str, Any]) -> None:
+        peer.reply(ident, {"id": header["id"], "ok": True, "tensors": tensors}, *frames)
+
+    runner, _ = fake(serve_one_infer(reply))
+    begin = time.monotonic()
+    with pytest.raises(carton.RunnerProtocolError, match=f"malformed infer outputs: .*{message}"):
+        runner.infer({"x": np.zeros(1)})
+    assert time.monotonic() - begin < 3
+
+
+def _memfd(size: int, *, sealed: bool) -> int:
+    fd = os.memfd_create("hostile", os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    if sealed:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+    return fd
+
+
+@pytest.mark.parametrize(
+    ("sealed", "announced", "offset", "message"),
+    [
+        (False, 1 << 20, 0, "segment 'r0' is not sealed against shrinking"),
+        (True, 1 << 21, 0, "segment 'r0' is 1048576 bytes, announced as 2097152"),
+        (True, 1 << 20, (1 << 20) - 2, r"bytes 1048574..1048578 lie outside segment 'r0'"),
+    ],
+)
+def test_shared_memory_the_host_cannot_trust_is_refused(
+    fake: Any, sealed: bool, announced: int, offset: int, message: str
+) -> None:
+    def reply(peer: FakeRunner, ident: bytes, header: dict[str, Any]) -> None:
+        fd = _memfd(1 << 20, sealed=sealed)
+        assert peer.channel is not None
+        socket.send_fds(peer.channel, [f"r0 {announced}".encode()], [fd])
+        os.close(fd)
+        entry = {"name": "y", "datatype": "FP32", "shape": [1], "size": 4, "shm": ["r0", offset]}
+        peer.reply(ident, {"id": header["id"], "ok": True, "tensors": [entry]})
+
+    runner, _ = fake(serve_one_infer(reply))
+    with pytest.raises(carton.RunnerProtocolError, match=message):
+        runner.infer({"x": np.zeros(1)})
+
+
+def test_a_runner_truncating_its_segment_cannot_crash_the_host(fake: Any) -> None:
+    """Seals make the kernel refuse the truncation that would otherwise SIGBUS the host while it copies."""
+    outcome: list[str] = []
+
+    def reply(peer: FakeRunner, ident: bytes, header: dict[str, Any]) -> None:
+        fd = _memfd(1 << 20, sealed=True)
+        mapping = mmap.mmap(fd, 1 << 20)
+        mapping[:4] = np.float32(7).tobytes()
+        assert peer.channel is not None
+        socket.send_fds(peer.channel, [f"r0 {1 << 20}".encode()], [fd])
+        try:
+            os.ftruncate(fd, 0)
+        except PermissionError:
+            outcome.append("refused")
+        entry = {"name": "y", "datatype": "FP32", "shape": [1], "size": 4, "shm": ["r0", 0]}
+        peer.reply(ident, {"id": header["id"], "ok": True, "tensors": [entry]})
+        peer.receive()  # the host releases the segment once it has copied the output
+        os.close(fd)
+
+    runner, _ = fake(serve_one_infer(reply))
+    assert runner.infer({"x": np.zeros(1)})["y"].tolist() == [7.0]
+    assert outcome == ["refused"]
