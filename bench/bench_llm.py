@@ -9,9 +9,10 @@ folder in fp32, and each MCF is converted from the same folder, so both sides st
 
 Every engine runs in its own child process (so its resident memory is its own), with the same BLAS/torch thread
 count, in alternating rounds (so load from other processes hits every engine alike); a child prefills a prompt of
-``--prompt-tokens`` random tokens, then decodes ``--new-tokens`` greedily with a KV cache, and reports the best of
-its repeats. transformers runs the same loop by hand (``model(..., past_key_values=...)``, no ``generate``
-overhead). Memory is the child's resident set after loading and its peak (VmHWM) at the end, imports included.
+``--prompt-tokens`` random tokens, then decodes ``--new-tokens`` greedily with a KV cache (the loop of the runner's
+``generate``, each phase timed on its own), and reports the best of its repeats. transformers runs the same loop by
+hand (``model(..., past_key_values=...)``, no ``generate`` overhead; prefill computes the last position's logits
+only, as the mcf runner's generate does). Memory is the child's resident set after loading and its peak (VmHWM) at the end, imports included.
 Read the ratios: the machine is shared and noisy.
 """
 
@@ -55,7 +56,7 @@ def _child_mcf(args: argparse.Namespace) -> dict[str, Any]:
     import numpy as np
 
     from carton_protocol import LoadContext
-    from carton_runner_mcf._generate import SamplingParams, generate
+    from carton_runner_mcf._llama import KVCache, positions_from_mask
     from carton_runner_mcf.runner import MCFRunner
 
     started = time.perf_counter()
@@ -69,14 +70,22 @@ def _child_mcf(args: argparse.Namespace) -> dict[str, Any]:
     model = runner._loaded.model
     ids = np.random.default_rng(0).integers(100, 40000, size=(1, args.prompt_tokens), dtype=np.int64)
     mask = np.ones(ids.shape, dtype=bool)
+    one = np.ones((1, 1), dtype=bool)
 
-    def prefill() -> None:
-        generate(model, ids, mask, SamplingParams(max_new_tokens=1, stop_at_eos=False))
+    def run(steps: int) -> tuple[float, float]:
+        # The loop of carton_runner_mcf._generate.generate (greedy), timed in its two phases.
+        started = time.perf_counter()
+        cache = KVCache(model.config, 1, args.prompt_tokens + steps + 1)
+        hidden = model.forward(ids, positions_from_mask(mask), mask, cache)
+        token = model.logits(hidden[:, -1]).argmax(-1)
+        prefilled = time.perf_counter()
+        for step in range(steps):
+            position = np.array([[args.prompt_tokens + step]], dtype=np.int64)
+            hidden = model.forward(token[:, None], position, one, cache)
+            token = model.logits(hidden[:, 0]).argmax(-1)
+        return prefilled - started, time.perf_counter() - prefilled
 
-    def full() -> None:
-        generate(model, ids, mask, SamplingParams(max_new_tokens=args.new_tokens + 1, stop_at_eos=False))
-
-    return _measure(prefill, full, args) | {"load_s": load_s, "after_load_mb": after_load["rss_mb"]}
+    return _measure(run, args) | {"load_s": load_s, "after_load_mb": after_load["rss_mb"]}
 
 
 def _child_transformers(args: argparse.Namespace) -> dict[str, Any]:
@@ -92,35 +101,30 @@ def _child_transformers(args: argparse.Namespace) -> dict[str, Any]:
     after_load = _memory()
     ids = torch.tensor(np.random.default_rng(0).integers(100, 40000, size=(1, args.prompt_tokens)))
 
-    def run(steps: int) -> None:
+    def run(steps: int) -> tuple[float, float]:
         with torch.inference_mode():
+            started = time.perf_counter()
             out = model(ids, use_cache=True, logits_to_keep=1)
             cache, token = out.past_key_values, out.logits[:, -1].argmax(-1)
+            prefilled = time.perf_counter()
             for _ in range(steps):
                 out = model(token[:, None], past_key_values=cache, use_cache=True)
                 cache, token = out.past_key_values, out.logits[:, -1].argmax(-1)
+            return prefilled - started, time.perf_counter() - prefilled
 
-    return _measure(lambda: run(0), lambda: run(args.new_tokens), args) | {
-        "load_s": load_s,
-        "after_load_mb": after_load["rss_mb"],
-    }
+    return _measure(run, args) | {"load_s": load_s, "after_load_mb": after_load["rss_mb"]}
 
 
-def _measure(prefill: Any, full: Any, args: argparse.Namespace) -> dict[str, Any]:
-    prefill()  # warm up buffers and caches
-    prefill_s, full_s = [], []
+def _measure(run: Any, args: argparse.Namespace) -> dict[str, Any]:
+    run(2)  # warm up buffers and caches
+    prefill_s, decode_s = [], []
     for _ in range(args.repeats):
-        started = time.perf_counter()
-        prefill()
-        prefill_s.append(time.perf_counter() - started)
-        started = time.perf_counter()
-        full()
-        full_s.append(time.perf_counter() - started)
-    best_prefill = min(prefill_s)
-    decode_s = max(min(full_s) - best_prefill, 1e-9)
+        prefill, decode = run(args.new_tokens)
+        prefill_s.append(prefill)
+        decode_s.append(decode)
     return {
-        "prefill_tps": args.prompt_tokens / best_prefill,
-        "decode_tps": args.new_tokens / decode_s,
+        "prefill_tps": args.prompt_tokens / min(prefill_s),
+        "decode_tps": args.new_tokens / min(decode_s),
         "peak_mb": _memory()["peak_mb"],
     }
 

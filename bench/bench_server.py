@@ -1,12 +1,19 @@
-"""Load generator for the model server: carton's server vs real Triton, same computation, one run, ratios.
+"""Load generator for the model server: carton's server vs real Triton and MLServer, same computation, one run, ratios.
 
-    python bench/bench_server.py [--requests 2000] [--big-requests 20] [--skip-triton]
+    python bench/bench_server.py [--requests 2000] [--big-requests 16] [--skip-triton] [--skip-mlserver]
+                                 [--stack-requests 2000]
 
-Starts every server itself: `carton serve` on an ONNX Identity carton, and Triton 2.51 (python backend identity
-models) through ../shared/peers/triton.sh when it has been set up (``triton.sh setup``). MLServer is measured when
-``mlserver`` is importable (it is not installed here by default). The client is tritonclient.http with binary tensor
-data; concurrency 8 uses 8 threads, each with its own client. The client shares the machine's cores with the server,
-so at concurrency 8 the figures are bounded by the client as much as by the server.
+Starts every server itself: `carton serve` on ONNX Identity cartons; Triton 2.51 (python backend identity models)
+through ../shared/peers/triton.sh when it has been set up (``triton.sh setup``); MLServer 1.7 (an identity MLModel)
+from the venv at $MLSERVER_VENV (default ~/.cache/carton-peers/mlserver-venv, made with ``python -m venv ...;
+.../bin/pip install mlserver``: MLServer pins its own FastAPI/uvicorn/grpcio versions, so it is kept out of carton's
+environment). The client is tritonclient.http: binary tensor data for carton and Triton, JSON tensors for MLServer
+(it has no binary data extension over HTTP); concurrency 8 uses 8 threads, each with its own client.
+
+The stack section serves carton's ASGI application with a zero-cost in-process model (no runner) under uvicorn
+(httptools), uvicorn (h11) and granian, so the HTTP stacks are compared on the same app in the same run.
+The client shares the machine's 2 cores with the servers, so at concurrency 8 the client bounds the figures as much
+as the servers do.
 """
 
 from __future__ import annotations
@@ -24,10 +31,27 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 TRITON_SH = Path(__file__).resolve().parents[2] / "shared" / "peers" / "triton.sh"
+MLSERVER_VENV = Path(os.environ.get("MLSERVER_VENV", Path.home() / ".cache" / "carton-peers" / "mlserver-venv"))
+
+MLSERVER_MODEL = """
+from mlserver import MLModel
+from mlserver.codecs import NumpyCodec
+from mlserver.types import InferenceRequest, InferenceResponse
+
+
+class Identity(MLModel):
+    async def load(self) -> bool:
+        return True
+
+    async def predict(self, payload: InferenceRequest) -> InferenceResponse:
+        array = NumpyCodec.decode_input(payload.inputs[0])
+        return InferenceResponse(model_name=self.name, outputs=[NumpyCodec.encode_output("OUTPUT0", array)])
+"""
 
 
 def free_port() -> int:
@@ -109,8 +133,106 @@ def triton_server() -> Iterator[int | None]:
         process.wait(30)
 
 
+@contextmanager
+def mlserver_server(root: Path) -> Iterator[int | None]:
+    binary = MLSERVER_VENV / "bin" / "mlserver"
+    if not binary.exists():
+        yield None
+        return
+    import json
+
+    folder = root / "mlserver"
+    http, grpc, metrics = free_port(), free_port(), free_port()
+    for name in ("identity", "identity4"):
+        (folder / name).mkdir(parents=True)
+        (folder / name / "identity_model.py").write_text(MLSERVER_MODEL)
+        (folder / name / "model-settings.json").write_text(
+            json.dumps({"name": name, "implementation": "identity_model.Identity"})
+        )
+    (folder / "settings.json").write_text(
+        json.dumps({"host": "127.0.0.1", "http_port": http, "grpc_port": grpc, "metrics_port": metrics})
+    )
+    process = subprocess.Popen(
+        [str(binary), "start", str(folder)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        wait_ready(http, 180)
+        yield http
+    except RuntimeError:
+        yield None
+    finally:
+        os.killpg(process.pid, 15)
+        process.wait(30)
+
+
+STACKS = ("uvicorn-httptools", "uvicorn-h11", "granian")
+
+
+def stack_child(stack: str, port: int) -> None:
+    """Serve carton's ASGI app with a zero-cost in-process identity model under `stack` (a bench child process)."""
+    import asyncio
+
+    import uvloop
+    from carton.server._http import HttpApp
+    from carton.server._repository import ModelRepository, RepositoryOptions
+    from carton.server._stats import ServerMetrics
+    from carton_protocol import DType, TensorSpec
+
+    class Echo:
+        inputs = (TensorSpec(name="INPUT0", dtype=DType.FLOAT32, shape=("a", "b")),)
+        outputs = (TensorSpec(name="OUTPUT0", dtype=DType.FLOAT32, shape=("a", "b")),)
+
+        async def infer(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            return {"OUTPUT0": inputs["INPUT0"]}
+
+        def close(self) -> None:
+            pass
+
+    async def main() -> None:
+        root = Path(tempfile.mkdtemp(prefix="carton-bench-stack-"))
+        (root / "identity" / "1").mkdir(parents=True)
+        (root / "identity" / "1" / "model.carton").write_bytes(b"")
+        metrics = ServerMetrics()
+        repo = ModelRepository(
+            root, loader=lambda spec: Echo(), metrics=metrics, upload_root=root / "uploads",
+            options=RepositoryOptions(explicit=False),
+        )  # fmt: skip
+        await repo.load_at_startup("identity")
+        app = HttpApp(repo, metrics, max_body_size=1 << 28, server_version="bench")
+        if stack == "granian":
+            from granian.constants import Interfaces
+            from granian.server.embed import Server as Granian
+
+            await Granian(app, "127.0.0.1", port, interface=Interfaces.ASGI, log_enabled=False).serve()
+        else:
+            import uvicorn
+
+            config = uvicorn.Config(
+                app, host="127.0.0.1", port=port, http=stack.split("-")[1], loop="none", lifespan="off",
+                access_log=False, proxy_headers=False, interface="asgi3", log_level="warning",
+            )  # fmt: skip
+            await uvicorn.Server(config).serve()
+
+    uvloop.run(main())
+
+
+@contextmanager
+def stack_server(stack: str) -> Iterator[int | None]:
+    port = free_port()
+    process = subprocess.Popen([sys.executable, __file__, "--stack-child", stack, str(port)], start_new_session=True)
+    try:
+        wait_ready(port, 60)
+        yield port
+    except RuntimeError:
+        yield None
+    finally:
+        os.killpg(process.pid, 15)
+        process.wait(30)
+
+
 def run_load(
-    port: int, model: str, shape: tuple[int, ...], concurrency: int, requests: int
+    port: int, model: str, shape: tuple[int, ...], concurrency: int, requests: int, *, binary: bool = True
 ) -> tuple[float, float, float]:
     """Returns (p50 ms, p99 ms, requests/s)."""
     import tritonclient.http as httpclient
@@ -123,12 +245,13 @@ def run_load(
     def worker() -> None:
         client = httpclient.InferenceServerClient(f"127.0.0.1:{port}", network_timeout=300, connection_timeout=300)
         tensor = httpclient.InferInput("INPUT0", list(shape), "FP32")
-        tensor.set_data_from_numpy(data)
-        client.infer(model, [tensor])  # warm the connection
+        tensor.set_data_from_numpy(data, binary_data=binary)
+        outputs = [httpclient.InferRequestedOutput("OUTPUT0", binary_data=binary)]
+        client.infer(model, [tensor], outputs=outputs)  # warm the connection
         mine = []
         for _ in range(per_thread):
             started = time.perf_counter()
-            client.infer(model, [tensor]).as_numpy("OUTPUT0")
+            client.infer(model, [tensor], outputs=outputs).as_numpy("OUTPUT0")
             mine.append(time.perf_counter() - started)
         with lock:
             latencies.extend(mine)
@@ -145,11 +268,36 @@ def run_load(
     return statistics.median(latencies) * 1e3, p99 * 1e3, len(latencies) / elapsed
 
 
+def print_table(
+    title: str, cases: list[tuple[str, int]], results: dict[str, dict[tuple[str, int], tuple[float, ...]]], reference: str
+) -> None:
+    print(f"\n{title}")
+    header = f"{'case':<22}{'server':<19}{'p50 ms':>10}{'p99 ms':>10}{'req/s':>10}{'p50 ratio':>11}{'req/s ratio':>13}"
+    print(header)
+    print("-" * len(header))
+    for key in cases:
+        base = results.get(reference, {}).get(key)
+        for name in results:
+            if key not in results[name]:
+                continue
+            p50, p99, rate = results[name][key]
+            ratio = f"{p50 / base[0]:.2f}x" if base else "-"
+            rate_ratio = f"{rate / base[2]:.2f}x" if base else "-"
+            case = f"{key[0]} c={key[1]}"
+            print(f"{case:<22}{name:<19}{p50:>10.3f}{p99:>10.3f}{rate:>10.1f}{ratio:>11}{rate_ratio:>13}")
+    print(f"ratios are server / {reference} (p50: lower is better; req/s: higher is better)")
+
+
 def main() -> None:
+    if len(sys.argv) == 4 and sys.argv[1] == "--stack-child":
+        stack_child(sys.argv[2], int(sys.argv[3]))
+        return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=2000, help="requests per small-tensor case")
     parser.add_argument("--big-requests", type=int, default=16, help="requests per [64,3,224,224] case")
+    parser.add_argument("--stack-requests", type=int, default=2000, help="requests per HTTP-stack case (0: skip)")
     parser.add_argument("--skip-triton", action="store_true")
+    parser.add_argument("--skip-mlserver", action="store_true")
     args = parser.parse_args()
     cases = [
         ("[1,16]", "identity", (1, 16), 1, args.requests),
@@ -157,36 +305,45 @@ def main() -> None:
         ("[64,3,224,224]", "identity4", (64, 3, 224, 224), 1, args.big_requests),
         ("[64,3,224,224]", "identity4", (64, 3, 224, 224), 8, args.big_requests),
     ]
-    results: dict[str, dict[tuple[str, int], tuple[float, float, float]]] = {}
+    results: dict[str, dict[tuple[str, int], tuple[float, ...]]] = {}
+    stacks: dict[str, dict[tuple[str, int], tuple[float, ...]]] = {}
     root = Path(tempfile.mkdtemp(prefix="carton-bench-server-"))
     try:
         repo = build_repository(root)
-        servers = [("carton", lambda: carton_server(repo))]
+        servers: list[tuple[str, Any, bool]] = [("carton", lambda: carton_server(repo), True)]
         if not args.skip_triton:
-            servers.append(("triton", triton_server))
-        for name, start in servers:
+            servers.append(("triton", triton_server, True))
+        if not args.skip_mlserver:
+            servers.append(("mlserver (JSON)", lambda: mlserver_server(root), False))
+        for name, start, binary in servers:
             with start() as port:
                 if port is None:
                     print(f"{name}: not available, skipped", file=sys.stderr)
                     continue
                 results[name] = {}
                 for label, model, shape, concurrency, count in cases:
-                    results[name][(label, concurrency)] = run_load(port, model, shape, concurrency, count)
+                    if not binary and label != "[1,16]":
+                        count = min(count, 2)  # JSON lists of 9.6M floats take seconds each
+                    results[name][(label, concurrency)] = run_load(
+                        port, model, shape, concurrency, count, binary=binary
+                    )
+        if args.stack_requests:
+            for stack in STACKS:
+                with stack_server(stack) as port:
+                    if port is None:
+                        print(f"stack {stack}: not available, skipped", file=sys.stderr)
+                        continue
+                    stacks[stack] = {
+                        ("[1,16] echo", c): run_load(port, "identity", (1, 16), c, args.stack_requests) for c in (1, 8)
+                    }
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    header = f"{'case':<22}{'server':<8}{'p50 ms':>10}{'p99 ms':>10}{'req/s':>10}{'p50 ratio':>11}{'req/s ratio':>13}"
-    print(header)
-    print("-" * len(header))
-    for label, _, _, concurrency, _ in cases:
-        key = (label, concurrency)
-        reference = results.get("triton", {}).get(key)
-        for name in results:
-            p50, p99, rate = results[name][key]
-            ratio = f"{p50 / reference[0]:.2f}x" if reference else "-"
-            rate_ratio = f"{rate / reference[2]:.2f}x" if reference else "-"
-            case = f"{label} c={concurrency}"
-            print(f"{case:<22}{name:<8}{p50:>10.3f}{p99:>10.3f}{rate:>10.1f}{ratio:>11}{rate_ratio:>13}")
-    print("ratios are carton / triton (p50: lower is better; req/s: higher is better)")
+    print_table("servers (same identity computation)", [(c[0], c[3]) for c in cases], results, "triton")
+    if stacks:
+        print_table(
+            "HTTP stacks: carton's ASGI app, zero-cost in-process model (no runner)",
+            [("[1,16] echo", 1), ("[1,16] echo", 8)], stacks, "uvicorn-httptools",
+        )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ from .errors import (
     SandboxWarning,
     TensorDataError,
     UnsafeArchive,
+    UnsupportedModel,
 )
 
 # Each part of the package adds its public names below, in its own block, and to __all__.
@@ -133,6 +134,7 @@ __all__ = [
     "TensorRef",
     "TensorSpec",
     "UnsafeArchive",
+    "UnsupportedModel",
     "VersionReq",
     "__version__",
     "discover_runners",

@@ -250,8 +250,11 @@ def test_resolution_errors(affine_dir: Path) -> None:
 def test_sandbox_and_limits(affine_dir: Path) -> None:
     with pytest.raises(SandboxUnavailable, match="unknown sandbox policy 'tight'"):
         load_affine(affine_dir, sandbox="tight")
-    with pytest.raises(SandboxUnavailable, match="limits memory_bytes"):
-        load_affine(affine_dir, limits=RunnerLimits(memory_bytes=1 << 30))
+    # resource limits are applied by the sandbox layer's exec shim, even under sandbox="none"
+    with load_affine(affine_dir, limits=RunnerLimits(memory_bytes=3 << 30)) as model:
+        model.infer({"x": special(1.0)})
+        assert model._workers[0].process is not None
+        assert model._workers[0].process.plan.limits == {"memory_bytes": float(3 << 30)}
     with pytest.raises(ValueError, match=r"RunnerLimits\.cpu_seconds must be a positive number"):
         RunnerLimits(cpu_seconds=-1)
     # the per-request wall-time limit needs no sandbox

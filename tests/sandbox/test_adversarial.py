@@ -125,9 +125,8 @@ def test_fork_bomb_is_contained(models: tuple[Path, Path], backend: Backend) -> 
     if not layers[Layer.NON_ROOT_UID].available:
         pytest.skip(f"the processes limit needs a non-root uid: {layers[Layer.NON_ROOT_UID].detail}")
     model = load(models[0], backend, carton.RunnerLimits(processes=48, request_seconds=3))
-    with aftermath(models, backend, model):
-        with pytest.raises(RunnerTimeout, match="infer timeout"):
-            attack(model, "forkbomb")
+    with aftermath(models, backend, model), pytest.raises(RunnerTimeout, match="infer timeout"):
+        attack(model, "forkbomb")
 
 
 def test_huge_allocation_hits_the_memory_limit(models: tuple[Path, Path], backend: Backend) -> None:
@@ -140,31 +139,27 @@ def test_huge_allocation_hits_the_memory_limit(models: tuple[Path, Path], backen
 
 def test_spinning_hits_the_cpu_limit(models: tuple[Path, Path], backend: Backend) -> None:
     model = load(models[0], backend, carton.RunnerLimits(cpu_seconds=1))
-    with aftermath(models, backend, model):
-        with pytest.raises(RunnerCPULimit, match="cpu_seconds=1"):
-            attack(model, "spin")
+    with aftermath(models, backend, model), pytest.raises(RunnerCPULimit, match="cpu_seconds=1"):
+        attack(model, "spin")
 
 
 def test_spinning_hits_the_wall_time_limit(models: tuple[Path, Path], backend: Backend) -> None:
     model = load(models[0], backend, carton.RunnerLimits(request_seconds=1.5))
-    with aftermath(models, backend, model):
-        with pytest.raises(RunnerTimeout, match="infer timeout"):
-            attack(model, "spin")
+    with aftermath(models, backend, model), pytest.raises(RunnerTimeout, match="infer timeout"):
+        attack(model, "spin")
 
 
 def test_segfault_mid_request(models: tuple[Path, Path], backend: Backend) -> None:
     model = load(models[0], backend)
-    with aftermath(models, backend, model):
-        with pytest.raises(RunnerCrashed, match="SIGSEGV"):
-            attack(model, "segfault")
+    with aftermath(models, backend, model), pytest.raises(RunnerCrashed, match="SIGSEGV"):
+        attack(model, "segfault")
 
 
 def test_setsid_orphan_does_not_survive(models: tuple[Path, Path], backend: Backend) -> None:
     marker = f"carton-orphan-{uuid.uuid4().hex}"
     model = load(models[0], backend)
-    with aftermath(models, backend, model, marker):
-        with pytest.raises(RunnerCrashed, match="SIGSEGV"):
-            attack(model, "orphan", marker)
+    with aftermath(models, backend, model, marker), pytest.raises(RunnerCrashed, match="SIGSEGV"):
+        attack(model, "orphan", marker)
 
 
 def test_never_answering_the_handshake(models: tuple[Path, Path], backend: Backend) -> None:

@@ -15,8 +15,8 @@ import carton
 import numpy as np
 import pytest
 from carton._runtime._process import _describe_exit, _exit_signal
-from carton._sandbox import Backend, Layer, SandboxPolicy, launch_wrapper, machine_support, plan_setup
-from carton._sandbox import _seccomp, _wrap
+from carton._sandbox import Backend, Layer, SandboxPolicy, _seccomp, _wrap, launch_wrapper, machine_support, plan_setup
+from carton._sandbox._paths import system_paths
 from carton._sandbox._shim import SETUP_FAILED
 from carton._sandbox._wrap import SHIM
 from carton.errors import RunnerMemoryLimit, SandboxError, SandboxUnavailable, SandboxWarning
@@ -86,10 +86,11 @@ def test_limits_are_validated(field: str, value: object) -> None:
 @pytest.mark.usefixtures("adversarial_plugin")
 def test_memory_limit_applies_without_a_sandbox(tmp_path: Path) -> None:
     (tmp_path / "note.txt").write_text("n:")
-    with carton.load_unpacked(tmp_path, runner_name="adversary", required_framework_version="1", sandbox="none",
-                              limits=carton.RunnerLimits(memory_bytes=3 << 30)) as model:
-        with pytest.raises(RunnerMemoryLimit, match=r"memory_bytes=3221225472"):
-            model.infer({"action": np.array(["alloc"]), "arg": np.array([str(50 << 30)])})
+    limits = carton.RunnerLimits(memory_bytes=3 << 30)
+    with (carton.load_unpacked(tmp_path, runner_name="adversary", required_framework_version="1", sandbox="none",
+                               limits=limits) as model,
+          pytest.raises(RunnerMemoryLimit, match=r"memory_bytes=3221225472")):
+        model.infer({"action": np.array(["alloc"]), "arg": np.array([str(50 << 30)])})
 
 
 def test_machine_support_reports_every_layer() -> None:
@@ -199,7 +200,7 @@ def test_landlock_rules(tmp_path: Path) -> None:
     for folder in (readable, writable, hidden):
         folder.mkdir()
         (folder / "file").write_text(folder.name)
-    read = [*_wrap.system_paths(), sys.base_prefix, sys.prefix, str(readable), "/proc", "/dev"]
+    read = [*system_paths(), sys.base_prefix, sys.prefix, str(readable), "/proc", "/dev"]
     code = textwrap.dedent(
         f"""
         def attempt(what, action):
@@ -237,3 +238,31 @@ def test_shim_reports_a_failing_layer_by_name() -> None:
 def test_shim_reaper_reports_signals_like_bubblewrap() -> None:
     done = _run_shim({"reaper": True}, "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
     assert done.returncode == 128 + 11
+
+
+
+@pytest.mark.parametrize(("where", "given", "expected"), [
+    ("https://example.invalid/m.carton", None, SandboxPolicy.BEST_EFFORT),
+    ("http://127.0.0.1:9/m.carton", None, SandboxPolicy.BEST_EFFORT),
+    ("https://example.invalid/m.carton", "none", "none"),
+    ("/models/m.carton", None, None),
+])
+def test_url_loads_default_to_best_effort(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, where: str,
+                                          given: str | None, expected: object) -> None:
+    import carton._format
+    from carton._runtime import _model
+
+    class Opened:
+        def __init__(self) -> None:
+            self.info = carton.CartonInfo(spec_version=1, model_name=None, required_platforms=(), inputs=(),
+                                          outputs=(), runner=carton.RunnerInfo(
+                                              runner_name="adversary", required_framework_version="1",
+                                              runner_compat_version=1, opts={}), manifest_sha256="")
+            self.model_dir = tmp_path
+
+    seen: list[object] = []
+    monkeypatch.setattr(carton._format, "open_carton", lambda path_or_url: Opened())
+    monkeypatch.setattr(_model, "_resolve", lambda request, where: None)
+    monkeypatch.setattr(_model, "_open", lambda **kwargs: seen.append(kwargs["sandbox"]))
+    _model.load(where, sandbox=given)
+    assert seen == [expected]

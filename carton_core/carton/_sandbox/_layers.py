@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from . import _landlock, _seccomp
 
@@ -119,7 +120,7 @@ def _run_probe(argv: list[str]) -> str | None:
         return f"{argv[0]} failed to run: {exc}"
     if done.returncode != 0:
         text = done.stderr.decode("utf-8", "replace").strip().splitlines()
-        return f"{os.path.basename(argv[0])} probe exited with {done.returncode}: {text[-1] if text else 'no output'}"
+        return f"{Path(argv[0]).name} probe exited with {done.returncode}: {text[-1] if text else 'no output'}"
     return None
 
 

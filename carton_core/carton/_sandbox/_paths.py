@@ -66,7 +66,7 @@ def import_roots(interpreter: str, env: Mapping[str, str]) -> list[str]:
         roots.extend(_editable_roots())
     roots.append(str(Path(carton_protocol.__file__).resolve().parent.parent))
     roots.append(str(Path(__file__).resolve().parent.parent.parent))
-    return _dedupe(path for path in roots if os.path.isabs(path) and os.path.exists(path))
+    return _dedupe(path for path in roots if Path(path).is_absolute() and Path(path).exists())
 
 
 def _dedupe(paths: Iterable[str]) -> list[str]:

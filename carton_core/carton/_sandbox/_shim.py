@@ -12,11 +12,13 @@ then exec. Any failure prints ``carton sandbox: <layer>: <reason>`` to stderr (t
 from __future__ import annotations
 
 import ctypes
+import importlib
 import json
 import os
 import resource
 import signal
 import sys
+from typing import Any
 
 SETUP_FAILED = 121
 _PR_SET_PDEATHSIG = 1
@@ -114,21 +116,19 @@ def main(argv: list[str]) -> None:
         _close_fds([int(fd) for fd in config.get("keep_fds", ())])
     landlock = config.get("landlock")
     if landlock:
-        import _landlock
-
+        _landlock: Any = importlib.import_module("_landlock")  # this folder is sys.path[0]: no carton import
         try:
             _landlock.restrict(landlock["read"], landlock["write"])
         except (_landlock.LandlockError, OSError) as exc:
             _fail("landlock", exc)
     if config.get("seccomp"):
-        import _seccomp
-
+        _seccomp: Any = importlib.import_module("_seccomp")
         try:
             _seccomp.install_filter(_seccomp.build_filter())
         except (_seccomp.FilterUnavailable, OSError) as exc:
             _fail("seccomp", exc)
     try:
-        os.execve(target[0], target, os.environ)
+        os.execve(target[0], target, os.environ)  # noqa: S606 - exec'ing the runner is the point
     except OSError as exc:
         _fail("exec", f"cannot execute {target[0]}: {exc.strerror}")
 

@@ -13,7 +13,7 @@ import os
 import secrets
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 
@@ -106,7 +106,7 @@ class SandboxSetup:
             argv = (*_shim_argv(shim_python, outer), *self._unshare_argv(), *_shim_argv(shim_python, inner),
                     *runner_argv)
         # The host's PATH names its own folders; the runner gets its interpreter's and the system's.
-        env = {**plan.env, "PATH": os.pathsep.join([os.path.dirname(plan.argv[0]), *_SYSTEM_PATH])}
+        env = {**plan.env, "PATH": os.pathsep.join([str(Path(plan.argv[0]).parent), *_SYSTEM_PATH])}
         return replace(plan, argv=argv, env=env, limits=self.plan_limits(), exit_signal_base=128)
 
     def _uid(self, plan: LaunchPlan) -> int | None:
@@ -140,8 +140,8 @@ class SandboxSetup:
         # bubblewrap would create missing parents 0700 (root-owned), which the runner's uid could not traverse.
         argv += _parent_dirs([*binds, str(plan.runtime_dir)])
         for path in binds:
-            if os.path.islink(path) and os.path.dirname(path) == "/":
-                argv += ["--symlink", os.readlink(path), path]
+            if Path(path).is_symlink() and str(Path(path).parent) == "/":
+                argv += ["--symlink", str(Path(path).readlink()), path]
             else:
                 argv += ["--ro-bind", path, path]
         argv += ["--proc", "/proc", "--dev", "/dev"]
@@ -171,7 +171,7 @@ def _parent_dirs(paths: list[str], *, under_dev: bool = False) -> list[str]:
     for ancestor in sorted(ancestors):
         if (ancestor == "/dev" or ancestor.startswith("/dev/")) != under_dev or ancestor == "/dev":
             continue
-        if os.path.islink(ancestor):
+        if Path(ancestor).is_symlink():
             continue
         argv += ["--perms", "0755", "--dir", ancestor]
     return argv
@@ -182,7 +182,7 @@ def _shim_python(plan: LaunchPlan) -> str:
     return plan.argv[0]
 
 
-def _shim_argv(python: str, config: dict[str, object]) -> tuple[str, ...]:
+def _shim_argv(python: str, config: Mapping[str, object]) -> tuple[str, ...]:
     return (python, "-E", "-s", "-S", str(SHIM), json.dumps(config, separators=(",", ":")), "--")
 
 

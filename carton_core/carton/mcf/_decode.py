@@ -16,7 +16,8 @@ from carton.mcf._lut import MIN_PARALLEL_VALUES, BlockDecoder, IntDecoder, chunk
 from carton.mcf._packing import block_bytes, unpack_blocks
 from carton.mcf._types import QuantDomain, QuantMethod
 
-__all__ = ["block_codes", "block_scales", "dequantize", "int_codes", "int_parameters"]
+__all__ = ["block_codes", "block_scales", "dequantize", "dequantize_unpacked", "int_codes", "int_parameters"]
+
 
 def _region(flat: npt.NDArray[np.uint8], offset: int, size: int) -> npt.NDArray[np.uint8]:
     return flat[offset : offset + size]
@@ -131,3 +132,30 @@ def dequantize(
 
     parallel_ranges(rows, workers, step, ragged)
     return out
+
+
+def dequantize_unpacked(
+    payload: bytes | bytearray | memoryview | npt.NDArray[np.uint8],
+    method: QuantMethod | str,
+    shape: tuple[int, int],
+    *,
+    domain: QuantDomain | int = QuantDomain.WEIGHTS,
+) -> npt.NDArray[np.float32]:
+    """The straightforward decoder: unpack every code to int8, convert, multiply by its scale.
+
+    Slower than :func:`dequantize` and bit-identical to it; kept as the oracle for tests and the baseline of
+    ``bench/bench_mcf.py``.
+    """
+    rows, cols = (int(d) for d in shape)
+    layout = payload_layout(method, rows, cols, domain=domain)
+    flat = as_payload_array(payload, layout)
+    if layout.method.family == "int":
+        scale, zero = int_parameters(flat, layout)
+        values = int_codes(flat, layout).astype(np.float32)
+        if zero != 0:
+            values -= zero
+        values *= scale
+        return values.reshape(rows, cols)
+    values = block_codes(flat, layout, 0, rows).astype(np.float32)
+    values *= block_scales(flat, layout)[:, :, None]
+    return np.ascontiguousarray(values.reshape(rows, layout.padded_cols)[:, :cols])

@@ -13,13 +13,18 @@ A :class:`QuantizedLinear` keeps one of three weight caches:
     inner axis is the long, contiguous row axis), and accumulate ``x[:, tile] @ tile`` with sgemm.
 
 * ``"packed"``: keeps only the payload (zero-copy over an mmap or bytes) and per-block fp32 scales; row tiles are
-  unpacked, scaled and multiplied per call.
+  decoded through lookup tables (``_lut.BlockDecoder``), scaled and multiplied per call.
 * ``"fp32"``: dequantizes once and calls BLAS on the full matrix (fastest, 8x the q4 size).
+
+With ``threads > 1`` every path splits the output features (rows of ``W``) into contiguous ranges, one per thread of
+a small pool; each range runs the same tile loop with its own work buffers (numpy releases the GIL in the casts,
+multiplies and gathers, BLAS in its calls).
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Literal
 
 import numpy as np
@@ -28,6 +33,7 @@ import numpy.typing as npt
 from carton.errors import MCFError
 from carton.mcf._decode import block_codes, block_scales, dequantize, int_codes, int_parameters
 from carton.mcf._layout import PayloadLayout, as_payload_array, coerce_domain, coerce_method, payload_layout
+from carton.mcf._lut import BlockDecoder, parallel_ranges, resolve_threads
 from carton.mcf._packing import BLOCK
 from carton.mcf._quant import QuantizedTensor
 from carton.mcf._types import QuantDomain, QuantMethod
@@ -37,10 +43,14 @@ __all__ = ["CacheMode", "QuantizedLinear", "matmul"]
 CacheMode = Literal["packed", "int8", "fp32"]
 _CACHE_MODES = ("packed", "int8", "fp32")
 
-# Work-buffer budget per call (bytes of fp32 tile): sized to stay near the L2 cache; chosen by bench/bench_mcf.py.
+# Work-buffer budget per call and thread (bytes of fp32 tile): about the L2 cache; chosen by measurement. 1 MiB would
+# lower k4's resident memory from about 2.50x to 2.38x the payload but cost about 20% at batch 1 (4096^2, one
+# thread, same run: 3.56 ms against 2.75 ms), so it stays an option (tile_bytes=1 << 20), not the default.
 DEFAULT_TILE_BYTES = 2 << 20
 # Largest batch served by the block-partial (matrix-vector) path; chosen by bench/bench_mcf.py.
 DEFAULT_GEMV_MAX_BATCH = 4
+# Smallest row range handed to a pool thread: below it the hand-off costs more than it saves.
+_MIN_ROWS_PER_THREAD = 256
 
 Payload = bytes | bytearray | memoryview | npt.NDArray[np.uint8]
 
@@ -50,7 +60,9 @@ class QuantizedLinear:
 
     ``payload`` may be bytes, a memoryview or a uint8 array over an mmap; with ``cache="packed"`` it is referenced,
     never copied. Calls accept float32 (other floats are converted) of shape ``[..., cols]`` and return float32
-    ``[..., rows]``. A call reuses per-thread work buffers of about ``tile_bytes``.
+    ``[..., rows]``. A call reuses per-thread work buffers of about ``tile_bytes``. ``threads`` (default 1; ``None``:
+    one per CPU) splits the output features of each call across a small thread pool; results do not depend on it
+    beyond float32 summation order.
     """
 
     def __init__(
@@ -64,6 +76,7 @@ class QuantizedLinear:
         cache: CacheMode = "int8",
         tile_bytes: int = DEFAULT_TILE_BYTES,
         gemv_max_batch: int = DEFAULT_GEMV_MAX_BATCH,
+        threads: int | None = 1,
     ) -> None:
         if cache not in _CACHE_MODES:
             raise MCFError(f"unknown weight cache {cache!r} (expected one of: {', '.join(_CACHE_MODES)})")
@@ -76,6 +89,9 @@ class QuantizedLinear:
         self.cache: CacheMode = cache
         self.tile_bytes = tile_bytes
         self.gemv_max_batch = gemv_max_batch
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise MCFError(f"threads must be a positive integer or None, got {threads!r}")
+        self.threads = resolve_threads(threads)
         self._local = threading.local()
         flat = as_payload_array(payload, self.layout)
         self._flat: npt.NDArray[np.uint8] | None = None
@@ -83,6 +99,7 @@ class QuantizedLinear:
         self._codes_t: npt.NDArray[np.int8] | None = None
         self._scales_t: npt.NDArray[np.float32] | None = None
         self._scales: npt.NDArray[np.float32] | None = None
+        self._decoder: BlockDecoder | None = None
         self._int_scale = np.float32(1.0)
         self._int_zero = np.float32(0.0)
         if cache == "fp32":
@@ -97,6 +114,7 @@ class QuantizedLinear:
         elif cache == "packed":
             self._flat = flat
             self._scales = block_scales(flat, self.layout)
+            self._decoder = BlockDecoder(flat, self.layout, self._scales)
         else:
             self._build_int8_cache(flat)
 
@@ -148,15 +166,33 @@ class QuantizedLinear:
         if x2.shape[0] == 0:
             return np.zeros((*lead, self.rows), dtype=np.float32)
         if self._fp32 is not None:
-            out = x2 @ self._fp32.T
-        elif self._codes_t is not None and self.method.family != "int":
-            small = x2.shape[0] <= self.gemv_max_batch
-            out = self._blockwise_gemv(x2) if small else self._ktiled_gemm(x2)
+            return (x2 @ self._fp32.T).reshape(*lead, self.rows)
+        m = x2.shape[0]
+        if self._codes_t is not None and self.method.family != "int":
+            xp = self._padded_input(x2)
+            if m <= self.gemv_max_batch:
+                xb = xp.reshape(m, self.layout.blocks_per_row, BLOCK).transpose(1, 0, 2)  # [nb, m, 32]
+                out = np.zeros((m, self.rows), dtype=np.float32)
+                self._over_rows(lambda r0, r1: self._blockwise_gemv(xb, out, r0, r1))
+            else:
+                out = np.empty((m, self.rows), dtype=np.float32)
+                self._over_rows(lambda r0, r1: self._ktiled_gemm(xp, out, r0, r1))
         elif self._codes_t is not None:
-            out = self._int_ktiled(x2)
+            out = np.empty((m, self.rows), dtype=np.float32)
+            self._over_rows(lambda r0, r1: self._int_ktiled(x2, out, r0, r1))
         else:
-            out = self._rowtiled_packed(x2)
-        return out.reshape(*lead, self.rows)
+            width = self.cols if self.method.family == "int" else self.layout.padded_cols
+            xp_t = np.ascontiguousarray((x2 if width == self.cols else self._padded_input(x2)).T)
+            out_t = np.empty((self.rows, m), dtype=np.float32)
+            self._over_rows(lambda r0, r1: self._rowtiled_packed(xp_t, out_t, r0, r1))
+            out = out_t.T
+        return np.ascontiguousarray(out).reshape(*lead, self.rows)
+
+    def _over_rows(self, work: Callable[[int, int], None]) -> None:
+        """Run ``work(r0, r1)`` over the output rows, split across ``self.threads`` threads when large enough."""
+        workers = min(self.threads, max(1, self.rows // _MIN_ROWS_PER_THREAD))
+        # Ranges start on multiples of 16 rows so that every thread's tiles stay aligned.
+        parallel_ranges(self.rows, workers, 16, work)
 
     def take_rows(self, indices: npt.ArrayLike) -> npt.NDArray[np.float32]:
         """Dequantized rows ``W[indices]`` (an embedding lookup), without decoding the others."""
@@ -203,63 +239,64 @@ class QuantizedLinear:
         padded[:, : self.cols] = x2
         return padded
 
-    def _blockwise_gemv(self, x2: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+    def _blockwise_gemv(self, xb: npt.NDArray[np.float32], out: npt.NDArray[np.float32], r0: int, r1: int) -> None:
         codes_t, scales_t = self._codes_t, self._scales_t
         assert codes_t is not None and scales_t is not None
-        m, rows, nb = x2.shape[0], self.rows, self.layout.blocks_per_row
+        m, rows, nb = xb.shape[1], r1 - r0, self.layout.blocks_per_row
         group = max(1, min(nb, self.tile_bytes // (4 * BLOCK * rows)))
-        xb = self._padded_input(x2).reshape(m, nb, BLOCK).transpose(1, 0, 2)  # [nb, m, 32]
         slab = self._buffer("tile", (group * BLOCK, rows))
         partial = self._buffer("partial", (group, m, rows))
-        out = np.zeros((m, rows), dtype=np.float32)
+        dest = out[:, r0:r1]
         for b0 in range(0, nb, group):
             b1 = min(nb, b0 + group)
             g = b1 - b0
             tile = slab[: g * BLOCK]
-            np.copyto(tile, codes_t[b0 * BLOCK : b1 * BLOCK], casting="unsafe")
+            np.copyto(tile, codes_t[b0 * BLOCK : b1 * BLOCK, r0:r1], casting="unsafe")
             part = partial[:g]
             np.matmul(xb[b0:b1], tile.reshape(g, BLOCK, rows), out=part)
-            part *= scales_t[b0:b1, None, :]
-            out += part.sum(axis=0)
-        return out
+            part *= scales_t[b0:b1, None, r0:r1]
+            dest += part.sum(axis=0)
 
-    def _ktiled_gemm(self, x2: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+    def _ktiled_gemm(self, xp: npt.NDArray[np.float32], out: npt.NDArray[np.float32], r0: int, r1: int) -> None:
         codes_t, scales_t = self._codes_t, self._scales_t
         assert codes_t is not None and scales_t is not None
-        m, rows, kp = x2.shape[0], self.rows, self.layout.padded_cols
+        m, rows, kp = xp.shape[0], r1 - r0, self.layout.padded_cols
         kt = max(BLOCK, min(kp, (self.tile_bytes // (4 * rows)) // BLOCK * BLOCK))
-        xp = self._padded_input(x2)
         tile_buf = self._buffer("tile", (kt, rows))
-        out = np.zeros((m, rows), dtype=np.float32)
+        acc = out[:, r0:r1]  # BLAS writes a column range in place (leading dimension = all rows)
         tmp = self._buffer("partial", (m, rows))
         for k0 in range(0, kp, kt):
             k1 = min(kp, k0 + kt)
             tile = tile_buf[: k1 - k0]
-            np.copyto(tile, codes_t[k0:k1], casting="unsafe")
+            np.copyto(tile, codes_t[k0:k1, r0:r1], casting="unsafe")
             blocks = tile.reshape((k1 - k0) // BLOCK, BLOCK, rows)
-            np.multiply(blocks, scales_t[k0 // BLOCK : k1 // BLOCK, None, :], out=blocks)
-            np.matmul(xp[:, k0:k1], tile, out=tmp)
-            out += tmp
-        return out
+            np.multiply(blocks, scales_t[k0 // BLOCK : k1 // BLOCK, None, r0:r1], out=blocks)
+            if k0 == 0:
+                np.matmul(xp[:, k0:k1], tile, out=acc)
+            else:
+                np.matmul(xp[:, k0:k1], tile, out=tmp)
+                acc += tmp
 
-    def _int_ktiled(self, x2: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+    def _int_ktiled(self, x2: npt.NDArray[np.float32], out: npt.NDArray[np.float32], r0: int, r1: int) -> None:
         codes_t = self._codes_t
         assert codes_t is not None
-        m, rows, cols = x2.shape[0], self.rows, self.cols
+        m, rows, cols = x2.shape[0], r1 - r0, self.cols
         kt = max(1, min(cols, self.tile_bytes // (4 * rows)))
         tile_buf = self._buffer("tile", (kt, rows))
-        out = np.zeros((m, rows), dtype=np.float32)
+        acc = out[:, r0:r1]  # BLAS writes a column range in place (leading dimension = all rows)
         tmp = self._buffer("partial", (m, rows))
         for k0 in range(0, cols, kt):
             k1 = min(cols, k0 + kt)
             tile = tile_buf[: k1 - k0]
-            np.copyto(tile, codes_t[k0:k1], casting="unsafe")
-            np.matmul(x2[:, k0:k1], tile, out=tmp)
-            out += tmp
+            np.copyto(tile, codes_t[k0:k1, r0:r1], casting="unsafe")
+            if k0 == 0:
+                np.matmul(x2[:, k0:k1], tile, out=acc)
+            else:
+                np.matmul(x2[:, k0:k1], tile, out=tmp)
+                acc += tmp
         if self._int_zero != 0:
-            out -= self._int_zero * x2.sum(axis=1, keepdims=True)
-        out *= self._int_scale
-        return out
+            acc -= self._int_zero * x2.sum(axis=1, keepdims=True)
+        acc *= self._int_scale
 
     def _decode_rows(self, r0: int, r1: int) -> npt.NDArray[np.float32]:
         """fp32 rows ``[r1 - r0, cols_padded]`` of W decoded from the referenced payload (packed cache)."""
@@ -274,27 +311,20 @@ class QuantizedLinear:
                 tile -= self._int_zero
             tile *= self._int_scale
             return tile
-        scales = self._scales
-        assert scales is not None
-        nb = layout.blocks_per_row
-        tile = self._buffer("tile", (r1 - r0, nb * BLOCK))
-        blocks = tile.reshape(r1 - r0, nb, BLOCK)
-        np.copyto(blocks, block_codes(flat, layout, r0, r1), casting="unsafe")
-        np.multiply(blocks, scales[r0:r1, :, None], out=blocks)
-        if self.cols != nb * BLOCK:
+        decoder = self._decoder
+        assert decoder is not None
+        tile = self._buffer("tile", (r1 - r0, layout.padded_cols))
+        decoder.decode(r0, r1, tile)
+        if self.cols != layout.padded_cols:
             tile[:, self.cols :] = 0
         return tile
 
-    def _rowtiled_packed(self, x2: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
-        m, rows = x2.shape[0], self.rows
-        width = self.cols if self.method.family == "int" else self.layout.padded_cols
-        rt = max(1, min(rows, self.tile_bytes // (4 * width)))
-        xp_t = np.ascontiguousarray((x2 if width == self.cols else self._padded_input(x2)).T)
-        out_t = np.empty((rows, m), dtype=np.float32)
-        for r0 in range(0, rows, rt):
-            r1 = min(rows, r0 + rt)
-            np.matmul(self._decode_rows(r0, r1), xp_t, out=out_t[r0:r1])
-        return np.ascontiguousarray(out_t.T)
+    def _rowtiled_packed(self, xp_t: npt.NDArray[np.float32], out_t: npt.NDArray[np.float32], r0: int, r1: int) -> None:
+        width = xp_t.shape[0]
+        rt = max(1, min(r1 - r0, self.tile_bytes // (4 * width)))
+        for t0 in range(r0, r1, rt):
+            t1 = min(r1, t0 + rt)
+            np.matmul(self._decode_rows(t0, t1), xp_t, out=out_t[t0:t1])
 
 
 def matmul(

@@ -60,6 +60,9 @@ class _CartonHandle:
         return tuple(self._model.info.outputs)
 
     async def infer(self, inputs: dict[str, np.ndarray]) -> Mapping[str, Tensor]:
+        # Off the event loop (the runtime's worker thread waits on the runner): calling the blocking `Model.infer`
+        # on the loop measured about 70 us less CPU per request, but one slow or hung model would then stall every
+        # connection, health probes included. See docs/server.md, "Where the time goes".
         result: Mapping[str, Tensor] = await self._model.infer_async(inputs)
         return result
 

@@ -9,7 +9,6 @@ under the same limit.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import zlib
@@ -18,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
 
+import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..errors import BadRequest, RequestTooLarge, ServerError
@@ -327,8 +327,8 @@ class HttpApp:
         if not body.strip():
             return {}
         try:
-            document = json.loads(body)
-        except (ValueError, RecursionError) as exc:
+            document = orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
             raise BadRequest(f"the request body is not valid JSON: {exc}") from exc
         if not isinstance(document, dict):
             raise BadRequest("the request body must be a JSON object")
@@ -374,5 +374,5 @@ async def _send(send: Send, status: int, headers: list[tuple[bytes, bytes]], par
 
 
 async def _send_json(send: Send, status: int, document: object) -> None:
-    body = json.dumps(document, separators=(",", ":")).encode()
+    body = orjson.dumps(document)
     await _send(send, status, [(b"content-type", b"application/json")], [body])

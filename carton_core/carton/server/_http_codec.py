@@ -8,13 +8,13 @@ arrays' memory.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import orjson
 from carton_protocol import DType, Tensor
 
 from ..errors import BadRequest
@@ -149,8 +149,8 @@ def parse_infer_request(served: ServedVersion, body: bytes | bytearray, header_l
         if json_end == 0:
             return _raw_request(served, view)
     try:
-        header = json.loads(view[:json_end].tobytes())
-    except (ValueError, RecursionError) as exc:
+        header = orjson.loads(view[:json_end])
+    except orjson.JSONDecodeError as exc:
         raise BadRequest(f"the inference request header is not valid JSON: {exc}") from exc
     if not isinstance(header, dict):
         raise BadRequest("the inference request header must be a JSON object")
@@ -231,4 +231,4 @@ def encode_infer_response(
     document["model_name"] = served.model
     document["model_version"] = served.version_str
     document["outputs"] = described
-    return json.dumps(document, separators=(",", ":")).encode(), parts
+    return orjson.dumps(document), parts

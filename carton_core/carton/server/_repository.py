@@ -95,11 +95,11 @@ class ServedVersion:
     def enter(self) -> None:
         self.in_flight += 1
         self._idle.clear()
-        self.stats.in_flight.inc()
+        self.stats.series.in_flight += 1
 
     def exit(self) -> None:
         self.in_flight -= 1
-        self.stats.in_flight.dec()
+        self.stats.series.in_flight -= 1
         if self.in_flight == 0:
             self._idle.set()
 

@@ -1,7 +1,9 @@
 """Per-version inference statistics (Triton's statistics extension) and the Prometheus metrics behind ``/metrics``.
 
-Both are recorded in one place per request, with label children resolved once per loaded version so that the hot
-path pays a few additions and three histogram observations.
+The hot path pays plain integer additions only: each (model, version) has a `_Series` of counters and histogram
+buckets that the event loop updates in place (every request is recorded on the loop thread), and a collector turns
+them into Prometheus families when ``/metrics`` is scraped. prometheus_client's own metric objects take a lock and
+run label checks on every increment, which measured about 7 us of CPU per request here; this costs under 1 us.
 
 Durations, as the statistics extension defines them for carton: ``queue`` is time waiting in the dynamic batcher,
 ``compute_input`` decoding the request into arrays, ``compute_infer`` the runner round trip, ``compute_output``
@@ -10,64 +12,106 @@ encoding the response; ``success``/``fail`` are whole requests as the server saw
 
 from __future__ import annotations
 
-import contextlib
 import time
+from bisect import bisect_left
+from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 __all__ = ["ServerMetrics", "VersionStats"]
 
 _LATENCY_BUCKETS = (
     0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 )  # fmt: skip
+_BOUNDS_NS = tuple(int(bound * 1e9) for bound in _LATENCY_BUCKETS)
+_BUCKET_LABELS = (*(repr(bound) for bound in _LATENCY_BUCKETS), "+Inf")
+
+
+class _Histogram:
+    __slots__ = ("buckets", "sum_ns")
+
+    def __init__(self) -> None:
+        self.buckets = [0] * (len(_BOUNDS_NS) + 1)  # per bucket, not cumulative; the last is +Inf
+        self.sum_ns = 0
+
+    def observe(self, ns: int) -> None:
+        self.buckets[bisect_left(_BOUNDS_NS, ns)] += 1
+        self.sum_ns += ns
+
+    def add_to(self, family: HistogramMetricFamily, labels: list[str]) -> None:
+        cumulative, total = [], 0
+        for label, count in zip(_BUCKET_LABELS, self.buckets, strict=True):
+            total += count
+            cumulative.append((label, float(total)))
+        family.add_metric(labels, cumulative, self.sum_ns / 1e9)
+
+
+class _Series:
+    """The Prometheus series of one (model, version); a reloaded version keeps recording into the same one."""
+
+    __slots__ = ("compute", "duration", "executions", "failure", "in_flight", "queue", "success")
+
+    def __init__(self) -> None:
+        self.success = 0
+        self.failure = 0
+        self.executions = 0
+        self.in_flight = 0
+        self.duration = _Histogram()
+        self.queue = _Histogram()
+        self.compute = _Histogram()
+
+
+class _SeriesCollector(Collector):
+    def __init__(self, series: dict[tuple[str, str], _Series]) -> None:
+        self._series = series
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["model", "version"]
+        requests = CounterMetricFamily(
+            "carton_inference_requests", "Inference requests handled, by outcome (success or failure).",
+            labels=[*labels, "outcome"],
+        )  # fmt: skip
+        executions = CounterMetricFamily(
+            "carton_inference_executions", "Model executions (a dynamic batch counts once).", labels=labels
+        )
+        duration = HistogramMetricFamily(
+            "carton_inference_request_duration_seconds",
+            "Time from a request's arrival to its response being ready, server side.", labels=labels,
+        )  # fmt: skip
+        queue = HistogramMetricFamily(
+            "carton_inference_queue_duration_seconds",
+            "Time requests waited in the dynamic batcher before running.", labels=labels,
+        )  # fmt: skip
+        compute = HistogramMetricFamily(
+            "carton_inference_compute_duration_seconds",
+            "Time of the runner round trip (the model's computation and the transfer to and from its process).",
+            labels=labels,
+        )
+        in_flight = GaugeMetricFamily(
+            "carton_inference_in_flight", "Inference requests currently being handled.", labels=labels
+        )
+        for (model, version), series in sorted(self._series.items()):
+            key = [model, version]
+            requests.add_metric([*key, "success"], series.success)
+            requests.add_metric([*key, "failure"], series.failure)
+            executions.add_metric(key, series.executions)
+            series.duration.add_to(duration, key)
+            series.queue.add_to(queue, key)
+            series.compute.add_to(compute, key)
+            in_flight.add_metric(key, series.in_flight)
+        yield from (requests, executions, duration, queue, compute, in_flight)
 
 
 class ServerMetrics:
     """The Prometheus metrics of one server, in a registry of their own (several servers may share a process)."""
 
     def __init__(self) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
-        labels = ("model", "version")
-        self.requests = Counter(
-            "carton_inference_requests",
-            "Inference requests handled, by outcome (success or failure).",
-            (*labels, "outcome"),
-            registry=self.registry,
-        )
-        self.executions = Counter(
-            "carton_inference_executions",
-            "Model executions (a dynamic batch counts once).",
-            labels,
-            registry=self.registry,
-        )
-        self.request_duration = Histogram(
-            "carton_inference_request_duration_seconds",
-            "Time from a request's arrival to its response being ready, server side.",
-            labels,
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
-        )
-        self.queue_duration = Histogram(
-            "carton_inference_queue_duration_seconds",
-            "Time requests waited in the dynamic batcher before running.",
-            labels,
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
-        )
-        self.compute_duration = Histogram(
-            "carton_inference_compute_duration_seconds",
-            "Time of the runner round trip (the model's computation and the transfer to and from its process).",
-            labels,
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
-        )
-        self.in_flight = Gauge(
-            "carton_inference_in_flight",
-            "Inference requests currently being handled.",
-            labels,
-            registry=self.registry,
-        )
+        self.registry = CollectorRegistry(auto_describe=False)
+        self._series: dict[tuple[str, str], _Series] = {}
+        self.registry.register(_SeriesCollector(self._series))
         self.rejected = Counter(
             "carton_http_requests_rejected",
             "Requests refused before reaching a model, by HTTP status.",
@@ -75,16 +119,15 @@ class ServerMetrics:
             registry=self.registry,
         )
 
+    def series(self, model: str, version: str) -> _Series:
+        found = self._series.get((model, version))
+        if found is None:
+            found = self._series[(model, version)] = _Series()
+        return found
+
     def forget(self, model: str, version: str) -> None:
         """Drop a version's series once it is unloaded (a reload starts them again from zero, like its statistics)."""
-        for metric in (
-            self.executions, self.request_duration, self.queue_duration, self.compute_duration, self.in_flight,
-        ):  # fmt: skip
-            with contextlib.suppress(KeyError):
-                metric.remove(model, version)
-        for outcome in ("success", "failure"):
-            with contextlib.suppress(KeyError):
-                self.requests.remove(model, version, outcome)
+        self._series.pop((model, version), None)
 
 
 class _Duration:
@@ -115,9 +158,8 @@ class VersionStats:
     """Counters of one loaded model version."""
 
     __slots__ = (
-        "_compute", "_duration", "_executions", "_failure", "_queue", "_success", "batches", "compute_infer",
-        "compute_input", "compute_output", "execution_count", "fail", "in_flight", "inference_count",
-        "last_inference_ms", "model", "queue", "success", "version",
+        "batches", "compute_infer", "compute_input", "compute_output", "execution_count", "fail", "inference_count",
+        "last_inference_ms", "model", "queue", "series", "success", "version",
     )  # fmt: skip
 
     def __init__(self, model: str, version: str, metrics: ServerMetrics) -> None:
@@ -133,13 +175,7 @@ class VersionStats:
         self.compute_infer = _Duration()
         self.compute_output = _Duration()
         self.batches: dict[int, _BatchStats] = {}
-        self._success = metrics.requests.labels(model, version, "success")
-        self._failure = metrics.requests.labels(model, version, "failure")
-        self._executions = metrics.executions.labels(model, version)
-        self._duration = metrics.request_duration.labels(model, version)
-        self._queue = metrics.queue_duration.labels(model, version)
-        self._compute = metrics.compute_duration.labels(model, version)
-        self.in_flight = metrics.in_flight.labels(model, version)
+        self.series = metrics.series(model, version)
 
     def record_execution(self, *, batch_size: int, infer_ns: int, queue_ns: int = 0, requests: int = 1) -> None:
         """One model execution over `batch_size` elements gathered from `requests` requests."""
@@ -148,27 +184,27 @@ class VersionStats:
         self.compute_infer.add(infer_ns, requests)
         if queue_ns:
             self.queue.add(queue_ns, requests)
-            self._queue.observe(queue_ns / 1e9)
+            self.series.queue.observe(queue_ns)
         batch = self.batches.get(batch_size)
         if batch is None:
             batch = self.batches[batch_size] = _BatchStats()
         batch.compute_infer.add(infer_ns)
-        self._executions.inc()
-        self._compute.observe(infer_ns / 1e9)
+        self.series.executions += 1
+        self.series.compute.observe(infer_ns)
 
     def record_success(self, *, total_ns: int, input_ns: int, output_ns: int) -> None:
         self.last_inference_ms = time.time_ns() // 1_000_000
         self.success.add(total_ns)
         self.compute_input.add(input_ns)
         self.compute_output.add(output_ns)
-        self._success.inc()
-        self._duration.observe(total_ns / 1e9)
+        self.series.success += 1
+        self.series.duration.observe(total_ns)
 
     def record_failure(self, *, total_ns: int) -> None:
         self.last_inference_ms = time.time_ns() // 1_000_000
         self.fail.add(total_ns)
-        self._failure.inc()
-        self._duration.observe(total_ns / 1e9)
+        self.series.failure += 1
+        self.series.duration.observe(total_ns)
 
     def to_json(self) -> dict[str, Any]:
         """The version's entry of ``model_stats`` as Triton's statistics extension lays it out."""
