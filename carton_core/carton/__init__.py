@@ -5,8 +5,38 @@
         outputs = model.infer({"x": x})
 """
 
-from carton_protocol import DType, RunnerSpec, Runner, TensorSpec
+from carton_protocol import DType, Runner, RunnerSpec, TensorSpec
 
+from ._environments import (
+    RunnerEnvironment,
+    install_runner,
+    list_runner_environments,
+    remove_runner_environment,
+)
+from ._format import (
+    CartonInfo,
+    Example,
+    MiscRef,
+    ReadLimits,
+    RunnerInfo,
+    SelfTest,
+    TensorRef,
+    get_model_info,
+    pack,
+    shrink,
+    verify,
+)
+from ._runtime import (
+    Model,
+    RunnerLimits,
+    SandboxPolicy,
+    SelfTestResult,
+    VersionReq,
+    discover_runners,
+    load,
+    load_unpacked,
+    target_triple,
+)
 from .errors import (
     ArchiveTooLarge,
     CartonError,
@@ -44,42 +74,6 @@ from .errors import (
     UnsafeArchive,
     UnsupportedModel,
 )
-
-# Each part of the package adds its public names below, in its own block, and to __all__.
-# --- package format (_format) ---
-from ._format import (
-    CartonInfo,
-    Example,
-    MiscRef,
-    ReadLimits,
-    RunnerInfo,
-    SelfTest,
-    TensorRef,
-    get_model_info,
-    pack,
-    shrink,
-    verify,
-)
-# --- runtime (_runtime) ---
-from ._runtime import (
-    Model,
-    RunnerLimits,
-    SandboxPolicy,
-    SelfTestResult,
-    VersionReq,
-    discover_runners,
-    load,
-    load_unpacked,
-    target_triple,
-)
-# --- runner environments (_environments) ---
-from ._environments import (
-    RunnerEnvironment,
-    install_runner,
-    list_runner_environments,
-    remove_runner_environment,
-)
-# --- sandbox (_sandbox) ---
 
 __version__ = "0.1.0"
 
