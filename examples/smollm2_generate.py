@@ -14,9 +14,8 @@ from __future__ import annotations
 import argparse
 import time
 
-import numpy as np
-
 import carton
+import numpy as np
 
 
 def main() -> None:

@@ -48,7 +48,8 @@ class SamplingParams:
 def sample_next(logits: F32, params: SamplingParams, rng: np.random.Generator) -> I64:
     """One token id per row of ``logits [batch, vocab]``."""
     if params.temperature == 0.0:
-        return np.argmax(logits, axis=-1).astype(np.int64)
+        greedy: I64 = np.argmax(logits, axis=-1).astype(np.int64)
+        return greedy
     scaled = logits.astype(np.float64) / params.temperature
     chosen = np.empty(scaled.shape[0], dtype=np.int64)
     for row, values in enumerate(scaled):
@@ -74,7 +75,8 @@ def _last_real(hidden: F32, token_mask: NDArray[np.bool_]) -> F32:
     """Each row's hidden state at its last real token (prompts may be left- or right-padded)."""
     seq = token_mask.shape[1]
     last = seq - 1 - np.argmax(token_mask[:, ::-1], axis=1)
-    return hidden[np.arange(hidden.shape[0]), last]
+    rows: F32 = hidden[np.arange(hidden.shape[0]), last]
+    return rows
 
 
 def generate(model: LlamaModel, input_ids: I64, token_mask: NDArray[np.bool_], params: SamplingParams) -> I64:

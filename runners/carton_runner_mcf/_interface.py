@@ -12,11 +12,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
-from numpy.typing import NDArray
-
 from carton.errors import ConfigError, InvalidInput
 from carton.mcf import CacheMode
 from carton_protocol import DType, OptValue, Tensor, TensorSpec
+from numpy.typing import NDArray
 
 __all__ = [
     "INPUT_DTYPES",
@@ -98,7 +97,8 @@ def parse_options(opts: Mapping[str, OptValue]) -> tuple[RunnerOptions, list[str
             known[name] = Mode(value)
         elif name == "weight_cache":
             if value not in WEIGHT_CACHES:
-                raise ConfigError(f"runner option 'weight_cache' must be one of {', '.join(WEIGHT_CACHES)}, got {value!r}")
+                choices = ", ".join(WEIGHT_CACHES)
+                raise ConfigError(f"runner option 'weight_cache' must be one of {choices}, got {value!r}")
             known[name] = value
         elif name == "model_file":
             known[name] = _typed(name, value, str)
@@ -186,4 +186,3 @@ def ids_and_mask(inputs: Mapping[str, Tensor], vocab_size: int) -> tuple[NDArray
     if empty.size:
         raise InvalidInput(f"input 'attention_mask' row {int(empty[0])} masks every token")
     return ids.astype(np.int64, copy=False), mask
-

@@ -106,7 +106,8 @@ class LlamaModel:
 
     def _rms_norm(self, x: F32, weight: F32) -> F32:
         variance = np.einsum("...i,...i->...", x, x)[..., None] / np.float32(x.shape[-1])
-        return (x / np.sqrt(variance + np.float32(self.config.rms_norm_eps))) * weight
+        normed: F32 = (x / np.sqrt(variance + np.float32(self.config.rms_norm_eps))) * weight
+        return normed
 
     def _rotary(self, positions: I64) -> tuple[F32, F32]:
         """cos and sin, ``[batch, 1, seq, head_dim // 2]``; the two halves of a head share them."""

@@ -6,16 +6,16 @@ before anything is computed, so a wrong file fails at load with the tensor's nam
 
 from __future__ import annotations
 
+import io
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy as np
-from numpy.typing import NDArray
-
 from carton.errors import MCFError, UnsupportedModel
 from carton.mcf import Architecture, CacheMode, MCFFile, QuantMethod, RopeType, SectionType
+from numpy.typing import NDArray
 
 from ._config import DecoderConfig, parse_config
 from ._llama import DecoderLayer, LlamaModel
@@ -49,8 +49,10 @@ def _check_model_info(mcf: MCFFile, config: DecoderConfig) -> None:
         )
     expected_type = _SUPPORTED_ARCHS[arch]
     if expected_type is not None and expected_type != config.model_type:
-        raise MCFError(f"{mcf.name}: ModelInfo arch {arch.name.lower()} disagrees with config.json model_type "
-                       f"{config.model_type!r}")
+        raise MCFError(
+            f"{mcf.name}: ModelInfo arch {arch.name.lower()} disagrees with config.json model_type "
+            f"{config.model_type!r}"
+        )
     pairs = (
         ("vocab_size", info.vocab_size, config.vocab_size),
         ("hidden_size", info.hidden_size, config.hidden_size),
@@ -90,7 +92,7 @@ class _Tensors:
         # of instances called one after another, so one set per thread serves them all. Measured on SmolLM2-135M
         # (211 matrices): peak RSS 836 MB with a set per matrix, 298 MB shared, at the same speed.
         self._work_buffers = threading.local()
-        self._file: BinaryIO | None = None
+        self._file: io.BufferedReader | None = None
 
     def _entry(self, name: str, shape: tuple[int, ...]) -> Any:
         if name not in self._mcf.tensors:
@@ -110,7 +112,7 @@ class _Tensors:
             self._file = open(self._mcf.name, "rb")  # noqa: SIM115 - closed by close()
         payload = np.empty(entry.data_size, dtype=np.uint8)
         self._file.seek(entry.data_offset)
-        if self._file.readinto(memoryview(payload)) != entry.data_size:
+        if self._file.readinto(payload.data) != entry.data_size:
             raise MCFError(f"{self._mcf.name}: tensor {name!r}: the file ended inside its data")
         return payload
 

@@ -10,9 +10,8 @@ import json
 from typing import Any
 
 import numpy as np
-from numpy.typing import NDArray
-
 from carton.errors import MCFError
+from numpy.typing import NDArray
 
 __all__ = ["TextCodec", "load_codec"]
 
@@ -36,9 +35,7 @@ class TextCodec:
             return prompt
         try:
             return str(
-                self._chat_template.render(
-                    messages=[{"role": "user", "content": prompt}], add_generation_prompt=True
-                )
+                self._chat_template.render(messages=[{"role": "user", "content": prompt}], add_generation_prompt=True)
             )
         except Exception as exc:  # a template error is the model's fault: report it as such
             raise MCFError(f"the chat_template of tokenizer_config.json failed: {exc}") from exc

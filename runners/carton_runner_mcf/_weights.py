@@ -29,12 +29,6 @@ F32 = NDArray[np.float32]
 class Linear(Protocol):
     """``y = x @ W.T`` for float32 ``x [..., in_features]``; ``W`` is ``[out_features, in_features]``."""
 
-    @property
-    def in_features(self) -> int: ...
-
-    @property
-    def out_features(self) -> int: ...
-
     def __call__(self, x: F32) -> F32: ...
 
 
@@ -53,14 +47,6 @@ class FloatLinear:
     def __init__(self, weight: NDArray[np.floating]) -> None:
         self._weight_t = np.asarray(weight, dtype=np.float32).T
 
-    @property
-    def in_features(self) -> int:
-        return int(self._weight_t.shape[0])
-
-    @property
-    def out_features(self) -> int:
-        return int(self._weight_t.shape[1])
-
     def __call__(self, x: F32) -> F32:
         result: F32 = np.matmul(x, self._weight_t)
         return result
@@ -72,14 +58,6 @@ class BiasedLinear:
     def __init__(self, inner: Linear, bias: NDArray[np.floating]) -> None:
         self._inner = inner
         self._bias = np.asarray(bias, dtype=np.float32)
-
-    @property
-    def in_features(self) -> int:
-        return self._inner.in_features
-
-    @property
-    def out_features(self) -> int:
-        return self._inner.out_features
 
     def __call__(self, x: F32) -> F32:
         result = self._inner(x)

@@ -7,7 +7,6 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
-
 from carton.errors import InvalidInput, MCFError, PackError
 from carton.mcf import MCFFile, SectionType
 from carton_protocol import LoadContext, PackContext, PackResult, Runner, Tensor, TensorSpec

@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("torch", reason="the mcf runner tests compare against transformers (pip install 'carton[test]')")
 pytest.importorskip("transformers", reason="the mcf runner tests compare against transformers")
 
-from mcf_runner_models import build_llama, to_mcf  # noqa: E402
+from mcf_runner_models import build_llama, to_mcf
 
 #: The base model: untied head, grouped-query attention (4 query heads over 2 kv heads), 2 layers.
 BASE = {"init": 0.02}

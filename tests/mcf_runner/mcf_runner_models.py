@@ -9,9 +9,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 import carton.mcf
+import numpy as np
 from carton_protocol import LoadContext, OptValue
 from carton_runner_mcf.runner import MCFRunner
 
@@ -69,7 +68,10 @@ def edit_config(hf_dir: Path, **changes: Any) -> None:
 
 
 def reference_logits(
-    hf_dir: Path, input_ids: np.ndarray, attention_mask: np.ndarray | None = None, position_ids: np.ndarray | None = None
+    hf_dir: Path,
+    input_ids: np.ndarray,
+    attention_mask: np.ndarray | None = None,
+    position_ids: np.ndarray | None = None,
 ) -> np.ndarray:
     """transformers' fp32 logits for the same inputs."""
     import torch

@@ -7,8 +7,10 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+import carton
 import numpy as np
 import pytest
+from carton_runner_mcf import plugin
 from mcf_runner_models import (
     build_llama,
     edit_config,
@@ -18,9 +20,6 @@ from mcf_runner_models import (
     to_mcf,
     word_tokenizer_json,
 )
-
-import carton
-from carton_runner_mcf import plugin
 
 
 def test_plugin_offers_the_runner_at_carton_version():
@@ -51,8 +50,9 @@ def test_packed_logits_out_of_process_equal_in_process(mcf_model: Callable[..., 
 
 
 def test_generate_with_prompts_out_of_process(model_root: Path, tmp_path: Path):
-    hf = build_llama(model_root / "hf-e2e-words", tie=True, initializer_range=0.1, seed=5,
-                     tokenizer_json=word_tokenizer_json(512))
+    hf = build_llama(
+        model_root / "hf-e2e-words", tie=True, initializer_range=0.1, seed=5, tokenizer_json=word_tokenizer_json(512)
+    )
     folder = to_mcf(hf, tmp_path / "words", "k4")
     path = carton.pack(
         folder,

@@ -7,14 +7,13 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+import carton.mcf
 import numpy as np
 import pytest
-from mcf_runner_models import edit_config, load_runner, to_mcf
-
-import carton.mcf
 from carton.errors import ConfigError, InvalidInput, MCFError, PackError, UnsupportedModel
 from carton_protocol import DType, PackContext, TensorSpec
 from carton_runner_mcf.runner import MCFRunner
+from mcf_runner_models import edit_config, load_runner, to_mcf
 
 
 def _variant(hf_model: Callable[..., Path], root: Path, name: str, **changes: object) -> Path:
@@ -72,7 +71,7 @@ def test_model_info_architecture_is_checked(mcf_model: Callable[..., Path], tmp_
         model_info=carton.mcf.ModelInfo(arch=carton.mcf.Architecture.LLAMA, vocab_size=1000),
         resources={"config.json": config},
     )
-    with pytest.raises(MCFError, match="ModelInfo vocab_size = 1000 disagrees with config.json"):
+    with pytest.raises(MCFError, match=r"ModelInfo vocab_size = 1000 disagrees with config.json"):
         load_runner(tmp_path / "vocab")
     (tmp_path / "noconfig").mkdir()
     carton.mcf.write_mcf(tmp_path / "noconfig" / "model.mcf", tensors=tensors)
@@ -90,7 +89,7 @@ def test_missing_and_misshapen_tensors_are_named(mcf_model: Callable[..., Path],
     del missing["model.layers.1.mlp.up_proj.weight"]
     (tmp_path / "missing").mkdir()
     carton.mcf.write_mcf(tmp_path / "missing" / "model.mcf", tensors=missing, resources={"config.json": config})
-    with pytest.raises(MCFError, match="tensor 'model.layers.1.mlp.up_proj.weight' is missing"):
+    with pytest.raises(MCFError, match=r"tensor 'model.layers.1.mlp.up_proj.weight' is missing"):
         load_runner(tmp_path / "missing")
     wrong = dict(tensors)
     wrong["model.layers.0.self_attn.k_proj.weight"] = np.zeros((16, 64), np.float32)
@@ -102,7 +101,7 @@ def test_missing_and_misshapen_tensors_are_named(mcf_model: Callable[..., Path],
     del untied["lm_head.weight"]
     (tmp_path / "nohead").mkdir()
     carton.mcf.write_mcf(tmp_path / "nohead" / "model.mcf", tensors=untied, resources={"config.json": config})
-    with pytest.raises(MCFError, match="'lm_head.weight' is missing and config.json does not tie"):
+    with pytest.raises(MCFError, match=r"'lm_head.weight' is missing and config.json does not tie"):
         load_runner(tmp_path / "nohead")
 
 
@@ -111,7 +110,7 @@ def test_bad_config_json(hf_model: Callable[..., Path], tmp_path: Path):
     with pytest.raises(MCFError, match=r"num_attention_heads \(4\) is not a multiple of num_key_value_heads \(3\)"):
         load_runner(folder)
     folder = _variant(hf_model, tmp_path, "nohidden", hidden_size=None)
-    with pytest.raises(MCFError, match="config.json has no 'hidden_size'"):
+    with pytest.raises(MCFError, match=r"config.json has no 'hidden_size'"):
         load_runner(folder)
 
 
@@ -123,7 +122,7 @@ def test_model_folder_must_hold_one_mcf(mcf_model: Callable[..., Path], tmp_path
     with pytest.raises(MCFError, match=r"found: a.mcf, b.mcf"):
         load_runner(tmp_path)
     load_runner(tmp_path, model_file="b.mcf").close()
-    with pytest.raises(MCFError, match="model_file='../x.mcf' is not a file inside the model folder"):
+    with pytest.raises(MCFError, match=r"model_file='../x.mcf' is not a file inside the model folder"):
         load_runner(tmp_path, model_file="../x.mcf")
 
 
@@ -206,7 +205,7 @@ def test_pack_checks_declared_tensors(mcf_model: Callable[..., Path]):
         MCFRunner.pack(
             PackContext(model_dir=folder, opts={}, inputs=(TensorSpec(name="input_ids", dtype=DType.FLOAT32),))
         )
-    with pytest.raises(PackError, match="no tokenizer.json section"):
+    with pytest.raises(PackError, match=r"no tokenizer.json section"):
         MCFRunner.pack(
             PackContext(
                 model_dir=folder, opts={"mode": "generate"}, outputs=(TensorSpec(name="text", dtype=DType.STRING),)
@@ -224,7 +223,7 @@ def test_config_json_must_be_json(hf_model: Callable[..., Path], tmp_path: Path)
     source.close()
     (tmp_path / "badjson").mkdir()
     carton.mcf.write_mcf(tmp_path / "badjson" / "model.mcf", tensors=tensors, resources={"config.json": b"{not json"})
-    with pytest.raises(MCFError, match="the config.json section is not valid JSON"):
+    with pytest.raises(MCFError, match=r"the config.json section is not valid JSON"):
         load_runner(tmp_path / "badjson")
     (tmp_path / "list").mkdir()
     carton.mcf.write_mcf(

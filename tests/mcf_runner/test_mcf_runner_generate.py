@@ -9,11 +9,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from mcf_runner_models import build_llama, load_runner, to_mcf, word_tokenizer_json
-
 from carton.errors import MCFError
 from carton_runner_mcf._generate import SamplingParams, generate, sample_next
 from carton_runner_mcf._llama import KVCache, positions_from_mask
+from mcf_runner_models import build_llama, load_runner, to_mcf, word_tokenizer_json
 
 PROMPT = np.random.default_rng(11).integers(3, 512, size=(1, 12), dtype=np.int64)
 
@@ -101,9 +100,12 @@ def test_sample_next_respects_top_k_and_top_p():
     # top_p = 0.75: 0.4 + 0.3 = 0.7 is short of it, so 0.15 joins; 0.1 and 0.05 never appear.
     draws = [int(sample_next(logits, SamplingParams(temperature=1.0, top_p=0.75), rng)[0]) for _ in range(400)]
     assert set(draws) == {1, 2, 3}
-    frequencies = np.bincount(
-        [int(sample_next(logits, SamplingParams(temperature=1.0), rng)[0]) for _ in range(4000)], minlength=5
-    ) / 4000
+    frequencies = (
+        np.bincount(
+            [int(sample_next(logits, SamplingParams(temperature=1.0), rng)[0]) for _ in range(4000)], minlength=5
+        )
+        / 4000
+    )
     np.testing.assert_allclose(frequencies, np.exp(logits[0]), atol=0.03)
 
 
@@ -128,7 +130,9 @@ def test_generation_stops_at_end_of_sequence(mcf_model: Callable[..., Path]):
 
 
 def test_string_prompts_through_tokenizer_json(model_root: Path):
-    hf = build_llama(model_root / "hf-words", tie=True, initializer_range=0.1, seed=5, tokenizer_json=word_tokenizer_json(512))
+    hf = build_llama(
+        model_root / "hf-words", tie=True, initializer_range=0.1, seed=5, tokenizer_json=word_tokenizer_json(512)
+    )
     folder = to_mcf(hf, model_root / "mcf-words-q8", "q8")
     runner = load_runner(folder, mode="generate", max_new_tokens=5, stop_at_eos=False)
     try:
@@ -157,7 +161,9 @@ CHAT_TEMPLATE = (
 
 
 def test_chat_template_wraps_prompts(model_root: Path):
-    hf = build_llama(model_root / "hf-chat", tie=True, initializer_range=0.1, seed=6, tokenizer_json=word_tokenizer_json(512))
+    hf = build_llama(
+        model_root / "hf-chat", tie=True, initializer_range=0.1, seed=6, tokenizer_json=word_tokenizer_json(512)
+    )
     (hf / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE, "eos_token": "<eos>"}))
     folder = to_mcf(hf, model_root / "mcf-chat")
     runner = load_runner(folder, mode="generate", chat=True, max_new_tokens=4, stop_at_eos=False)
@@ -176,13 +182,13 @@ def test_chat_templates_run_sandboxed(model_root: Path, tmp_path: Path):
     (hf / "tokenizer_config.json").write_text(json.dumps({"chat_template": evil}))
     runner = load_runner(to_mcf(hf, tmp_path / "mcf-evil"), mode="generate", chat=True, max_new_tokens=1)
     try:
-        with pytest.raises(MCFError, match="the chat_template of tokenizer_config.json failed: .*unsafe"):
+        with pytest.raises(MCFError, match=r"the chat_template of tokenizer_config.json failed: .*unsafe"):
             runner.infer({"prompt": np.array(["w10"])})
     finally:
         runner.close()
     (hf / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{% for %}"}))
-    with pytest.raises(MCFError, match="chat_template of tokenizer_config.json does not compile"):
+    with pytest.raises(MCFError, match=r"chat_template of tokenizer_config.json does not compile"):
         load_runner(to_mcf(hf, tmp_path / "mcf-broken"), mode="generate", chat=True)
     (hf / "tokenizer_config.json").write_text(json.dumps({}))
-    with pytest.raises(MCFError, match="runner option chat needs a chat_template in tokenizer_config.json"):
+    with pytest.raises(MCFError, match=r"runner option chat needs a chat_template in tokenizer_config.json"):
         load_runner(to_mcf(hf, tmp_path / "mcf-none"), mode="generate", chat=True)

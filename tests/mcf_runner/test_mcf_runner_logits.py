@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from carton_runner_mcf._llama import positions_from_mask
 from mcf_runner_models import (
     infer_logits,
     max_relative_error,
@@ -14,8 +15,6 @@ from mcf_runner_models import (
     relative_rmse,
     to_mcf,
 )
-
-from carton_runner_mcf._llama import positions_from_mask
 
 IDS = np.random.default_rng(7).integers(0, 512, size=(2, 24), dtype=np.int64)
 

@@ -1,9 +1,10 @@
 """The gRPC endpoints: ``inference.GRPCInferenceService`` on a `grpc.aio` server, sharing the HTTP side's repository.
 
 Handlers are registered by hand (`grpc.method_handlers_generic_handler`) under the protocol's service name, against
-the messages generated from ``_proto/kserve_v2.proto`` into carton's own proto package (see `._proto` for why). Failures map to gRPC status codes the way Triton maps them: bad input
-``INVALID_ARGUMENT``, unknown model ``NOT_FOUND``, upload disabled ``PERMISSION_DENIED``, anything else ``INTERNAL``.
-Outputs always travel in ``raw_output_contents``, as Triton sends them.
+the messages generated from ``_proto/kserve_v2.proto`` into carton's own proto package (see `._proto` for why).
+Failures map to gRPC status codes the way Triton maps them: bad input ``INVALID_ARGUMENT``, unknown model
+``NOT_FOUND``, upload disabled ``PERMISSION_DENIED``, anything else ``INTERNAL``. Outputs always travel in
+``raw_output_contents``, as Triton sends them.
 """
 
 from __future__ import annotations
