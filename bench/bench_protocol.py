@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import zmq
@@ -144,25 +145,86 @@ def row(name: str, samples: list[float], reference: float, unit: float = 1e6, la
     return f"| {name:<44} | {p50 * unit:>9.1f} {label} | {p99 * unit:>9.1f} {label} | {p50 / reference:>6.2f}x |"
 
 
-def bench_small(repeat: int) -> None:
+def _lean_rep_server(endpoint: str, ready: Any) -> None:
+    from carton_protocol._zmqio import recv_message, send_message
+
+    context = zmq.Context()
+    sock = context.socket(zmq.ROUTER)
+    sock.bind(endpoint)
+    ready.set()
+    while True:
+        frames = recv_message(sock)
+        if len(frames) == 2 and frames[1].bytes == b"stop":
+            send_message(sock, [frames[0], b""])
+            return
+        send_message(sock, frames)
+
+
+def bench_small(repeat: int, rounds: int) -> None:
+    """Rounds alternate reference and carton so both see the same machine load; each round's p50 gives a ratio."""
     from carton_protocol._framing import encode_tensors
     from carton_protocol._messages import pack_header
+    from carton_protocol._zmqio import recv_message, send_message
 
     x = np.random.default_rng(0).random((1, 16), dtype=np.float32)
     encoded = encode_tensors({"x": x}, pool=None, threshold=1 << 62)
     frames = [pack_header({"op": "infer", "id": 1, "tensors": encoded.entries}), x.tobytes()]
-    raw = raw_zmq_round_trip(frames, repeat)
+    mp = multiprocessing.get_context("spawn")
+    runtime = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
+    servers = []
+    sockets = []
+    context = zmq.Context()
+    for kind, target in (("rep", _rep_server), ("lean", _lean_rep_server)):
+        endpoint = f"ipc://{runtime}/carton-bench-{kind}-{os.getpid()}.sock"
+        ready = mp.Event()
+        server = mp.Process(target=target, args=(endpoint, ready), daemon=True)
+        server.start()
+        ready.wait()
+        sock = context.socket(zmq.REQ if kind == "rep" else zmq.DEALER)
+        sock.connect(endpoint)
+        servers.append(server)
+        sockets.append(sock)
+    rep, lean = sockets
+
+    def raw_call() -> None:
+        rep.send_multipart(frames, copy=False)
+        rep.recv_multipart(copy=False)
+
+    def lean_call() -> None:
+        send_message(lean, frames)
+        recv_message(lean)
+
     runner = start("runners_for_tests:Echo")
+    samples: dict[str, list[float]] = {"raw": [], "lean": [], "carton": []}
+    ratios: dict[str, list[float]] = {"raw": [], "lean": [], "carton": []}
     try:
-        ours = timed(lambda: runner.infer({"x": x}), repeat, warmup=200)
+        for _ in range(rounds):
+            medians = {}
+            for name, call in (("raw", raw_call), ("lean", lean_call), ("carton", lambda: runner.infer({"x": x}))):
+                taken = timed(call, repeat, warmup=200)
+                samples[name] += taken
+                medians[name] = statistics.median(taken)
+            for name in medians:
+                ratios[name].append(medians[name] / medians["raw"])
     finally:
         runner.close()
-    reference = percentiles(raw)[0]
-    print(f"\n## small: [1,16] float32 round trip, {repeat} calls each\n")
-    print("| path                                         |       p50    |       p99    | p50 ratio |")
-    print("|----------------------------------------------|--------------|--------------|-----------|")
-    print(row("raw pyzmq REQ/REP, same bytes (reference)", raw, reference))
-    print(row("carton RunnerProcess.infer (Echo runner)", ours, reference))
+        rep.send(b"stop")
+        rep.recv()
+        send_message(lean, [b"stop"])
+        recv_message(lean)
+        for server in servers:
+            server.join()
+        context.destroy()
+    reference = percentiles(samples["raw"])[0]
+    print(f"\n## small: [1,16] float32 round trip, {rounds} interleaved rounds of {repeat} calls\n")
+    print("| path                                         |       p50    |       p99    | p50 ratio | round ratios |")
+    print("|----------------------------------------------|--------------|--------------|-----------|--------------|")
+    for name, label in (
+        ("raw", "raw pyzmq REQ/REP, same bytes (reference)"),
+        ("lean", "raw pyzmq DEALER/ROUTER, lean send/recv"),
+        ("carton", "carton RunnerProcess.infer (Echo runner)"),
+    ):
+        print(row(label, samples[name], reference) + f" {statistics.median(ratios[name]):>11.2f}x |")
 
 
 def bench_large(repeat: int, size: int) -> None:
@@ -255,7 +317,7 @@ def main() -> None:
     print(f"# bench_protocol: python {sys.version.split()[0]}, pyzmq {zmq.__version__}, libzmq {zmq.zmq_version()}, "
           f"{os.cpu_count()} CPUs")
     if "small" in sections:
-        bench_small(2000 if args.quick else 20000)
+        bench_small(1000 if args.quick else 5000, 3 if args.quick else 8)
     if "large" in sections:
         bench_large(5 if args.quick else 30, 64 << 20)
     if "threads" in sections:

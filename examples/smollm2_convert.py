@@ -174,10 +174,7 @@ def hf_to_mcf(hf_dir: Path, mcf_path: Path, method: str) -> Path:
 
     mcf_path.parent.mkdir(parents=True, exist_ok=True)
     classes = ("embeddings", "attention", "mlp", "head")
-    convert = getattr(carton.mcf, "convert", None)
-    if convert is None:  # TEMPORARY until carton.mcf re-exports its converter
-        from carton.mcf._convert import convert
-    convert(hf_dir, mcf_path, methods=dict.fromkeys(classes, method))
+    carton.mcf.convert(hf_dir, mcf_path, methods=dict.fromkeys(classes, method))
     return mcf_path
 
 

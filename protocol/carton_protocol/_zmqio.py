@@ -2,8 +2,8 @@
 
 `zmq.Socket.send_multipart` type-checks every part in Python and `recv_multipart` asks for ``RCVMORE`` with a
 `getsockopt` per part: together several microseconds, a large share of a small round trip. Parts here are always
-buffers we built, so the checks buy nothing. Parts go out with ``copy=False``: pyzmq still copies those under its
-copy threshold (cheapest for small ones) and sends larger ones straight from their buffer.
+buffers we built, so the checks buy nothing. Small ``bytes`` parts are copied; other buffers (arrays, frames) go out
+with ``copy=False``, so pyzmq copies those under its copy threshold and sends larger ones straight from their buffer.
 """
 
 from __future__ import annotations
@@ -16,12 +16,15 @@ import zmq
 __all__ = ["recv_message", "send_message"]
 
 _SNDMORE = zmq.SNDMORE
+_COPY_BELOW = 1 << 16
 
 
 def send_message(sock: zmq.Socket[Any], parts: Sequence[Any]) -> None:
     last = len(parts) - 1
     for index, part in enumerate(parts):
-        sock.send(part, _SNDMORE if index < last else 0, copy=False)
+        # bytes parts are headers and small BYTES payloads: a copy is cheaper than pinning a zmq.Frame.
+        copy = type(part) is bytes and len(part) < _COPY_BELOW
+        sock.send(part, _SNDMORE if index < last else 0, copy=copy)
 
 
 def recv_message(sock: zmq.Socket[Any]) -> list[zmq.Frame]:

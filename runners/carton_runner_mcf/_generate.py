@@ -92,7 +92,7 @@ def generate(model: LlamaModel, input_ids: I64, token_mask: NDArray[np.bool_], p
         return out
     cache = KVCache(model.config, batch, input_ids.shape[1] + params.max_new_tokens)
     positions = positions_from_mask(token_mask)
-    hidden = model.forward(input_ids, positions, token_mask, cache)
+    hidden = model.prefill(input_ids, positions, token_mask, cache)
     next_logits = model.logits(_last_real(hidden, token_mask))
     next_position = positions.max(axis=1, where=token_mask, initial=-1) + 1
     finished = np.zeros(batch, dtype=bool)

@@ -132,10 +132,12 @@ class LlamaModel:
         start = cache.length
         end = start + seq
         cache.key_mask[:, start:end] = token_mask
-        # allowed[b, t, s]: query t (slot start + t) sees real slot s <= start + t.
+        # allowed[b, t, s]: query t (slot start + t) sees real slot s <= start + t, and always itself, so that a
+        # padding query (whose output nobody reads) is still well defined and independent of chunking.
         slots = np.arange(end)
-        causal = slots[None, :] <= (start + np.arange(seq))[:, None]
-        allowed = causal[None, :, :] & cache.key_mask[:, None, :end]
+        query_slots = (start + np.arange(seq))[:, None]
+        allowed = (slots[None, :] <= query_slots)[None, :, :] & cache.key_mask[:, None, :end]
+        allowed |= (slots[None, :] == query_slots)[None, :, :]
         bias = np.where(allowed, np.float32(0.0), np.float32(np.finfo(np.float32).min))[:, None, None, :, :]
         cos, sin = self._rotary(positions)
         groups = config.num_heads // config.num_kv_heads
@@ -172,6 +174,22 @@ class LlamaModel:
             hidden = hidden + layer.down_proj(activated)
         cache.length = end
         return self._rms_norm(hidden, self.final_norm)
+
+    def prefill(
+        self, input_ids: I64, positions: I64, token_mask: NDArray[np.bool_], cache: KVCache, *, chunk: int = 256
+    ) -> F32:
+        """`forward` over a long prompt in chunks of ``chunk`` tokens: the attention scores of one chunk are
+        ``[batch, heads, chunk, length]`` instead of ``[batch, heads, seq, seq]``, so memory stays linear in the
+        prompt length. The result equals one `forward` call."""
+        seq = input_ids.shape[1]
+        if seq <= chunk:
+            return self.forward(input_ids, positions, token_mask, cache)
+        cache.reserve(seq)
+        parts = [
+            self.forward(input_ids[:, i : i + chunk], positions[:, i : i + chunk], token_mask[:, i : i + chunk], cache)
+            for i in range(0, seq, chunk)
+        ]
+        return np.concatenate(parts, axis=1)
 
     def logits(self, hidden: F32) -> F32:
         return self.lm_head(hidden)

@@ -75,7 +75,11 @@ class MCFRunner(Runner):
             context.warn(f"mcf runner: unknown runner options ignored: {', '.join(sorted(unknown))}")
         path = find_model_file(context.model_dir, self._options.model_file)
         self._mcf = MCFFile.open(path)
-        self._loaded = load_decoder(self._mcf, weight_cache=self._options.weight_cache)
+        try:
+            self._loaded = load_decoder(self._mcf, weight_cache=self._options.weight_cache)
+        except BaseException:
+            self._mcf.close()
+            raise
         if self._loaded.unknown_config_keys:
             keys = ", ".join(self._loaded.unknown_config_keys)
             context.warn(f"mcf runner: {path.name}: config.json keys not known to the runner, ignored: {keys}")
@@ -114,7 +118,7 @@ class MCFRunner(Runner):
         model = self._loaded.model
         ids, mask = ids_and_mask(inputs, model.config.vocab_size)
         cache = KVCache(model.config, ids.shape[0], ids.shape[1])
-        hidden = model.forward(ids, positions_from_mask(mask), mask, cache)
+        hidden = model.prefill(ids, positions_from_mask(mask), mask, cache)
         return model.logits(hidden)
 
     def _params(self, inputs: Mapping[str, Tensor]) -> SamplingParams:
@@ -135,7 +139,7 @@ class MCFRunner(Runner):
 
     def _generate(self, inputs: Mapping[str, Tensor]) -> dict[str, Tensor]:
         prompt = inputs.get("prompt")
-        prompt_shape: tuple[int, ...] = ()
+        prompt_shape: tuple[int, ...] | None = None
         if prompt is not None:
             if "input_ids" in inputs:
                 raise InvalidInput("give either 'prompt' or 'input_ids', not both")
@@ -158,7 +162,7 @@ class MCFRunner(Runner):
             if self._codec is None:
                 raise self._codec_error or MCFError(f"{self._mcf.name} has no tokenizer.json; 'text' needs one")
             texts = self._codec.decode(output_ids, stop_ids=self._eos)
-            outputs["text"] = np.array(texts, dtype=str).reshape(prompt_shape or (len(texts),))
+            outputs["text"] = np.array(texts, dtype=str).reshape(prompt_shape if prompt_shape is not None else -1)
         if self._declared:
             outputs = {name: value for name, value in outputs.items() if name in self._declared}
         return outputs

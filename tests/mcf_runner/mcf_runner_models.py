@@ -91,15 +91,8 @@ def to_mcf(hf_dir: Path, out_dir: Path, method: str | None = None, *, float_dtyp
     """Convert with ``method`` for every weight class (``None``: all float); returns the folder holding model.mcf."""
     out_dir.mkdir(parents=True, exist_ok=True)
     methods = dict.fromkeys(WEIGHT_CLASSES, method) if method else {}
-    _convert()(hf_dir, out_dir / "model.mcf", methods=methods, float_dtype=float_dtype)
+    carton.mcf.convert(hf_dir, out_dir / "model.mcf", methods=methods, float_dtype=float_dtype)
     return out_dir
-
-
-def _convert() -> Any:
-    # TEMPORARY until carton.mcf re-exports its converter.
-    from carton.mcf._convert import convert
-
-    return getattr(carton.mcf, "convert", convert)
 
 
 def load_runner(model_dir: Path, warnings_seen: list[str] | None = None, **opts: OptValue) -> MCFRunner:

@@ -150,6 +150,8 @@ def test_string_prompts_through_tokenizer_json(model_root: Path):
         np.testing.assert_array_equal(alone[0], out["output_ids"][1])
         ids = runner.infer({"input_ids": np.array([[10, 20, 30, 40]])})["output_ids"]
         np.testing.assert_array_equal(ids[0], out["output_ids"][0])
+        scalar = runner.infer({"prompt": np.array("w7 w8")})
+        assert scalar["text"].shape == () and scalar["text"].item() == texts[1]
     finally:
         runner.close()
 

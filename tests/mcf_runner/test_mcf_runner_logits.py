@@ -7,9 +7,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from carton_runner_mcf._llama import positions_from_mask
+from carton_runner_mcf._llama import KVCache, positions_from_mask
 from mcf_runner_models import (
     infer_logits,
+    load_runner,
     max_relative_error,
     reference_logits,
     relative_rmse,
@@ -90,3 +91,18 @@ def test_attention_mask_padding(hf_model: Callable[..., Path], mcf_model: Callab
     reference = reference_logits(hf_model("tied_linear"), ids, mask, positions)
     real = mask.astype(bool)
     assert max_relative_error(ours[real], reference[real]) < 1e-4
+
+
+def test_chunked_prefill_equals_one_pass(mcf_model: Callable[..., Path]):
+    runner = load_runner(mcf_model("tied_linear", "q8"))
+    try:
+        model = runner._loaded.model
+        ids = np.random.default_rng(5).integers(0, 512, size=(2, 45), dtype=np.int64)
+        mask = np.ones(ids.shape, dtype=bool)
+        mask[1, :7] = False
+        positions = positions_from_mask(mask)
+        whole = model.forward(ids, positions, mask, KVCache(model.config, 2, 45))
+        chunked = model.prefill(ids, positions, mask, KVCache(model.config, 2, 4), chunk=16)
+        np.testing.assert_allclose(chunked, whole, rtol=0, atol=1e-5 * np.abs(whole).max())
+    finally:
+        runner.close()

@@ -94,9 +94,8 @@ def smollm2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def test_q8_greedy_predictions_agree_with_transformers(smollm2: tuple[Path, Path]):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from tokenizers import Tokenizer
-
     import carton.mcf
+    from tokenizers import Tokenizer
 
     hf_dir, mcf_dir = smollm2
     tokenizer = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))

@@ -27,7 +27,7 @@ from carton_protocol._messages import (
 # The sample messages of docs/protocol.md, byte for byte.
 DOC_HELLO = bytes.fromhex(
     "85 a2 6f 70 a5 68 65 6c 6c 6f a2 69 64 01 a8 70 72 6f 74 6f 63 6f 6c 01 a8 68 6f 73 74 5f 70 69 64 cd 10 92"
-    " ad 73 68 6d 5f 74 68 72 65 73 68 6f 6c 64 ce 00 04 00 00"
+    " ad 73 68 6d 5f 74 68 72 65 73 68 6f 6c 64 ce 00 01 00 00"
 )
 DOC_INFER_HEADER = bytes.fromhex(
     "83 a2 6f 70 a5 69 6e 66 65 72 a2 69 64 03 a7 74 65 6e 73 6f 72 73 91 84 a4 6e 61 6d 65 a1 78 a8 64 61 74 61"
@@ -60,11 +60,11 @@ def entry(name: str = "x", datatype: str = "FP32", shape: Any = (1, 2), size: in
 
 # --- exact bytes --------------------------------------------------------------------------------------------------
 def test_hello_bytes_match_the_documentation() -> None:
-    header = hello_request(host_pid=4242, shm_threshold=262144)
+    header = hello_request(host_pid=4242, shm_threshold=65536)
     header["id"] = 1  # the connection numbers requests from 1; hello is always the first
     assert pack_header(header) == DOC_HELLO
     assert unpack_header(DOC_HELLO, DEFAULT_LIMITS) == {
-        "op": "hello", "id": 1, "protocol": PROTOCOL_VERSION, "host_pid": 4242, "shm_threshold": 262144
+        "op": "hello", "id": 1, "protocol": PROTOCOL_VERSION, "host_pid": 4242, "shm_threshold": 65536
     }
 
 

@@ -125,6 +125,25 @@ def test_large_tensors_travel_in_shared_memory_and_outputs_stay_valid(start_runn
         np.testing.assert_array_equal(out[f"t{i}"], -several[f"t{i}"])
 
 
+def test_large_tensors_from_many_threads_on_a_concurrent_runner(start_runner: Start) -> None:
+    runner = start_runner("ConcurrentEcho")
+    failures: list[str] = []
+
+    def work(index: int) -> None:
+        for call in range(6):
+            value = np.full((256, 1024), index * 100 + call, np.float32)  # 1 MiB each way, in shared memory
+            out = runner.infer({"v": value, "sleep": np.array([0.001])})
+            if not np.array_equal(out["v"], value):
+                failures.append(f"thread {index} call {call}")
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
+
+
 def test_no_shared_memory_still_carries_large_tensors(start_runner: Start) -> None:
     runner = start_runner("Negate", shm_threshold=None)
     x = np.arange(1 << 20, dtype=np.int64)

@@ -102,8 +102,8 @@ entries = st.lists(
         optional={
             "name": st.one_of(st.text(max_size=4), msgpack_values),
             "datatype": st.one_of(st.sampled_from(["FP32", "BYTES", "BOOL", "INT64", "BF16"]), msgpack_values),
-            "shape": st.one_of(st.lists(st.integers(-2, 1 << 64), max_size=4), msgpack_values),
-            "size": st.one_of(st.integers(-2, 1 << 64), msgpack_values),
+            "shape": st.one_of(st.lists(st.integers(-2, (1 << 64) - 1), max_size=4), msgpack_values),
+            "size": st.one_of(st.integers(-2, (1 << 64) - 1), msgpack_values),
             "nested": msgpack_values,
             "shm": msgpack_values,
         },

@@ -58,8 +58,9 @@ from ._launch import LaunchPlan, build_launch_plan, make_runtime_dir, read_log_t
 
 __all__ = ["DEFAULT_SHM_THRESHOLD", "LaunchPlan", "RunnerProcess"]
 
-#: Tensors of at least this many bytes travel in shared memory; smaller ones in the message (bench_protocol.py).
-DEFAULT_SHM_THRESHOLD = 1 << 18
+#: Tensors of at least this many bytes travel in shared memory, smaller ones in the message: shared memory wins
+#: from 64 KiB up (bench/bench_protocol.py, threshold section; docs/protocol.md).
+DEFAULT_SHM_THRESHOLD = 1 << 16
 
 _PROTOCOL_KINDS = frozenset({"ProtocolError", "FrameError", "LimitExceeded"})
 
@@ -442,10 +443,12 @@ class RunnerProcess:
         process = self._resources.process
         connection = self._resources.connection
         if process is not None and process.poll() is None and connection is not None:
+            give_up = time.monotonic() + timeout
             with contextlib.suppress(PeerGone, CallTimeout, ProtocolError, zmq.ZMQError):
                 connection.call({"op": Op.CLOSE.value, "id": 0}, timeout=timeout)
             with contextlib.suppress(Exception):
-                process.wait(timeout=max(0.1, timeout))
+                # After its reply the runner still kills its descendants and tears down its sockets.
+                process.wait(timeout=max(0.2, give_up - time.monotonic()))
         self._resources.kill()
         # Calls still waiting see the pidfd fire and leave; give them a moment before their sockets go.
         deadline = time.monotonic() + 1.0
