@@ -7,7 +7,6 @@ before anything is computed, so a wrong file fails at load with the tensor's nam
 from __future__ import annotations
 
 import io
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -88,10 +87,6 @@ class _Tensors:
         self._mcf = mcf
         self._cache = weight_cache
         self.quantized: dict[str, str] = {}
-        # QuantizedLinear keeps per-thread fp32 work buffers (about 2 MB each) per instance; a decoder has hundreds
-        # of instances called one after another, so one set per thread serves them all. Measured on SmolLM2-135M
-        # (211 matrices): peak RSS 836 MB with a set per matrix, 298 MB shared, at the same speed.
-        self._work_buffers = threading.local()
         self._file: io.BufferedReader | None = None
 
     def _entry(self, name: str, shape: tuple[int, ...]) -> Any:
@@ -150,8 +145,6 @@ class _Tensors:
                 linear = QuantizedLinear(payload, entry.method, rows, cols, domain=entry.domain, cache=self._cache)
             except MCFError as exc:
                 raise MCFError(f"{self._mcf.name}: tensor {name!r}: {exc}") from exc
-            if isinstance(getattr(linear, "_local", None), threading.local):
-                linear._local = self._work_buffers
             result = linear
         if bias is not None:
             result = BiasedLinear(result, self.vector(bias, rows))

@@ -55,6 +55,11 @@ _MIN_ROWS_PER_THREAD = 256
 Payload = bytes | bytearray | memoryview | npt.NDArray[np.uint8]
 
 
+# Work buffers are per thread and shared by every QuantizedLinear: a thread runs one matmul at a time and no
+# buffer escapes a call, so a model with hundreds of matrices keeps one set of tile buffers per thread, not one per
+# matrix.
+_WORK_BUFFERS = threading.local()
+
 class QuantizedLinear:
     """A quantized ``[rows = out_features, cols = in_features]`` weight applied as ``x @ W.T``.
 
@@ -92,7 +97,7 @@ class QuantizedLinear:
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise MCFError(f"threads must be a positive integer or None, got {threads!r}")
         self.threads = resolve_threads(threads)
-        self._local = threading.local()
+        self._local = _WORK_BUFFERS
         flat = as_payload_array(payload, self.layout)
         self._flat: npt.NDArray[np.uint8] | None = None
         self._fp32: npt.NDArray[np.float32] | None = None
