@@ -71,6 +71,7 @@ def _rep_server(endpoint: str, ready: multiprocessing.synchronize.Event) -> None
         frames = sock.recv_multipart(copy=False)
         if len(frames) == 1 and frames[0].bytes == b"stop":
             sock.send(b"")
+            context.destroy(linger=1000)
             return
         sock.send_multipart(frames, copy=False)
 
@@ -85,29 +86,6 @@ def _shm_server(conn: multiprocessing.connection.Connection, size: int) -> None:
     while conn.recv() == b"go":
         np.copyto(target, source)
         conn.send(b"done")
-
-
-def raw_zmq_round_trip(frames: list[bytes], repeat: int) -> list[float]:
-    runtime = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
-    endpoint = f"ipc://{runtime}/carton-bench-{os.getpid()}.sock"
-    ready = multiprocessing.get_context("spawn").Event()
-    server = multiprocessing.get_context("spawn").Process(target=_rep_server, args=(endpoint, ready), daemon=True)
-    server.start()
-    ready.wait()
-    context = zmq.Context()
-    sock = context.socket(zmq.REQ)
-    sock.connect(endpoint)
-
-    def call() -> None:
-        sock.send_multipart(frames, copy=False)
-        sock.recv_multipart(copy=False)
-
-    samples = timed(call, repeat, warmup=200)
-    sock.send(b"stop")
-    sock.recv()
-    server.join()
-    context.destroy()
-    return samples
 
 
 def raw_shm_round_trip(size: int, repeat: int) -> list[float]:
@@ -156,6 +134,7 @@ def _lean_rep_server(endpoint: str, ready: Any) -> None:
         frames = recv_message(sock)
         if len(frames) == 2 and frames[1].bytes == b"stop":
             send_message(sock, [frames[0], b""])
+            context.destroy(linger=1000)
             return
         send_message(sock, frames)
 
@@ -173,9 +152,11 @@ def bench_small(repeat: int, rounds: int) -> None:
     runtime = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
     servers = []
     sockets = []
+    paths: list[Path] = []
     context = zmq.Context()
     for kind, target in (("rep", _rep_server), ("lean", _lean_rep_server)):
-        endpoint = f"ipc://{runtime}/carton-bench-{kind}-{os.getpid()}.sock"
+        paths.append(runtime / f"carton-bench-{kind}-{os.getpid()}.sock")
+        endpoint = f"ipc://{paths[-1]}"
         ready = mp.Event()
         server = mp.Process(target=target, args=(endpoint, ready), daemon=True)
         server.start()
@@ -215,6 +196,8 @@ def bench_small(repeat: int, rounds: int) -> None:
         for server in servers:
             server.join()
         context.destroy()
+        for path in paths:
+            path.unlink(missing_ok=True)  # libzmq leaves the ipc socket file behind
     reference = percentiles(samples["raw"])[0]
     print(f"\n## small: [1,16] float32 round trip, {rounds} interleaved rounds of {repeat} calls\n")
     print("| path                                         |       p50    |       p99    | p50 ratio | round ratios |")

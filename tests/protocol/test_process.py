@@ -108,6 +108,20 @@ def test_async_infer(start_runner: Start) -> None:
     assert [int(result["x"][0]) for result in results] == list(range(6))
 
 
+def test_async_calls_are_not_capped_by_the_default_executor(start_runner: Start) -> None:
+    runner = start_runner("ConcurrentEcho", threads=16)
+
+    async def main() -> float:
+        begin = time.monotonic()
+        calls = [runner.infer_async({"sleep": np.array([0.5]), "i": np.array([i])}) for i in range(16)]
+        results = await asyncio.gather(*calls)
+        assert sorted(int(result["i"][0]) for result in results) == list(range(16))
+        return time.monotonic() - begin
+
+    # 16 calls of 0.5 s: all in flight at once takes ~0.5 s; the default executor (6 threads here) would take 1.5 s.
+    assert asyncio.run(main()) < 1.2
+
+
 # --- shared memory ------------------------------------------------------------------------------------------------
 def test_large_tensors_travel_in_shared_memory_and_outputs_stay_valid(start_runner: Start) -> None:
     runner = start_runner("Negate")
@@ -479,8 +493,13 @@ def test_runtime_directories_of_dead_hosts_are_swept(start_runner: Start) -> Non
     stale = base / f"carton-{dead.pid}-stale"
     stale.mkdir(mode=0o700)
     (stale / "runner.log").write_text("left behind")
+    sandboxed = base / f"carton-{dead.pid}-sandboxed"  # a sandbox chowns its runtime directory to the runner's uid
+    sandboxed.mkdir(mode=0o700)
+    if os.getuid() == 0:
+        os.chown(sandboxed, 123457, 123457)
     start_runner("Echo", load=False)
     assert not stale.exists()
+    assert not sandboxed.exists()
 
 
 def test_the_runner_gets_a_clean_environment_and_no_host_descriptors(
@@ -501,3 +520,16 @@ def test_the_runner_gets_a_clean_environment_and_no_host_descriptors(
     assert not any("host-only" in target for target in out["fds"].tolist())
     session, pid = out["sid"].tolist()
     assert session == pid  # its own session: a process-group kill cannot reach the host
+
+
+def test_a_forked_child_of_the_host_does_not_end_the_hosts_runner(start_runner: Start) -> None:
+    runner = start_runner("Echo")
+    child = os.fork()
+    if child == 0:  # what the child's exit would do: its inherited finalizer releases the resources
+        try:
+            runner._resources.release()
+        finally:
+            os._exit(0)
+    os.waitpid(child, 0)
+    assert runner.alive and runner.plan.runtime_dir.exists()
+    assert runner.infer({"x": np.ones(2)})["x"].tolist() == [1.0, 1.0]

@@ -19,6 +19,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,9 @@ __all__ = ["DEFAULT_SHM_THRESHOLD", "LaunchPlan", "RunnerProcess"]
 #: from 64 KiB up (bench/bench_protocol.py, threshold section; docs/protocol.md).
 DEFAULT_SHM_THRESHOLD = 1 << 16
 
+# Threads of the pool behind infer_async: the most requests one runner process can have in flight from asyncio.
+_ASYNC_THREADS = 64
+
 _PROTOCOL_KINDS = frozenset({"ProtocolError", "FrameError", "LimitExceeded"})
 
 
@@ -97,8 +101,12 @@ class _Resources:
         self.process: Any = None
         self.pidfd: int | None = None
         self.connection: Connection | None = None
+        # A child forked from the host inherits this object and its finalizer: the runner is not its to kill.
+        self.owner_pid = os.getpid()
 
     def kill(self) -> None:
+        if os.getpid() != self.owner_pid:
+            return
         process = self.process
         if process is not None and process.poll() is None:
             kill_tree(process.pid)
@@ -110,6 +118,8 @@ class _Resources:
                 process.wait(timeout=5)
 
     def release(self) -> None:
+        if os.getpid() != self.owner_pid:
+            return
         self.kill()
         if self.connection is not None:
             self.connection.close()
@@ -134,6 +144,7 @@ class RunnerProcess:
         self._inflight = 0
         self._closed = False
         self._fate: RunnerError | None = None  # why the host killed the process, for calls that were waiting
+        self._executor: ThreadPoolExecutor | None = None
         self._finalizer = weakref.finalize(self, resources.release)
         self.pid: int = resources.process.pid
         self.runner_pid: int | None = None
@@ -419,9 +430,25 @@ class RunnerProcess:
         return failure
 
     async def infer_async(self, tensors: Mapping[str, Tensor], *, timeout: float | None = None) -> dict[str, Tensor]:
-        """`infer` without blocking the event loop (runs on the loop's default executor)."""
+        """`infer` without blocking the event loop.
+
+        Calls run on this runner's own thread pool (threads start on demand, up to 64), not the loop's default
+        executor, whose few threads (``min(32, cpus + 4)``) would cap how many requests an async server keeps in
+        flight. Each pool thread has its own socket, like any other calling thread.
+        """
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(None, functools.partial(self.infer, tensors, timeout=timeout))
+        return await loop.run_in_executor(self._async_pool(), functools.partial(self.infer, tensors, timeout=timeout))
+
+    def _async_pool(self) -> ThreadPoolExecutor:
+        pool = self._executor
+        if pool is None:
+            with self._lock:
+                if self._closed:
+                    raise ModelClosed(f"runner {self.spec.entry} is closed; cannot infer")
+                if self._executor is None:
+                    self._executor = ThreadPoolExecutor(_ASYNC_THREADS, thread_name_prefix="carton-infer-async")
+                pool = self._executor
+        return pool
 
     # --- state ---------------------------------------------------------------------------------------------------
     @property
@@ -456,6 +483,8 @@ class RunnerProcess:
             while self._inflight and time.monotonic() < deadline:
                 self._lock.wait(0.05)
         self._finalizer()
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
 
     def __enter__(self) -> RunnerProcess:
         return self

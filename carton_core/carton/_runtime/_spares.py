@@ -1,0 +1,192 @@
+"""Spare runner processes: started and handshaken ahead of time, so the next `carton.load` skips the start-up.
+
+Starting a runner costs an interpreter start plus the imports of numpy, pyzmq, carton_protocol, the runner module
+and its framework (the runner entry is imported before the handshake answers): about 0.25 s on an idle machine,
+several times more under load, which is most of what `carton.load` of an already extracted model costs. After a
+runner is used by an unsandboxed load, the pool starts one idle process for that runner in the background; the next
+load for the same `RunnerSpec` takes it (waiting for it if it is still starting) and only sends ``load``.
+
+Only unsandboxed starts use the pool: a sandbox binds the model folder into the runner's view when the process
+starts, so a process cannot be started before its model is known. ``CARTON_SPARE_RUNNERS`` is the most spare
+processes kept at once, one per runner, most recently used runners first (default 2; ``0`` disables the pool and
+closes the spares). Spares are closed at interpreter exit, and like every runner they also exit when the host dies.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import threading
+import warnings
+from collections import OrderedDict
+from concurrent.futures import Future
+
+from carton_protocol import RunnerSpec
+
+from ..errors import CartonWarning, RunnerError
+from ._process import RunnerProcess
+
+__all__ = ["DEFAULT_SPARE_RUNNERS", "SPARE_RUNNERS_ENV", "SparePool", "spare_pool"]
+
+#: Environment variable: the most spare runner processes kept (one per runner; ``0`` disables).
+SPARE_RUNNERS_ENV = "CARTON_SPARE_RUNNERS"
+#: Spare processes kept when ``CARTON_SPARE_RUNNERS`` is unset.
+DEFAULT_SPARE_RUNNERS = 2
+#: Handshake limit of a spare's start (nobody waits on it unless a load takes it early).
+_SPARE_HANDSHAKE_TIMEOUT = 60.0
+
+
+def spare_limit() -> int:
+    """How many spare processes to keep, from ``CARTON_SPARE_RUNNERS`` (read at every load)."""
+    text = os.environ.get(SPARE_RUNNERS_ENV)
+    if text is None or not text.strip():
+        return DEFAULT_SPARE_RUNNERS
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        warnings.warn(
+            f"{SPARE_RUNNERS_ENV}={text!r} is not a count of spare runner processes (an integer >= 0); "
+            f"using {DEFAULT_SPARE_RUNNERS}",
+            CartonWarning,
+            stacklevel=3,
+        )
+        return DEFAULT_SPARE_RUNNERS
+    return value
+
+
+def _close_quietly(process: RunnerProcess, timeout: float = 2.0) -> None:
+    with contextlib.suppress(Exception):
+        process.close(timeout)
+
+
+class SparePool:
+    """Idle, handshaken runner processes by `RunnerSpec`; thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        # spec -> the spare being started or ready; insertion order = least recently used first.
+        self._spares: OrderedDict[RunnerSpec, Future[RunnerProcess]] = OrderedDict()
+        self._closed = False
+
+    def take(self, spec: RunnerSpec, *, handshake_timeout: float) -> RunnerProcess:
+        """A started runner for ``spec``: the spare when there is a live one (waiting for it if it is still
+        starting), else a new process. Starting a new one raises what `RunnerProcess.start` raises."""
+        with self._lock:
+            pending = self._spares.pop(spec, None)
+        if pending is not None:
+            try:
+                process = pending.result(timeout=handshake_timeout)
+            except Exception:  # noqa: BLE001 - a spare that failed to start: start one for this caller instead
+                process = None
+            if process is not None and process.alive:
+                return process
+            if process is not None:
+                _close_quietly(process)
+        return RunnerProcess.start(spec, handshake_timeout=handshake_timeout)
+
+    def replenish(self, spec: RunnerSpec) -> None:
+        """Make sure a spare for ``spec`` exists or is starting (in a background thread); evict the least recently
+        used spares beyond the limit. A no-op when the pool is disabled or closed."""
+        limit = spare_limit()
+        evicted: list[Future[RunnerProcess]] = []
+        with self._lock:
+            if self._closed:
+                return
+            if limit == 0:
+                evicted = list(self._spares.values())
+                self._spares.clear()
+                started = None
+            elif spec in self._spares:
+                self._spares.move_to_end(spec)
+                started = None
+            else:
+                started = Future()
+                self._spares[spec] = started
+            while len(self._spares) > limit:
+                evicted.append(self._spares.popitem(last=False)[1])
+        for future in evicted:
+            future.add_done_callback(_close_done)
+        if started is not None:
+            threading.Thread(
+                target=self._start, args=(spec, started), name="carton-spare-runner", daemon=True
+            ).start()
+
+    def _start(self, spec: RunnerSpec, future: Future[RunnerProcess]) -> None:
+        try:
+            process = RunnerProcess.start(spec, handshake_timeout=_SPARE_HANDSHAKE_TIMEOUT)
+        except RunnerError as exc:
+            with self._lock:
+                if self._spares.get(spec) is future:
+                    del self._spares[spec]  # a later load retries (and reports the error itself)
+            future.set_exception(exc)
+            return
+        except BaseException as exc:  # noqa: BLE001 - never let a background start die silently with a process
+            future.set_exception(exc)
+            return
+        with self._lock:
+            keep = not self._closed and self._spares.get(spec) is future
+        future.set_result(process)
+        if not keep:  # evicted, disabled or closed while starting (a taker already popped it and now owns it)
+            with self._lock:
+                owned_by_taker = self._spares.get(spec) is not future and not self._closed
+            if self._closed or not owned_by_taker:
+                _close_quietly(process)
+
+    def ready(self, spec: RunnerSpec) -> RunnerProcess | None:
+        """The spare for ``spec`` if it has finished starting (for tests and diagnostics); it stays in the pool."""
+        with self._lock:
+            future = self._spares.get(spec)
+        if future is None or not future.done() or future.exception() is not None:
+            return None
+        return future.result()
+
+    def wait(self, spec: RunnerSpec, timeout: float) -> RunnerProcess | None:
+        """Wait up to ``timeout`` for the spare of ``spec`` to be ready; it stays in the pool."""
+        with self._lock:
+            future = self._spares.get(spec)
+        if future is None:
+            return None
+        try:
+            return future.result(timeout=timeout)
+        except Exception:  # noqa: BLE001 - a failed or slow spare is simply not ready
+            return None
+
+    def close(self) -> None:
+        """Close every spare (those still starting are closed when they are up); later `replenish` calls still
+        work (``close`` at exit sets ``final`` through `shutdown`)."""
+        with self._lock:
+            futures = list(self._spares.values())
+            self._spares.clear()
+        for future in futures:
+            future.add_done_callback(_close_done)
+
+    def shutdown(self) -> None:
+        """At interpreter exit: close every spare and start no more."""
+        with self._lock:
+            self._closed = True
+        self.close()
+
+    def _forget_after_fork(self) -> None:
+        # The child must neither use nor close the parent's processes: start over with an empty pool.
+        self._lock = threading.Lock()
+        self._spares = OrderedDict()
+
+
+def _close_done(future: Future[RunnerProcess]) -> None:
+    if future.cancelled() or future.exception() is not None:
+        return
+    _close_quietly(future.result())
+
+
+_pool = SparePool()
+atexit.register(_pool.shutdown)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_pool._forget_after_fork)
+
+
+def spare_pool() -> SparePool:
+    """The process-wide pool of spare runner processes."""
+    return _pool
