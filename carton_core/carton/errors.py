@@ -59,14 +59,14 @@ __all__ = [
     "InvalidVersionReq",
     "LinkError",
     "MCFError",
-    "ModelNotFound",
     "ManifestError",
     "ModelClosed",
+    "ModelNotFound",
     "NoCompatibleRunner",
     "PackError",
+    "ProtocolMismatch",
     "RepositoryError",
     "RequestTooLarge",
-    "ProtocolMismatch",
     "ResolutionError",
     "RunnerCPULimit",
     "RunnerCrashed",
@@ -84,8 +84,8 @@ __all__ = [
     "ServerError",
     "TensorDataError",
     "UnsafeArchive",
-    "UploadDisabled",
     "UnsupportedModel",
+    "UploadDisabled",
 ]
 
 

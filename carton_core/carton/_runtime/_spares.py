@@ -24,7 +24,7 @@ from concurrent.futures import Future
 
 from carton_protocol import RunnerSpec
 
-from ..errors import CartonWarning, RunnerError
+from ..errors import CartonWarning
 from ._process import RunnerProcess
 
 __all__ = ["DEFAULT_SPARE_RUNNERS", "SPARE_RUNNERS_ENV", "SparePool", "spare_pool"]
@@ -79,7 +79,10 @@ class SparePool:
         if pending is not None:
             try:
                 process = pending.result(timeout=handshake_timeout)
-            except Exception:  # noqa: BLE001 - a spare that failed to start: start one for this caller instead
+            except TimeoutError:  # still starting: whoever finishes it closes it; this caller starts its own
+                pending.add_done_callback(_close_done)
+                process = None
+            except Exception:  # a spare that failed to start: start one for this caller instead
                 process = None
             if process is not None and process.alive:
                 return process
@@ -92,16 +95,15 @@ class SparePool:
         used spares beyond the limit. A no-op when the pool is disabled or closed."""
         limit = spare_limit()
         evicted: list[Future[RunnerProcess]] = []
+        started: Future[RunnerProcess] | None = None
         with self._lock:
             if self._closed:
                 return
             if limit == 0:
                 evicted = list(self._spares.values())
                 self._spares.clear()
-                started = None
             elif spec in self._spares:
                 self._spares.move_to_end(spec)
-                started = None
             else:
                 started = Future()
                 self._spares[spec] = started
@@ -115,25 +117,17 @@ class SparePool:
             ).start()
 
     def _start(self, spec: RunnerSpec, future: Future[RunnerProcess]) -> None:
+        # Whoever holds the future when it completes owns the process: the pool (kept), a `take` (used), or an
+        # eviction/`close`, whose done-callback closes it.
         try:
             process = RunnerProcess.start(spec, handshake_timeout=_SPARE_HANDSHAKE_TIMEOUT)
-        except RunnerError as exc:
+        except BaseException as exc:  # reported to a taker, who then starts its own process
             with self._lock:
                 if self._spares.get(spec) is future:
                     del self._spares[spec]  # a later load retries (and reports the error itself)
             future.set_exception(exc)
             return
-        except BaseException as exc:  # noqa: BLE001 - never let a background start die silently with a process
-            future.set_exception(exc)
-            return
-        with self._lock:
-            keep = not self._closed and self._spares.get(spec) is future
         future.set_result(process)
-        if not keep:  # evicted, disabled or closed while starting (a taker already popped it and now owns it)
-            with self._lock:
-                owned_by_taker = self._spares.get(spec) is not future and not self._closed
-            if self._closed or not owned_by_taker:
-                _close_quietly(process)
 
     def ready(self, spec: RunnerSpec) -> RunnerProcess | None:
         """The spare for ``spec`` if it has finished starting (for tests and diagnostics); it stays in the pool."""
@@ -151,12 +145,11 @@ class SparePool:
             return None
         try:
             return future.result(timeout=timeout)
-        except Exception:  # noqa: BLE001 - a failed or slow spare is simply not ready
+        except Exception:  # a failed or slow spare is simply not ready
             return None
 
     def close(self) -> None:
-        """Close every spare (those still starting are closed when they are up); later `replenish` calls still
-        work (``close`` at exit sets ``final`` through `shutdown`)."""
+        """Close every spare (those still starting are closed when they are up); the pool stays usable."""
         with self._lock:
             futures = list(self._spares.values())
             self._spares.clear()
