@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import mmap
 import multiprocessing
 import os
@@ -176,8 +177,21 @@ def bench_small(repeat: int, rounds: int) -> None:
         recv_message(lean)
 
     runner = start("runners_for_tests:Echo")
-    samples: dict[str, list[float]] = {"raw": [], "lean": [], "carton": []}
-    ratios: dict[str, list[float]] = {"raw": [], "lean": [], "carton": []}
+    names = ("raw", "lean", "carton", "async")
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    ratios: dict[str, list[float]] = {name: [] for name in names}
+    loop = asyncio.new_event_loop()
+
+    async def timed_async(count: int, warmup: int) -> list[float]:
+        for _ in range(warmup):
+            await runner.infer_async({"x": x})
+        taken = []
+        for _ in range(count):
+            begin = time.perf_counter()
+            await runner.infer_async({"x": x})
+            taken.append(time.perf_counter() - begin)
+        return taken
+
     try:
         for _ in range(rounds):
             medians = {}
@@ -185,9 +199,13 @@ def bench_small(repeat: int, rounds: int) -> None:
                 taken = timed(call, repeat, warmup=200)
                 samples[name] += taken
                 medians[name] = statistics.median(taken)
+            taken = loop.run_until_complete(timed_async(repeat, 200))
+            samples["async"] += taken
+            medians["async"] = statistics.median(taken)
             for name in medians:
                 ratios[name].append(medians[name] / medians["raw"])
     finally:
+        loop.close()
         runner.close()
         rep.send(b"stop")
         rep.recv()
@@ -206,6 +224,7 @@ def bench_small(repeat: int, rounds: int) -> None:
         ("raw", "raw pyzmq REQ/REP, same bytes (reference)"),
         ("lean", "raw pyzmq DEALER/ROUTER, lean send/recv"),
         ("carton", "carton RunnerProcess.infer (Echo runner)"),
+        ("async", "carton RunnerProcess.infer_async (asyncio)"),
     ):
         print(row(label, samples[name], reference) + f" {statistics.median(ratios[name]):>11.2f}x |")
 

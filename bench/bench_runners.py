@@ -3,12 +3,20 @@
     python bench/bench_runners.py [--quick] [--only load,infer] [--repeats N]
 
 1. load: `carton.load` to first inference of a ~100 MB ONNX model (six 2048x2048 float32 MatMuls) versus
-   `onnxruntime.InferenceSession` on the same file plus its first run. "cold" loads use an empty cache (the model
-   is extracted from the .carton), "warm" loads reuse the cache a previous load filled. Goals: cold <= 1.3x,
-   warm <= 1.1x.
+   `onnxruntime.InferenceSession` on the same file plus its first run, two references: (A) in this benchmark
+   process, which has created sessions of this model before (memory already faulted in and reused); (B) the first
+   session of a fresh interpreter that has already started (and, in the "+ import" row, then imports onnxruntime).
+   "cold" loads use an empty cache (the model is extracted from the .carton and verified), "warm" loads reuse the
+   cache a previous load filled. "no spare" runs with CARTON_SPARE_RUNNERS=0 (every load starts its runner
+   process, overlapped with extraction); "spare ready" loads take the idle runner process the previous load left
+   (waited for until it is up); "back to back" is a load right after the previous one, whose spare may still be
+   starting. Every row is measured in each round, rounds interleaved. Goals: cold <= 1.3x, warm <= 1.1x.
 2. infer: steady-state per-call time of a small ONNX MLP (16 -> 32 -> 4) and of a 100-tree xgboost classifier
    (8 features), batch 1 and 256: `model.infer` versus the in-process framework call (`session.run`,
-   `XGBClassifier.predict_proba`), with the per-call overhead (difference) and the ratio.
+   `XGBClassifier.predict_proba`), with the per-call overhead (difference) and the ratio. "handed off" is the same
+   in-process call made on a worker thread that sleeps between calls (as a server's or a runner's does): an idle
+   core runs the next call slower than a core kept busy by a back-to-back loop, which is most of what the
+   xgboost rows lose inside the runner process.
 
 Everything is built in a temporary folder that is deleted at the end; nothing is written to the repository.
 """
@@ -70,53 +78,160 @@ def _median_time(function: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
+_FRESH_CHILD = r"""
+import sys, time
+import numpy as np
+print("ready", flush=True)
+sys.stdin.readline()
+t0 = time.perf_counter()
+import onnxruntime as ort
+t1 = time.perf_counter()
+session = ort.InferenceSession(sys.argv[1], providers=["CPUExecutionProvider"])
+session.run(None, {"x": np.ones((1, 2048), dtype=np.float32)})
+t2 = time.perf_counter()
+print(t1 - t0, t2 - t1, flush=True)
+"""
+
+
+def _fresh_process_reference(path: Path) -> tuple[float, float]:
+    """(import onnxruntime, first InferenceSession + first run) timed inside a fresh interpreter that has already
+    started and imported numpy, so interpreter start-up is not counted."""
+    import subprocess
+
+    child = subprocess.Popen([sys.executable, "-c", _FRESH_CHILD, str(path)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    assert child.stdin is not None and child.stdout is not None
+    if child.stdout.readline().strip() != "ready":
+        raise RuntimeError("reference child did not start")
+    child.stdin.write("go\n")
+    child.stdin.flush()
+    import_seconds, session_seconds = (float(value) for value in child.stdout.readline().split())
+    child.wait()
+    return import_seconds, session_seconds
+
+
 def bench_load(work: Path, repeats: int) -> list[tuple[str, float, float]]:
+    from carton._runtime._spares import SPARE_RUNNERS_ENV, spare_pool
+
     path = _big_onnx(work / "big")
     size_mb = path.stat().st_size / 1e6
     packed = carton.pack(work / "big", work / "big.carton", runner_name="onnxruntime",
                          required_framework_version="*", compression="stored")
     x = np.ones((1, 2048), dtype=np.float32)
+    pool = spare_pool()
+    runner = carton._runtime.resolve_runner(carton._runtime.RunnerRequest(
+        runner_name="onnxruntime", required_framework_version="*", runner_compat_version=1))
 
-    def reference() -> None:
+    def reference() -> float:
+        """Seconds from `InferenceSession(...)` to the first run's result (freeing the session is not counted)."""
+        start = time.perf_counter()
         session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
         session.run(None, {"x": x})
+        seconds = time.perf_counter() - start
+        del session
+        return seconds
 
-    def carton_load() -> None:
-        with carton.load(packed) as model:
-            model.infer({"x": x})
+    def carton_load() -> float:
+        """Seconds from `carton.load` to the first inference's result (closing the model is not counted)."""
+        start = time.perf_counter()
+        model = carton.load(packed)
+        model.infer({"x": x})
+        seconds = time.perf_counter() - start
+        model.close()
+        return seconds
+
+    def timed(function: Callable[[], object]) -> float:
+        start = time.perf_counter()
+        function()
+        return time.perf_counter() - start
+
+    def spares(enabled: bool) -> None:
+        os.environ[SPARE_RUNNERS_ENV] = "2" if enabled else "0"
+        if not enabled:
+            pool.close()
+
+    def spare_ready() -> None:
+        if pool.wait(runner, 60) is None:
+            raise RuntimeError("the spare runner did not start")
 
     reference()  # page cache warm for everyone: we compare loading, not disk reads
-    cold_times, warm_times, reference_times = [], [], []
+    rows: dict[str, list[float]] = {}
+
+    def record(name: str, seconds: float) -> None:
+        rows.setdefault(name, []).append(seconds)
+
+    from carton._format import open_carton
+
     for round_index in range(repeats):
-        reference_times.append(_median_time(reference, 1))
-        os.environ["CARTON_CACHE_DIR"] = str(work / f"cache-{round_index}")
-        cold_times.append(_median_time(carton_load, 1))  # empty cache: extract, verify, load
-        warm_times.append(_median_time(carton_load, 1))  # same cache: reuse the extracted model
-    base = statistics.median(reference_times)
-    cold, warm = statistics.median(cold_times), statistics.median(warm_times)
-    print(f"\n## load to first inference: {size_mb:.0f} MB ONNX model, median of {repeats}")
-    print(f"{'what':<52} {'seconds':>8} {'ratio':>6} {'goal':>6}")
-    print(f"{'onnxruntime.InferenceSession + first run (reference)':<52} {base:8.3f} {1:6.2f} {'':>6}")
-    print(f"{'carton.load + first infer, cold cache':<52} {cold:8.3f} {cold / base:6.2f} {'1.30':>6}")
-    print(f"{'carton.load + first infer, warm cache':<52} {warm:8.3f} {warm / base:6.2f} {'1.10':>6}")
-    return [("cold", cold, cold / base), ("warm", warm, warm / base)]
+        record("ref_warm", reference())
+        imported, session = _fresh_process_reference(path)
+        record("ref_fresh", session)
+        record("ref_fresh_import", imported + session)
+        # No spare runner: every load starts its runner (overlapped with extraction when the cache is cold).
+        spares(False)
+        os.environ["CARTON_CACHE_DIR"] = str(work / f"cache-{round_index}-a")
+        record("open_cold", timed(lambda: open_carton(packed)))
+        os.environ["CARTON_CACHE_DIR"] = str(work / f"cache-{round_index}-b")
+        record("cold_nospare", carton_load())
+        record("warm_nospare", carton_load())
+        # Spare runners on (the default): the load before leaves a spare for this runner.
+        spares(True)
+        carton_load()
+        spare_ready()
+        record("warm_spare", carton_load())
+        record("warm_spare_b2b", carton_load())  # right after the previous load: its spare may still start
+        spare_ready()
+        os.environ["CARTON_CACHE_DIR"] = str(work / f"cache-{round_index}-c")
+        record("cold_spare", carton_load())
+        spare_ready()
+    spares(True)
+    med = {name: statistics.median(values) for name, values in rows.items()}
+    base_warm, base_fresh = med["ref_warm"], med["ref_fresh"]
+    labels = [
+        ("ref_warm", "reference A: InferenceSession + run, warm process", ""),
+        ("ref_fresh", "reference B: same, first session of a fresh process", ""),
+        ("ref_fresh_import", "reference B + `import onnxruntime`", ""),
+        ("open_cold", "open_carton alone, cold cache (extract + verify)", ""),
+        ("cold_nospare", "carton.load + infer, cold cache, no spare", "1.30"),
+        ("cold_spare", "carton.load + infer, cold cache, spare ready", "1.30"),
+        ("warm_nospare", "carton.load + infer, warm cache, no spare", "1.10"),
+        ("warm_spare", "carton.load + infer, warm cache, spare ready", "1.10"),
+        ("warm_spare_b2b", "carton.load + infer, warm cache, back to back", "1.10"),
+    ]
+    print(f"\n## load to first inference: {size_mb:.0f} MB ONNX model, median of {repeats} interleaved rounds")
+    print(f"{'what':<55} {'seconds':>8} {'vs A':>6} {'vs B':>6} {'goal':>6}")
+    for key, label, goal in labels:
+        value = med[key]
+        print(f"{label:<55} {value:8.3f} {value / base_warm:6.2f} {value / base_fresh:6.2f} {goal:>6}")
+    return [(key, med[key], med[key] / base_warm) for key, _, _ in labels]
 
 
 def _compare(name: str, in_process: Callable[[np.ndarray], object], model: carton.Model, input_name: str,
              batches: dict[int, np.ndarray], calls: int) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    handoff = ThreadPoolExecutor(1, thread_name_prefix="bench-handoff")
     for batch, rows in batches.items():
         def call_in_process(rows: np.ndarray = rows) -> object:
             return in_process(rows)
 
+        def call_handed_off(rows: np.ndarray = rows) -> object:
+            # The same call on another thread that sleeps between calls, as in a server or a runner process.
+            return handoff.submit(in_process, rows).result()
+
         def call_carton(rows: np.ndarray = rows) -> object:
             return model.infer({input_name: rows})
 
-        for _ in range(max(calls // 10, 5)):  # warm up both paths
+        for _ in range(max(calls // 10, 5)):  # warm up every path
             call_in_process()
+            call_handed_off()
             call_carton()
         base = _median_time(call_in_process, calls) * 1e6
+        handed = _median_time(call_handed_off, calls) * 1e6
         ours = _median_time(call_carton, calls) * 1e6
-        print(f"{name:<22} {batch:>5} {base:11.1f} {ours:9.1f} {ours - base:9.1f} {ours / base:6.2f}")
+        print(f"{name:<22} {batch:>5} {base:11.1f} {handed:10.1f} {ours:9.1f} {ours - base:9.1f} {ours / base:6.2f}"
+              f" {ours / handed:8.2f}")
+    handoff.shutdown()
 
 
 def _bench_onnx_mlp(work: Path, calls: int) -> None:
@@ -132,7 +247,8 @@ def bench_infer(work: Path, calls: int) -> None:
     import xgboost as xgb
 
     print(f"\n## steady-state infer, median of {calls} calls (microseconds)")
-    print(f"{'model':<22} {'batch':>5} {'in-process':>11} {'carton':>9} {'overhead':>9} {'ratio':>6}")
+    print(f"{'model':<22} {'batch':>5} {'in-process':>11} {'handed off':>10} {'carton':>9} {'overhead':>9} "
+          f"{'ratio':>6} {'vs h.off':>8}")
     # One model at a time, so one framework's idle threads do not slow the other's measurement.
     _bench_onnx_mlp(work, calls)
     features, target = training_data(rows=1000)

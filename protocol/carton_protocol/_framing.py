@@ -27,7 +27,7 @@ from ._runner import Tensor
 from ._shm import PeerSegments, Segment, SegmentPool, align
 from .errors import FrameError, LimitExceeded
 
-__all__ = ["Encoded", "decode_tensors", "encode_tensors"]
+__all__ = ["DIRECT_WIRE_TYPES", "FIXED_WIRE_TYPES", "Encoded", "decode_tensors", "encode_tensors"]
 
 _PREFIX = struct.Struct("<I")
 # Largest dimension accepted: numpy's own limit is below 2**63, and no real tensor comes near this.
@@ -83,7 +83,7 @@ def _prepare(value: object, name: str) -> tuple[dict[str, Any], Any, int]:
 
 
 # Fixed-size dtypes whose arrays, when C-contiguous, go out as they are (the common case, kept short).
-_DIRECT: dict[np.dtype[Any], str] = {
+DIRECT_WIRE_TYPES: dict[np.dtype[Any], str] = {
     np.dtype(code): wire.value
     for code, wire in (
         ("?", WireType.BOOL), ("<u1", WireType.UINT8), ("<u2", WireType.UINT16), ("<u4", WireType.UINT32),
@@ -100,7 +100,7 @@ def encode_tensors(tensors: Mapping[str, Tensor], *, pool: SegmentPool | None, t
     big: list[tuple[dict[str, Any], Any, int]] = []
     for name, value in tensors.items():
         if type(value) is np.ndarray:
-            wire = _DIRECT.get(value.dtype)
+            wire = DIRECT_WIRE_TYPES.get(value.dtype)
             if wire is not None and value.flags.c_contiguous and type(name) is str:
                 size = value.nbytes
                 entry = {"name": name, "datatype": wire, "shape": list(value.shape), "size": size}
@@ -196,11 +196,11 @@ def decode_tensors(
 
 
 # Fixed-size wire types by name (BF16 included when ml_dtypes is installed).
-_FIXED: dict[str, np.dtype[Any]] = {}
+FIXED_WIRE_TYPES: dict[str, np.dtype[Any]] = {}
 for _wire in WireType:
     if _wire is not WireType.BYTES:
         with contextlib.suppress(FrameError):  # BF16 without ml_dtypes
-            _FIXED[_wire.value] = to_numpy(_wire, tensor="")
+            FIXED_WIRE_TYPES[_wire.value] = to_numpy(_wire, tensor="")
 
 
 class _Decoder:
@@ -240,7 +240,7 @@ class _Decoder:
             raise LimitExceeded(f"message tensors total over {limits.max_message_bytes} bytes")
         if type(datatype) is not str:
             raise FrameError(f"tensor {name!r}: 'datatype' must be a string, got {type(datatype).__name__}")
-        dtype = _FIXED.get(datatype)
+        dtype = FIXED_WIRE_TYPES.get(datatype)
         if dtype is None:
             wire = WIRE_TYPES.get(datatype)
             if wire is None:

@@ -46,6 +46,7 @@ from ._messages import (
 from ._reaper import kill_tree, reap_children, set_child_subreaper, set_parent_death_signal
 from ._runner import LoadContext, PackContext, PackResult, Runner
 from ._shm import SHM_AVAILABLE, FdChannel, PeerSegments, SegmentPool
+from ._templates import Plan, Templates
 from ._zmqio import recv_message, send_message
 from .errors import FrameError, ProtocolError, VersionMismatch
 
@@ -122,6 +123,7 @@ class _Server:
         self.pool: SegmentPool | None = None
         self.peer: PeerSegments | None = None
         self.threshold = 0
+        self.templates = Templates(limits=limits, sends="reply")
         self.runner_class: type[Runner] | None = None
         self.import_error: BaseException | None = None
         self.runner: Runner | None = None
@@ -166,7 +168,9 @@ class _Server:
             dropped = self.pool.take_dropped()
             if dropped:
                 header["drop"] = dropped
-        message = [ident, pack_header(header), *frames]
+        self._send_raw([ident, pack_header(header), *frames])
+
+    def _send_raw(self, message: list[Any]) -> None:
         if self.results is None or threading.get_ident() == self.main_thread:
             send_message(self.router, message)
         else:
@@ -180,8 +184,18 @@ class _Server:
         if len(frames) < 2:
             return  # not a request (an empty message from a confused peer): nothing to answer
         ident = frames[0]
+        data = frames[1].bytes
+        if self.runner is not None:
+            # A plain infer whose header bytes (after the id) were accepted before: no msgpack, no re-checking.
+            matched = self.templates.match(data)
+            if matched is not None:
+                if self.executor is not None:
+                    self.executor.submit(self._infer_planned, ident, matched[0], matched[1], frames[2:])
+                else:
+                    self._infer_planned(ident, matched[0], matched[1], frames[2:])
+                return
         try:
-            header = unpack_header(frames[1].buffer, self.limits)
+            header = unpack_header(data, self.limits)
             request_id = header.get("id")
             op = header.get("op")
             if type(request_id) is not int or type(op) is not str:
@@ -195,9 +209,9 @@ class _Server:
                 self.peer.drop([item for item in drop if type(item) is str])
         if op == "infer" and self.runner is not None:
             if self.executor is not None:
-                self.executor.submit(self._infer, ident, request_id, header, frames[2:])
+                self.executor.submit(self._infer, ident, request_id, header, frames[2:], data)
             else:
-                self._infer(ident, request_id, header, frames[2:])
+                self._infer(ident, request_id, header, frames[2:], data)
             return
         try:
             if op == Op.INFER:
@@ -313,7 +327,9 @@ class _Server:
             runner.close()
 
     # --- any thread ------------------------------------------------------------------------------------------
-    def _infer(self, ident: Any, request_id: int, header: dict[str, Any], frames: list[zmq.Frame]) -> None:
+    def _infer(
+        self, ident: Any, request_id: int, header: dict[str, Any], frames: list[zmq.Frame], data: bytes
+    ) -> None:
         try:
             inputs, _ = decode_tensors(
                 header.get("tensors"),
@@ -322,14 +338,30 @@ class _Server:
                 peer=self.peer,
                 copy_shared=False,
             )
-            runner = self.runner
-            if runner is None:
-                raise ProtocolError("the model was closed")
-            outputs = runner.infer(inputs)
-            encoded = self._encode_outputs(outputs)
+            self.templates.learn(data, header)
+            self._reply(ident, request_id, inputs)
         except Exception as exc:
             self._send(ident, {"id": request_id, "ok": False, "error": _error(exc)})
-            return
+
+    def _infer_planned(self, ident: Any, request_id: int, plan: Plan, frames: list[zmq.Frame]) -> None:
+        try:
+            self._reply(ident, request_id, plan.decode([frame.buffer for frame in frames]))
+        except Exception as exc:
+            self._send(ident, {"id": request_id, "ok": False, "error": _error(exc)})
+
+    def _reply(self, ident: Any, request_id: int, inputs: dict[str, Any]) -> None:
+        runner = self.runner
+        if runner is None:
+            raise ProtocolError("the model was closed")
+        outputs = runner.infer(inputs)
+        pool = self.pool
+        if type(outputs) is dict and (pool is None or not pool.has_dropped):
+            template = self.templates.encode(outputs, self.threshold if pool is not None else 1 << 62)
+            if template is not None:
+                tail, data_frames = template
+                self._send_raw([ident, self.templates.header(request_id, tail), *data_frames])
+                return
+        encoded = self._encode_outputs(outputs)
         self._send(ident, {"id": request_id, "ok": True, "tensors": encoded.entries}, encoded.frames)
 
     def _encode_outputs(self, outputs: object) -> Any:

@@ -153,6 +153,11 @@ class SegmentPool:
                 self._free.append(segment)
                 self._trim()
 
+    @property
+    def has_dropped(self) -> bool:
+        """Whether the next outgoing message must carry ``drop`` (so it cannot use a header template)."""
+        return bool(self._dropped)
+
     def take_dropped(self) -> list[str]:
         """Ids dropped since the last call; the next outgoing message tells the peer to unmap them."""
         if not self._dropped:

@@ -2,8 +2,9 @@
 
 `zmq.Socket.send_multipart` type-checks every part in Python and `recv_multipart` asks for ``RCVMORE`` with a
 `getsockopt` per part: together several microseconds, a large share of a small round trip. Parts here are always
-buffers we built, so the checks buy nothing. Small ``bytes`` parts are copied; other buffers (arrays, frames) go out
-with ``copy=False``, so pyzmq copies those under its copy threshold and sends larger ones straight from their buffer.
+buffers we built, so the checks buy nothing. Small ``bytes`` and array parts are copied (cheaper than building the
+`zmq.Frame` a zero-copy send needs: 0.56 against 0.72 us for 64 bytes); larger ones and frames go out with
+``copy=False``, straight from their buffer.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import zmq
 
 __all__ = ["recv_message", "send_message"]
@@ -22,8 +24,13 @@ _COPY_BELOW = 1 << 16
 def send_message(sock: zmq.Socket[Any], parts: Sequence[Any]) -> None:
     last = len(parts) - 1
     for index, part in enumerate(parts):
-        # bytes parts are headers and small BYTES payloads: a copy is cheaper than pinning a zmq.Frame.
-        copy = type(part) is bytes and len(part) < _COPY_BELOW
+        kind = type(part)
+        if kind is bytes:
+            copy = len(part) < _COPY_BELOW
+        elif kind is np.ndarray:
+            copy = part.nbytes < _COPY_BELOW
+        else:
+            copy = False
         sock.send(part, _SNDMORE if index < last else 0, copy=copy)
 
 

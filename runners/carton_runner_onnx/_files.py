@@ -20,6 +20,15 @@ __all__ = ["check_external_data", "find_model_file"]
 # Every external data reference carries an entry whose key is exactly these bytes; a file without them has none.
 _LOCATION_KEY = b"location"
 
+# Protobuf field numbers on the path to initializer bytes:
+# ModelProto.graph, GraphProto.initializer, TensorProto.raw_data.
+_MODEL_GRAPH, _GRAPH_INITIALIZER, _TENSOR_RAW_DATA = 7, 5, 9
+# raw_data fields shorter than this are scanned like everything else (skipping them would not save anything).
+_MIN_SKIP = 4096
+# Reading the structure is given up (the whole file is scanned) past this many fields: a graph of millions of tiny
+# fields is scanned faster than it is walked in Python.
+_MAX_FIELDS = 200_000
+
 
 def find_model_file(model_dir: Path, model_file: str | None) -> Path:
     """Return the model to load: ``model_file`` (relative to the folder) or the folder's only ``*.onnx`` file."""
@@ -71,11 +80,90 @@ def check_external_data(model_path: Path, model_dir: Path) -> None:
 
 
 def _mentions_location(model_path: Path) -> bool:
+    """Whether the bytes ``location`` occur anywhere outside the initializers' raw tensor bytes.
+
+    An external data entry (``TensorProto.external_data``) is a field of its own, never inside another tensor's
+    ``raw_data``, so those bytes (nearly all of a large model) are skipped rather than searched: the protobuf
+    structure above them is read with the wire-format rules every protobuf parser applies. A file whose structure
+    cannot be read that way (not a protobuf, groups, too many fields) is searched whole.
+    """
     with model_path.open("rb") as file:
         if os.fstat(file.fileno()).st_size == 0:
             raise OnnxRunnerError(f"model file {model_path.name!r} is empty")
         with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as view:
-            return view.find(_LOCATION_KEY) != -1
+            position = 0
+            for start, end in _raw_data_ranges(view) or ():
+                if view.find(_LOCATION_KEY, position, start) != -1:
+                    return True
+                position = end
+            return view.find(_LOCATION_KEY, position) != -1
+
+
+class _Unreadable(Exception):
+    """The bytes do not follow the protobuf wire format the way the walk expects."""
+
+
+def _raw_data_ranges(view: mmap.mmap) -> list[tuple[int, int]] | None:
+    """Sorted ``(start, end)`` byte ranges of large ``raw_data`` fields of ``graph.initializer`` tensors, or ``None``
+    when the file cannot be walked (then it is searched whole)."""
+    ranges: list[tuple[int, int]] = []
+    budget = [_MAX_FIELDS]
+    try:
+        for number, start, end in _fields(view, 0, len(view), budget):
+            if number != _MODEL_GRAPH:
+                continue
+            for graph_number, tensor_start, tensor_end in _fields(view, start, end, budget):
+                if graph_number != _GRAPH_INITIALIZER:
+                    continue
+                for tensor_number, data_start, data_end in _fields(view, tensor_start, tensor_end, budget):
+                    if tensor_number == _TENSOR_RAW_DATA and data_end - data_start >= _MIN_SKIP:
+                        ranges.append((data_start, data_end))
+    except _Unreadable:
+        return None
+    return ranges
+
+
+def _fields(view: mmap.mmap, position: int, end: int, budget: list[int]) -> Iterator[tuple[int, int, int]]:
+    """``(field number, start, end)`` of each length-delimited field of the message in ``view[position:end]``;
+    other wire types are stepped over. Raises `_Unreadable` for anything a protobuf parser would reject or that
+    this walk does not follow (groups)."""
+    while position < end:
+        budget[0] -= 1
+        if budget[0] < 0:
+            raise _Unreadable
+        tag, position = _varint(view, position, end)
+        wire_type, number = tag & 7, tag >> 3
+        if number == 0:
+            raise _Unreadable
+        if wire_type == 0:
+            _, position = _varint(view, position, end)
+        elif wire_type == 1:
+            position += 8
+        elif wire_type == 5:
+            position += 4
+        elif wire_type == 2:
+            length, position = _varint(view, position, end)
+            if position + length > end:
+                raise _Unreadable
+            yield number, position, position + length
+            position += length
+        else:  # 3 and 4 (groups) and the invalid 6 and 7
+            raise _Unreadable
+        if position > end:
+            raise _Unreadable
+
+
+def _varint(view: mmap.mmap, position: int, end: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if position >= end or shift > 63:
+            raise _Unreadable
+        byte = view[position]
+        position += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, position
+        shift += 7
 
 
 def _check_relative(location: str, *, what: str) -> None:

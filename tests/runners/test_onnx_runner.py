@@ -248,6 +248,73 @@ def test_missing_external_data_file_is_refused(tmp_path: Path) -> None:
         _load(tmp_path)
 
 
+def _model_with_big_initializer(model_dir: Path, *, extra_initializer: TensorProto | None = None,
+                                doc: str = "") -> tuple[Path, np.ndarray]:
+    """``y = x @ big`` where ``big`` is a 128x128 float32 initializer whose raw bytes contain ``location``."""
+    big = np.zeros((128, 128), dtype=np.float32)
+    big.view(np.uint8).reshape(-1)[100:108] = np.frombuffer(b"location", dtype=np.uint8)
+    initializers = [onnx.numpy_helper.from_array(big, "big")]
+    if extra_initializer is not None:
+        initializers.append(extra_initializer)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "big"], ["y"], doc_string=doc)], "big",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 128])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 128])],
+        initializer=initializers,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    model_dir.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, model_dir / "big.onnx")
+    return model_dir / "big.onnx", big
+
+
+def test_location_bytes_inside_initializer_data_are_skipped(tmp_path: Path) -> None:
+    from carton_runner_onnx import _files
+
+    path, big = _model_with_big_initializer(tmp_path)
+    assert b"location" in path.read_bytes()
+    assert not _files._mentions_location(path)  # only inside raw_data: no external data entry can be there
+    x = np.ones((1, 128), dtype=np.float32)
+    assert np.array_equal(_load(tmp_path).infer({"x": x})["y"], x @ big)
+
+
+def test_location_bytes_outside_initializer_data_are_found(tmp_path: Path) -> None:
+    from carton_runner_onnx import _files
+
+    path, _ = _model_with_big_initializer(tmp_path, doc="a node whose doc string says location")
+    assert _files._mentions_location(path)
+
+
+def test_external_data_next_to_a_large_initializer_is_still_checked(tmp_path: Path) -> None:
+    outside = _external_tensor("../w.bin")
+    _model_with_big_initializer(tmp_path / "model", extra_initializer=outside)
+    (tmp_path / "w.bin").write_bytes(np.zeros(16, dtype=np.float32).tobytes())
+    with pytest.raises(UnsafeModelPath, match=r"tensor 'w' \(location '\.\./w\.bin'\): '\.\.' is not allowed"):
+        _load(tmp_path / "model")
+
+
+def _external_tensor(location: str) -> TensorProto:
+    tensor = onnx.numpy_helper.from_array(np.zeros((4, 4), dtype=np.float32), "w")
+    tensor.ClearField("raw_data")
+    tensor.data_location = TensorProto.EXTERNAL
+    entry = tensor.external_data.add()
+    entry.key, entry.value = "location", location
+    return tensor
+
+
+@pytest.mark.parametrize("content", [
+    b"\x3a\xff\xff\xff\xff\x0f location",  # graph field longer than the file
+    b"\x3b\x00 location",  # a group (wire type 3): not walked
+    b"\x3a\x0c\x2a\x0a\x4a\x08location",  # raw_data (too short to skip) holding the bytes
+])
+def test_unwalkable_or_small_structures_are_searched_whole(tmp_path: Path, content: bytes) -> None:
+    from carton_runner_onnx import _files
+
+    (tmp_path / "odd.onnx").write_bytes(content)
+    assert _files._mentions_location(tmp_path / "odd.onnx")
+
+
 # --- model file --------------------------------------------------------------------------------------------------
 
 def test_model_file_opt_chooses_among_several(tmp_path: Path) -> None:

@@ -18,6 +18,39 @@ def test_doctor_json_lists_every_layer(capsys: pytest.CaptureFixture[str]) -> No
     assert report["landlock_abi"] == machine_support().landlock_abi
 
 
+@pytest.mark.parametrize("backend", list(Backend))
+def test_doctor_reports_the_forced_backend(backend: Backend, capsys: pytest.CaptureFixture[str],
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CARTON_SANDBOX_BACKEND", backend.value)
+    support = machine_support()
+    usable = support.backends[backend] is None
+    assert main(["doctor", "--json", "--strict"]) == (0 if usable else 1)
+    report = json.loads(capsys.readouterr().out)
+    assert report["backend"] == (backend.value if usable else None)
+    assert report["backends"][backend.value]["usable"] is usable
+    if usable:
+        # A usable backend gives every layer on this machine (Landlock and seccomp permitting): the probe really
+        # built the namespaces, the private root and the uid switch.
+        namespace_layers = ("pid_namespace", "mount_namespace", "filesystem_view", "non_root_uid")
+        assert all(report["layers"][name]["available"] for name in namespace_layers)
+        expected = {s.layer.value: s.available for s in support.layers(backend)}
+        assert {name: entry["available"] for name, entry in report["layers"].items()} == expected
+        assert report["strict"] is all(expected.values())
+
+
+def test_a_failing_unshare_probe_is_reported(capsys: pytest.CaptureFixture[str],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    why = "carton sandbox: filesystem_view: mount tmpfs on /tmp: EPERM (test)"
+    fake = dataclasses.replace(machine_support(), backends={Backend.BWRAP: "missing (test)", Backend.UNSHARE: why})
+    monkeypatch.setattr("carton._sandbox.machine_support", lambda: fake)
+    monkeypatch.setattr(_wrap, "machine_support", lambda: fake)
+    monkeypatch.setenv("CARTON_SANDBOX_BACKEND", "unshare")
+    assert main(["doctor", "--strict"]) == 1
+    out = capsys.readouterr().out
+    assert f"unusable: {why}" in out
+    assert "NO  filesystem_view" in out and "NO  non_root_uid" in out
+
+
 def test_doctor_table_and_strict_exit(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     fake = dataclasses.replace(machine_support(), backends={b: "missing (test)" for b in Backend}, landlock_abi=0)
     monkeypatch.setattr("carton._sandbox.machine_support", lambda: fake)

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from carton._runtime._process import _describe_exit, _exit_signal
 from carton._sandbox import Backend, Layer, SandboxPolicy, _seccomp, _wrap, launch_wrapper, machine_support, plan_setup
+from carton._sandbox._layers import SHIM
 from carton._sandbox._paths import system_paths
 from carton._sandbox._shim import SETUP_FAILED
-from carton._sandbox._wrap import SHIM
 from carton.errors import RunnerMemoryLimit, SandboxError, SandboxUnavailable, SandboxWarning
 
 # --- policies --------------------------------------------------------------------------------------------------

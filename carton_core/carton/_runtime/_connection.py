@@ -2,12 +2,17 @@
 
 A call is one send and one blocking poll on the caller's own thread, with no relay thread in between. The poll
 includes the runner's pidfd, so a runner that dies fails the call at once instead of leaving it waiting.
+
+asyncio callers get an `AsyncChannel` per event loop instead: one DEALER whose file descriptor, and a duplicate of
+the runner's pidfd, are readers of the loop. Calls in flight on it are told apart by request id.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
+import os
 import threading
 import time
 import weakref
@@ -15,13 +20,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import zmq
+from carton_protocol import ProtocolError
 from carton_protocol._limits import WireLimits
 from carton_protocol._messages import pack_header, unpack_header
 from carton_protocol._shm import FdChannel, PeerSegments, SegmentPool
+from carton_protocol._templates import Plan, Templates
 from carton_protocol._zmqio import recv_message, send_message
 from zmq.backend import zmq_poll
 
-__all__ = ["CallTimeout", "Connection", "PeerGone"]
+__all__ = ["AsyncChannel", "CallTimeout", "Connection", "PeerGone", "Reply"]
 
 # Without a pidfd, a waiting call checks the process this often.
 _LIVENESS_SLICE_MS = 100
@@ -35,6 +42,18 @@ class PeerGone(Exception):
 
 class CallTimeout(Exception):
     """No reply arrived within the call's timeout."""
+
+
+class Reply:
+    """A reply to our request: its header bytes, and either its decoded header or the plan its cached bytes match."""
+
+    __slots__ = ("data", "frames", "header", "plan")
+
+    def __init__(self, data: bytes, header: dict[str, Any] | None, plan: Plan | None, frames: list[zmq.Frame]):
+        self.data = data
+        self.header = header
+        self.plan = plan
+        self.frames = frames
 
 
 class _ThreadSocket:
@@ -65,6 +84,7 @@ class Connection:
         self.endpoint = endpoint
         self.limits = limits
         self._pidfd = pidfd
+        self.pidfd = pidfd
         self._is_alive = is_alive
         # Our own context: destroying it at close closes every thread's socket in one go.
         self._context = zmq.Context()
@@ -73,6 +93,7 @@ class Connection:
         self._sockets: set[zmq.Socket[Any]] = set()
         self._ids = itertools.count(1)
         self.channel = channel
+        self.templates = Templates(limits=limits, sends="request")
         self.pool = SegmentPool("h", channel) if channel is not None else None
         self.peer = (
             PeerSegments(channel, writable=False, max_segments=limits.max_segments) if channel is not None else None
@@ -109,12 +130,33 @@ class Connection:
         self, header: dict[str, Any], frames: Sequence[Any] = (), *, timeout: float | None
     ) -> tuple[dict[str, Any], list[zmq.Frame]]:
         """Send a request and wait for its reply: (header, data frames). Raises PeerGone or CallTimeout."""
-        state = self._thread_socket()
-        sock = state.socket
-        request_id = next(self._ids)
+        request_id = self.next_id()
         header["id"] = request_id
         self._attach_drops(header)
-        send_message(sock, [pack_header(header), *frames])
+        reply = self.exchange([pack_header(header), *frames], request_id, timeout=timeout)
+        decoded = reply.header if reply.header is not None else unpack_header(reply.data, self.limits)
+        return decoded, reply.frames
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    def exchange(self, parts: Sequence[Any], request_id: int, *, timeout: float | None) -> Reply:
+        """Send a ready message (header bytes with `request_id`, then data frames) and wait for its reply."""
+        state: _ThreadSocket | None = getattr(self._local, "state", None)
+        if state is None:
+            state = self._thread_socket()
+        sock = state.socket
+        send_message(sock, parts)
+        if timeout is None and self._pidfd is not None:
+            # The common case, kept short: wait on the socket and the pidfd together, without a deadline.
+            poll_items = state.poll_items
+            while True:
+                events = zmq_poll(poll_items, -1)
+                if events[0][0] is not sock:
+                    break
+                reply = self._receive(sock, request_id)
+                if reply is not None:
+                    return reply
         deadline = None if timeout is None else time.monotonic() + timeout
         slice_ms = -1 if self._pidfd is not None else _LIVENESS_SLICE_MS
         poll_items = state.poll_items
@@ -139,12 +181,18 @@ class Connection:
             if deadline is not None and time.monotonic() >= deadline:
                 raise CallTimeout
 
-    def _receive(self, sock: zmq.Socket[Any], request_id: int) -> tuple[dict[str, Any], list[zmq.Frame]] | None:
+    def _receive(self, sock: zmq.Socket[Any], request_id: int) -> Reply | None:
         frames = recv_message(sock)
-        header = unpack_header(frames[0].buffer, self.limits)
+        data = frames[0].bytes
+        matched = self.templates.match(data)
+        if matched is not None:
+            if matched[0] == request_id:
+                return Reply(data, None, matched[1], frames[1:])
+            return None
+        header = unpack_header(data, self.limits)
         reply_id = header.get("id")
         if reply_id == request_id or (reply_id == -1 and header.get("ok") is False):
-            return header, frames[1:]
+            return Reply(data, header, None, frames[1:])
         return None  # the late reply of an earlier call on this thread that timed out
 
     def send(self, header: dict[str, Any]) -> None:
@@ -171,3 +219,181 @@ class Connection:
             self.peer.close()
         if self.channel is not None:
             self.channel.close()
+
+
+_async_context: tuple[int, zmq.Context[Any]] | None = None
+_async_context_lock = threading.Lock()
+
+
+def _shared_async_context() -> zmq.Context[Any]:
+    """The context of every AsyncChannel socket: not a Connection's, whose `destroy` at close would close a socket
+    still registered with an event loop (the loop must unregister a descriptor before it is closed)."""
+    global _async_context
+    with _async_context_lock:
+        if _async_context is None or _async_context[0] != os.getpid():
+            _async_context = (os.getpid(), zmq.Context())
+        return _async_context[1]
+
+
+class AsyncChannel:
+    """The wire to one runner for one asyncio event loop; used only from that loop's thread.
+
+    ZeroMQ's descriptor is edge-triggered: it signals that the socket's state may have changed, not that a message
+    is waiting. So every wake-up, and every send, ends with reading ``EVENTS`` until no message is left; a message
+    that arrived while we were sending would otherwise never wake the loop.
+    """
+
+    def __init__(self, connection: Connection, loop: asyncio.AbstractEventLoop) -> None:
+        assert connection.pidfd is not None
+        self.closed = False
+        self._connection = connection
+        self._templates = connection.templates
+        self._limits = connection.limits
+        self._pending: dict[int, asyncio.Future[Reply]] = {}
+        # Requests given up (cancelled) whose shared-memory input the runner may still read: released on their reply.
+        self._orphans: dict[int, Callable[[], None]] = {}
+        self._loop = weakref.ref(loop)
+        sock = _shared_async_context().socket(zmq.DEALER)
+        sock.linger = 0
+        sock.sndhwm = 0  # as many requests in flight as the callers make: never block the loop on a send
+        sock.connect(connection.endpoint)
+        self._sock = sock
+        self._fd: int = sock.get(zmq.FD)
+        self._pidfd = os.dup(connection.pidfd)
+        try:
+            loop.add_reader(self._fd, self._drain)
+            loop.add_reader(self._pidfd, self._on_exit)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                loop.remove_reader(self._fd)
+            sock.close(linger=0)
+            os.close(self._pidfd)
+            raise
+        # A loop that ends (asyncio.run returns) before the runner does: its channel's socket and pidfd go with it.
+        self._finalizer = weakref.finalize(loop, _close_quietly, sock, self._pidfd)
+
+    async def call(self, parts: Sequence[Any], request_id: int, *, timeout: float | None) -> Reply:
+        """Send a ready request and wait for its reply. Raises PeerGone, CallTimeout or ProtocolError."""
+        if self.closed:
+            raise PeerGone
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Reply] = loop.create_future()
+        self._pending[request_id] = future
+        timer = None if timeout is None else loop.call_later(timeout, self._expire, request_id)
+        try:
+            send_message(self._sock, parts)
+            self._drain()
+            return await future
+        finally:
+            del self._pending[request_id]
+            if timer is not None:
+                timer.cancel()
+
+    def orphan(self, request_id: int, release: Callable[[], None]) -> None:
+        """Run `release` when the reply to `request_id`, a call given up, arrives (or the channel closes)."""
+        if self.closed:
+            release()
+        else:
+            self._orphans[request_id] = release
+
+    def _expire(self, request_id: int) -> None:
+        future = self._pending.get(request_id)
+        if future is not None and not future.done():
+            future.set_exception(CallTimeout())
+
+    def _drain(self) -> None:
+        sock = self._sock
+        try:
+            while sock.get(zmq.EVENTS) & zmq.POLLIN:
+                self._dispatch(recv_message(sock))
+        except zmq.ZMQError:
+            if not self.closed:
+                raise
+
+    def _dispatch(self, frames: list[zmq.Frame]) -> None:
+        data = frames[0].bytes
+        matched = self._templates.match(data)
+        request_id: object
+        header: dict[str, Any] | None = None
+        plan: Plan | None = None
+        if matched is not None:
+            request_id, plan = matched
+        else:
+            try:
+                header = unpack_header(data, self._limits)
+            except ProtocolError as exc:
+                # A reply we cannot read belongs to no call in particular: the runner is broken for all of them.
+                self._fail_all(exc)
+                return
+            request_id = header.get("id")
+            if request_id == -1 and header.get("ok") is False:
+                for future in self._pending.values():
+                    if not future.done():
+                        future.set_result(Reply(data, header, None, frames[1:]))
+                return
+        waiting = self._pending.get(request_id) if type(request_id) is int else None
+        if waiting is None or waiting.done():
+            self._discard(request_id, header)
+            return
+        waiting.set_result(Reply(data, header, plan, frames[1:]))
+
+    def _discard(self, request_id: object, header: dict[str, Any] | None) -> None:
+        """The late reply of a call given up: free what it holds on both sides, use nothing else of it."""
+        release = self._orphans.pop(request_id, None) if type(request_id) is int else None
+        if release is not None:
+            release()
+        if header is None:
+            return
+        connection = self._connection
+        drop = header.get("drop")
+        if type(drop) is list and connection.peer is not None:
+            connection.peer.drop([item for item in drop if type(item) is str])
+        used = []
+        tensors = header.get("tensors")
+        for entry in tensors if type(tensors) is list else ():
+            placement = entry.get("shm") if type(entry) is dict else None
+            if type(placement) is list and placement and type(placement[0]) is str:
+                used.append(placement[0])
+        if used:
+            request = {"op": "release", "id": connection.next_id(), "segments": used}
+            with contextlib.suppress(zmq.ZMQError):
+                self._sock.send(pack_header(request))
+
+    def _fail_all(self, error: BaseException) -> None:
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(error)
+
+    def _on_exit(self) -> None:
+        """The runner exited: collect replies it sent just before, then fail what is still waiting."""
+        loop = self._loop()
+        if loop is None:
+            return
+        loop.remove_reader(self._pidfd)
+        self._drain()
+        loop.call_later(_LAST_WORDS_MS / 1000, self.close)
+
+    def close(self) -> None:
+        """Unregister from the loop and close the socket and pidfd (on the loop's thread); waiting calls get
+        PeerGone."""
+        if self.closed:
+            return
+        with contextlib.suppress(zmq.ZMQError):
+            self._drain()
+        self.closed = True
+        loop = self._loop()
+        if loop is not None and not loop.is_closed():
+            loop.remove_reader(self._fd)
+            loop.remove_reader(self._pidfd)
+        self._finalizer()
+        self._fail_all(PeerGone())
+        for release in self._orphans.values():
+            release()
+        self._orphans.clear()
+
+
+def _close_quietly(sock: zmq.Socket[Any], pidfd: int) -> None:
+    with contextlib.suppress(zmq.ZMQError):
+        sock.close(linger=0)
+    with contextlib.suppress(OSError):
+        os.close(pidfd)

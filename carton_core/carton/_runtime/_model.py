@@ -3,26 +3,32 @@
 A `Model` owns ``workers`` runner processes (`RunnerProcess`), all running the same model. Each call checks its
 inputs against the declared specs, goes to the least busy process, and checks the outputs. A process that died (a
 crash fails its in-flight calls with `RunnerCrashed`) is restarted by the next call that lands on it.
+
+Load time: unsandboxed runner processes come from the spare pool (`_spares`: a pre-started, handshaken process per
+runner when one is ready, else a new one), and `load` starts the runner while the carton is being extracted and
+verified (the runner's name and version come from carton.toml, read without touching the model bytes).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import weakref
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import MappingProxyType, TracebackType
 from typing import TYPE_CHECKING
 
 from carton_protocol import OptValue, RunnerSpec, Tensor, TensorSpec
 
-from ..errors import FormatError, InvalidVersionReq, ModelClosed
+from ..errors import CartonError, FormatError, InvalidVersionReq, ModelClosed
 from ._isolation import LaunchWrapper, RunnerLimits, SandboxPolicy, launch_wrapper
 from ._process import RunnerProcess
 from ._resolve import RunnerRequest, resolve_runner
 from ._selftest import SelfTestResult, run_self_tests
+from ._spares import spare_pool
 from ._validate import Signature
 
 if TYPE_CHECKING:
@@ -34,6 +40,10 @@ __all__ = ["Model", "load", "load_unpacked"]
 DEFAULT_LOAD_TIMEOUT = 300.0
 #: Default time for a started runner to answer the version handshake.
 DEFAULT_HANDSHAKE_TIMEOUT = 30.0
+#: A spare runner for the next load starts after the model's first call returns, or this many seconds after the
+#: load when no call comes first: its start-up (an interpreter and a framework import) then does not compete with
+#: the first inference for the CPU.
+SPARE_START_DELAY = 1.0
 
 
 class _Worker:
@@ -76,6 +86,7 @@ class Model:
         timeout: float | None,
         load_timeout: float | None,
         handshake_timeout: float,
+        prestarted: Future[RunnerProcess] | None = None,
     ) -> None:
         self._info = info
         self._model_dir = model_dir
@@ -90,6 +101,11 @@ class Model:
         self._closed = False
         self._workers = tuple(_Worker(i) for i in range(workers))
         self._finalizer = weakref.finalize(self, _close_workers, self._workers)
+        # A process `load` started while the carton was being extracted; the first worker takes it.
+        self._prestarted = prestarted if wrap is None else None
+        if prestarted is not None and wrap is not None:
+            prestarted.add_done_callback(_close_started)
+        self._spare_due = False
 
     # --- public attributes ---------------------------------------------------------------------------------------
     @property
@@ -122,10 +138,15 @@ class Model:
         return self._closed
 
     # --- lifecycle -----------------------------------------------------------------------------------------------
-    def _start_process(self) -> RunnerProcess:
-        process = RunnerProcess.start(
-            self._runner, wrap=self._wrap, handshake_timeout=self._handshake_timeout, model_dir=self._model_dir
-        )
+    def _start_process(self, started: Future[RunnerProcess] | None = None) -> RunnerProcess:
+        if started is not None:
+            process = started.result()
+        elif self._wrap is None:
+            process = spare_pool().take(self._runner, handshake_timeout=self._handshake_timeout)
+        else:
+            process = RunnerProcess.start(
+                self._runner, wrap=self._wrap, handshake_timeout=self._handshake_timeout, model_dir=self._model_dir
+            )
         try:
             process.load(
                 model_dir=self._model_dir,
@@ -137,15 +158,31 @@ class Model:
         except BaseException:
             process.close()
             raise
+        if self._wrap is None:
+            self._schedule_spare()
         return process
+
+    def _schedule_spare(self) -> None:
+        """Have the spare pool start a runner like this one after the next call returns (or after a delay)."""
+        self._spare_due = True
+        timer = threading.Timer(SPARE_START_DELAY, _replenish_later, args=(weakref.ref(self),))
+        timer.daemon = True
+        timer.start()
+
+    def _replenish_spare(self) -> None:
+        with self._lock:
+            due, self._spare_due = self._spare_due, False
+        if due and not self._closed:
+            spare_pool().replenish(self._runner)
 
     def _start_all(self) -> None:
         """Start every worker (in parallel when there are several); on any failure close them all and raise."""
+        started, self._prestarted = self._prestarted, None
         if len(self._workers) == 1:
-            self._workers[0].process = self._start_process()
+            self._workers[0].process = self._start_process(started)
             return
         with ThreadPoolExecutor(max_workers=len(self._workers), thread_name_prefix="carton-start") as pool:
-            futures = [pool.submit(self._start_process) for _ in self._workers]
+            futures = [pool.submit(self._start_process, started if i == 0 else None) for i in range(len(self._workers))]
             errors: list[BaseException] = []
             for worker, future in zip(self._workers, futures, strict=True):
                 try:
@@ -234,6 +271,8 @@ class Model:
             outputs = process.infer(tensors, timeout=self._timeout if timeout is None else timeout)
         finally:
             self._release(worker)
+            if self._spare_due:
+                self._replenish_spare()
         return self._signature.check_outputs(outputs, bindings)
 
     async def infer_async(
@@ -249,6 +288,8 @@ class Model:
             outputs = await process.infer_async(tensors, timeout=self._timeout if timeout is None else timeout)
         finally:
             self._release(worker)
+            if self._spare_due:
+                self._replenish_spare()
         return self._signature.check_outputs(outputs, bindings)
 
     def run_self_tests(self) -> tuple[SelfTestResult, ...]:
@@ -286,6 +327,43 @@ def _timeouts(limits: RunnerLimits | None, timeout: float | None) -> float | Non
     return limits.request_seconds if limits is not None else None
 
 
+def _replenish_later(model: weakref.ref[Model]) -> None:
+    target = model()
+    if target is not None:
+        target._replenish_spare()
+
+
+def _close_started(future: Future[RunnerProcess]) -> None:
+    if not future.cancelled() and future.exception() is None:
+        future.result().close()
+
+
+def _unsandboxed(sandbox: SandboxPolicy | str | None, limits: RunnerLimits | None) -> bool:
+    """Whether runner processes start unwrapped (what `launch_wrapper` returns ``None`` for): they may then be
+    started before the model folder is known."""
+    try:
+        policy = SandboxPolicy(sandbox) if sandbox is not None else SandboxPolicy.NONE
+    except ValueError:
+        return False  # launch_wrapper reports the bad policy
+    return policy is SandboxPolicy.NONE and (limits is None or not limits.needs_sandbox())
+
+
+def _start_in_background(runner: RunnerSpec, handshake_timeout: float) -> Future[RunnerProcess]:
+    """Take a spare (or start a runner) on a helper thread; the caller collects it with ``result()``."""
+    future: Future[RunnerProcess] = Future()
+
+    def start() -> None:
+        try:
+            process = spare_pool().take(runner, handshake_timeout=handshake_timeout)
+        except BaseException as exc:
+            future.set_exception(exc)
+        else:
+            future.set_result(process)
+
+    threading.Thread(target=start, name="carton-prestart", daemon=True).start()
+    return future
+
+
 def _resolve(request: RunnerRequest, where: str) -> RunnerSpec:
     try:
         return resolve_runner(request)
@@ -305,19 +383,26 @@ def _open(
     timeout: float | None,
     load_timeout: float | None,
     handshake_timeout: float,
+    prestarted: Future[RunnerProcess] | None = None,
 ) -> Model:
-    wrap = launch_wrapper(sandbox, limits, model_dir=model_dir)
-    model = Model(
-        info=info,
-        model_dir=model_dir,
-        runner=runner,
-        opts=opts,
-        workers=workers,
-        wrap=wrap,
-        timeout=_timeouts(limits, timeout),
-        load_timeout=load_timeout,
-        handshake_timeout=handshake_timeout,
-    )
+    try:
+        wrap = launch_wrapper(sandbox, limits, model_dir=model_dir)
+        model = Model(
+            info=info,
+            model_dir=model_dir,
+            runner=runner,
+            opts=opts,
+            workers=workers,
+            wrap=wrap,
+            timeout=_timeouts(limits, timeout),
+            load_timeout=load_timeout,
+            handshake_timeout=handshake_timeout,
+            prestarted=prestarted,
+        )
+    except BaseException:
+        if prestarted is not None:
+            prestarted.add_done_callback(_close_started)
+        raise
     model._start_all()
     return model
 
@@ -344,36 +429,59 @@ def load(
     ``limits`` choose the isolation of the runner processes (see docs/sandbox.md); a carton loaded from an
     http(s) URL defaults to ``sandbox="best_effort"``, any other to ``"none"``.
     """
-    from .._format import open_carton
+    from .._format import get_model_info, open_carton
 
     workers = _check_workers(workers)
-    if sandbox is None and str(path_or_url).startswith(("http://", "https://")):
+    is_url = str(path_or_url).startswith(("http://", "https://"))
+    if sandbox is None and is_url:
         sandbox = SandboxPolicy.BEST_EFFORT  # a carton from a URL is untrusted unless the caller says otherwise
-    opened = open_carton(path_or_url)
-    info = opened.info
-    runner_info = info.runner
-    request = RunnerRequest(
-        runner_name=override_runner_name or runner_info.runner_name,
-        required_framework_version=override_required_framework_version or runner_info.required_framework_version,
-        runner_compat_version=None if override_runner_name else runner_info.runner_compat_version,
-        required_platforms=tuple(info.required_platforms),
-    )
     where = (
         "the required_framework_version override"
         if override_required_framework_version
         else f"carton.toml [runner] required_framework_version of {path_or_url}"
     )
+
+    def request_for(info: CartonInfo) -> RunnerRequest:
+        return RunnerRequest(
+            runner_name=override_runner_name or info.runner.runner_name,
+            required_framework_version=override_required_framework_version or info.runner.required_framework_version,
+            runner_compat_version=None if override_runner_name else info.runner.runner_compat_version,
+            required_platforms=tuple(info.required_platforms),
+        )
+
+    # Overlap: carton.toml names the runner without the model bytes being read, so an unsandboxed runner starts
+    # (interpreter, imports, framework) while open_carton extracts and verifies the model.
+    early: RunnerRequest | None = None
+    prestarted: Future[RunnerProcess] | None = None
+    if not is_url and _unsandboxed(sandbox, limits):
+        with contextlib.suppress(CartonError):  # open_carton below reports a bad carton with its own error
+            early = request_for(get_model_info(path_or_url))
+            prestarted = _start_in_background(_resolve(early, where), handshake_timeout)
+    try:
+        opened = open_carton(path_or_url)
+        info = opened.info
+        request = request_for(info)
+        if prestarted is not None and request != early:  # the file changed between the two reads
+            prestarted.add_done_callback(_close_started)
+            prestarted = None
+        runner = _resolve(request, where)
+        opts = _merge_opts(info.runner.opts, runner_opts)
+    except BaseException:
+        if prestarted is not None:
+            prestarted.add_done_callback(_close_started)
+        raise
     return _open(
         info=info,
         model_dir=Path(opened.model_dir),
-        runner=_resolve(request, where),
-        opts=_merge_opts(runner_info.opts, runner_opts),
+        runner=runner,
+        opts=opts,
         workers=workers,
         sandbox=sandbox,
         limits=limits,
         timeout=timeout,
         load_timeout=load_timeout,
         handshake_timeout=handshake_timeout,
+        prestarted=prestarted,
     )
 
 

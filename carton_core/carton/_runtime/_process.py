@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import zmq
 from carton_protocol import OptValue, PackResult, ProtocolError, RemoteError, RunnerSpec, Tensor, TensorSpec
 from carton_protocol._framing import decode_tensors, encode_tensors
@@ -35,9 +36,10 @@ from carton_protocol._messages import (
     encode_specs,
     hello_request,
     infer_request,
+    pack_header,
 )
 from carton_protocol._reaper import kill_tree
-from carton_protocol._shm import SHM_AVAILABLE, FdChannel
+from carton_protocol._shm import SHM_AVAILABLE, FdChannel, Segment
 
 from ..errors import (
     InvalidInput,
@@ -54,7 +56,7 @@ from ..errors import (
     RunnerTimeout,
     RunnerWarning,
 )
-from ._connection import CallTimeout, Connection, PeerGone
+from ._connection import AsyncChannel, CallTimeout, Connection, PeerGone, Reply
 from ._launch import LaunchPlan, build_launch_plan, make_runtime_dir, read_log_tail, remove_runtime_dir, spawn
 
 __all__ = ["DEFAULT_SHM_THRESHOLD", "LaunchPlan", "RunnerProcess"]
@@ -63,8 +65,11 @@ __all__ = ["DEFAULT_SHM_THRESHOLD", "LaunchPlan", "RunnerProcess"]
 #: from 64 KiB up (bench/bench_protocol.py, threshold section; docs/protocol.md).
 DEFAULT_SHM_THRESHOLD = 1 << 16
 
-# Threads of the pool behind infer_async: the most requests one runner process can have in flight from asyncio.
+# Threads of the pool behind infer_async's fallback (large tensors, no pidfd).
 _ASYNC_THREADS = 64
+# infer_async requests moving at least this many bytes run on the thread pool: their copies to and from shared
+# memory (a few ms per 64 MiB) would stall the event loop, and next to them a thread hand-off costs nothing.
+_ASYNC_COPY_BYTES = 1 << 20
 
 _PROTOCOL_KINDS = frozenset({"ProtocolError", "FrameError", "LimitExceeded"})
 
@@ -145,10 +150,16 @@ class RunnerProcess:
         self._closed = False
         self._fate: RunnerError | None = None  # why the host killed the process, for calls that were waiting
         self._executor: ThreadPoolExecutor | None = None
+        self._channels: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncChannel] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._last_channel: tuple[weakref.ref[asyncio.AbstractEventLoop], AsyncChannel] | None = None
         self._finalizer = weakref.finalize(self, resources.release)
         self.pid: int = resources.process.pid
         self.runner_pid: int | None = None
         self.concurrent = spec.concurrent
+        seconds = plan.limits.get("request_seconds")
+        self._request_seconds: float | None = None if seconds is None else float(seconds)
 
     # --- start ---------------------------------------------------------------------------------------------------
     @classmethod
@@ -269,35 +280,58 @@ class RunnerProcess:
     def _request(
         self, what: str, header: dict[str, Any], frames: list[Any], timeout: float | None, limit_name: str
     ) -> tuple[dict[str, Any], list[zmq.Frame]]:
-        lock = self._lock
-        with lock:
-            if self._closed:
+        connection = self._enter(what)
+        try:
+            return connection.call(header, frames, timeout=timeout)
+        except (PeerGone, CallTimeout) as exc:
+            raise self._translate(exc, what, timeout, limit_name) from None
+        except (ProtocolError, zmq.ZMQError) as exc:
+            raise self._translate(exc, what, timeout, limit_name) from exc
+        finally:
+            self._leave()
+
+    def _exchange(
+        self, connection: Connection, parts: list[Any], request_id: int, timeout: float | None, limit_name: str
+    ) -> Reply:
+        self._enter("infer")
+        try:
+            return connection.exchange(parts, request_id, timeout=timeout)
+        except (PeerGone, CallTimeout) as exc:
+            raise self._translate(exc, "infer", timeout, limit_name) from None
+        except (ProtocolError, zmq.ZMQError) as exc:
+            raise self._translate(exc, "infer", timeout, limit_name) from exc
+        finally:
+            self._leave()
+
+    def _enter(self, what: str) -> Connection:
+        with self._lock:
+            connection = self._resources.connection
+            if self._closed or connection is None:
                 raise ModelClosed(f"runner {self.spec.entry} is closed; cannot {what}")
             self._inflight += 1
-        try:
-            connection = self._resources.connection
-            if connection is None:
-                raise ModelClosed(f"runner {self.spec.entry} is closed; cannot {what}")
-            return connection.call(header, frames, timeout=timeout)
-        except PeerGone:
-            raise self._gone_error(what) from None
-        except CallTimeout:
+        return connection
+
+    def _leave(self) -> None:
+        with self._lock:
+            self._inflight -= 1
+            if self._closed:
+                self._lock.notify_all()
+
+    def _translate(self, exc: Exception, what: str, timeout: float | None, limit_name: str) -> Exception:
+        """The error a failed exchange raises."""
+        if isinstance(exc, PeerGone):
+            return self._gone_error(what)
+        if isinstance(exc, CallTimeout):
             fate = RunnerTimeout(
                 f"runner {self.spec.entry} did not answer {what} within {timeout:g} s ({limit_name}); it was killed"
             )
             self._kill(fate)
-            raise fate from None
-        except ProtocolError as exc:
-            raise RunnerProtocolError(f"runner {self.spec.entry} sent a malformed reply to {what}: {exc}") from exc
-        except zmq.ZMQError as exc:
-            if self._closed:
-                raise ModelClosed(f"runner {self.spec.entry} was closed during {what}") from exc
-            raise RunnerProtocolError(f"runner {self.spec.entry}: transport failed during {what}: {exc}") from exc
-        finally:
-            with lock:
-                self._inflight -= 1
-                if self._closed:
-                    lock.notify_all()
+            return fate
+        if isinstance(exc, ProtocolError):
+            return RunnerProtocolError(f"runner {self.spec.entry} sent a malformed reply to {what}: {exc}")
+        if self._closed:
+            return ModelClosed(f"runner {self.spec.entry} was closed during {what}")
+        return RunnerProtocolError(f"runner {self.spec.entry}: transport failed during {what}: {exc}")
 
     def _gone_error(self, what: str) -> RunnerError:
         if self._fate is not None:
@@ -367,25 +401,58 @@ class RunnerProcess:
     def infer(self, tensors: Mapping[str, Tensor], *, timeout: float | None = None) -> dict[str, Tensor]:
         """Run one inference; thread-safe. Outputs are ordinary numpy arrays the caller owns."""
         connection = self._connection("infer")
-        try:
-            encoded = encode_tensors(tensors, pool=connection.pool, threshold=self._threshold or 1 << 62)
-        except ProtocolError as exc:
-            raise InvalidInput(str(exc)) from exc
-        segment = encoded.segment
+        parts, request_id, segment = self._encode_request(connection, tensors)
         limit_name = "infer timeout"
-        if timeout is None and "request_seconds" in self.plan.limits:
-            timeout = self.plan.limits["request_seconds"]
-            limit_name = "its request_seconds limit"
+        if timeout is None and self._request_seconds is not None:
+            timeout, limit_name = self._request_seconds, "its request_seconds limit"
         try:
-            reply, frames = self._request(
-                "infer", infer_request(encoded.entries), encoded.frames, timeout, limit_name
-            )
+            reply = self._exchange(connection, parts, request_id, timeout, limit_name)
         finally:
             if segment is not None and connection.pool is not None:
                 connection.pool.release(segment.id)
-        if reply.get("ok") is not True:
-            raise self._infer_error(reply)
-        return self._decode_outputs(connection, reply, frames)
+        return self._outputs(connection, reply)
+
+    def _encode_request(
+        self, connection: Connection, tensors: Mapping[str, Tensor]
+    ) -> tuple[list[Any], int, Segment | None]:
+        """The parts of an infer request (header bytes, data frames), its id, and the segment it fills, if any."""
+        pool = connection.pool
+        if pool is None or not pool.has_dropped:
+            template = connection.templates.encode(tensors, self._threshold or 1 << 62)
+            if template is not None:
+                request_id = connection.next_id()
+                return [connection.templates.header(request_id, template[0]), *template[1]], request_id, None
+        try:
+            encoded = encode_tensors(tensors, pool=pool, threshold=self._threshold or 1 << 62)
+        except ProtocolError as exc:
+            raise InvalidInput(str(exc)) from exc
+        header = infer_request(encoded.entries)
+        request_id = header["id"] = connection.next_id()
+        if pool is not None:
+            dropped = pool.take_dropped()
+            if dropped:
+                header["drop"] = dropped
+        try:
+            data = pack_header(header)
+        except ProtocolError as exc:
+            if encoded.segment is not None and pool is not None:
+                pool.release(encoded.segment.id)
+            raise InvalidInput(str(exc)) from exc
+        return [data, *encoded.frames], request_id, encoded.segment
+
+    def _outputs(self, connection: Connection, reply: Reply) -> dict[str, Tensor]:
+        if reply.plan is not None:
+            try:
+                return reply.plan.decode([frame.buffer for frame in reply.frames])
+            except ProtocolError as exc:
+                raise RunnerProtocolError(f"runner {self.spec.entry} sent malformed infer outputs: {exc}") from exc
+        header = reply.header
+        assert header is not None
+        if header.get("ok") is not True:
+            raise self._infer_error(header)
+        outputs = self._decode_outputs(connection, header, reply.frames)
+        connection.templates.learn(reply.data, header)
+        return outputs
 
     def _decode_outputs(
         self, connection: Connection, reply: dict[str, Any], frames: list[zmq.Frame]
@@ -430,14 +497,76 @@ class RunnerProcess:
         return failure
 
     async def infer_async(self, tensors: Mapping[str, Tensor], *, timeout: float | None = None) -> dict[str, Tensor]:
-        """`infer` without blocking the event loop.
+        """`infer` without blocking the event loop; any number of calls may be in flight.
 
-        Calls run on this runner's own thread pool (threads start on demand, up to 64), not the loop's default
-        executor, whose few threads (``min(32, cpus + 4)``) would cap how many requests an async server keeps in
-        flight. Each pool thread has its own socket, like any other calling thread.
+        The call runs on the loop itself: the request goes out on the loop's own socket to the runner, and the
+        reply (or the runner's death, through its pidfd, or the timeout) wakes the awaiting task. A cancelled call's
+        late reply is discarded. Requests of at least `_ASYNC_COPY_BYTES` (whose copies into and out of shared
+        memory would stall the loop) and hosts without pidfd run `infer` on this runner's thread pool instead.
         """
+        channel = self._async_channel(tensors)
+        if channel is None:
+            loop = asyncio.get_running_loop()
+            call = functools.partial(self.infer, tensors, timeout=timeout)
+            return await loop.run_in_executor(self._async_pool(), call)
+        connection = self._connection("infer")
+        parts, request_id, segment = self._encode_request(connection, tensors)
+        limit_name = "infer timeout"
+        if timeout is None and self._request_seconds is not None:
+            timeout, limit_name = self._request_seconds, "its request_seconds limit"
+        try:
+            reply = await channel.call(parts, request_id, timeout=timeout)
+        except asyncio.CancelledError:
+            if segment is not None and connection.pool is not None:
+                # The runner may still be reading the input: the segment is reused only once its reply is in.
+                channel.orphan(request_id, functools.partial(connection.pool.release, segment.id))
+                segment = None
+            raise
+        except CallTimeout as exc:
+            # Killing the runner's tree waits for it to go: not on the loop.
+            raise await asyncio.to_thread(self._translate, exc, "infer", timeout, limit_name) from None
+        except PeerGone as exc:
+            raise self._translate(exc, "infer", timeout, limit_name) from None
+        except (ProtocolError, zmq.ZMQError) as exc:
+            raise self._translate(exc, "infer", timeout, limit_name) from exc
+        finally:
+            if segment is not None and connection.pool is not None:
+                connection.pool.release(segment.id)
+        return self._outputs(connection, reply)
+
+    def _async_channel(self, tensors: Mapping[str, Tensor]) -> AsyncChannel | None:
+        """This loop's channel to the runner, or None when the call should run on the thread pool instead."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._async_pool(), functools.partial(self.infer, tensors, timeout=timeout))
+        last = self._last_channel
+        if last is not None and last[0]() is loop and not last[1].closed:
+            channel: AsyncChannel | None = last[1]
+        else:
+            channel = self._new_async_channel(loop)
+        if channel is not None and self._threshold:
+            size = 0
+            for value in tensors.values():
+                if type(value) is np.ndarray:
+                    size += value.nbytes
+            if size >= _ASYNC_COPY_BYTES:
+                return None
+        return channel
+
+    def _new_async_channel(self, loop: asyncio.AbstractEventLoop) -> AsyncChannel | None:
+        connection = self._connection("infer")
+        if connection.pidfd is None:
+            return None
+        with self._lock:
+            if self._closed:
+                raise ModelClosed(f"runner {self.spec.entry} is closed; cannot infer")
+            channel = self._channels.get(loop)
+            if channel is None or channel.closed:
+                try:
+                    channel = AsyncChannel(connection, loop)
+                except NotImplementedError:  # a loop without add_reader
+                    return None
+                self._channels[loop] = channel
+            self._last_channel = (weakref.ref(loop), channel)
+        return channel
 
     def _async_pool(self) -> ThreadPoolExecutor:
         pool = self._executor

@@ -18,6 +18,7 @@ import atexit
 import contextlib
 import os
 import threading
+import time
 import warnings
 from collections import OrderedDict
 from concurrent.futures import Future
@@ -57,6 +58,15 @@ def spare_limit() -> int:
     return value
 
 
+def _poolable(spec: RunnerSpec) -> bool:
+    """Specs are pool keys; one a plugin built with unhashable fields (``env`` as a dict) just gets no spares."""
+    try:
+        hash(spec)
+    except TypeError:
+        return False
+    return True
+
+
 def _close_quietly(process: RunnerProcess, timeout: float = 2.0) -> None:
     with contextlib.suppress(Exception):
         process.close(timeout)
@@ -74,6 +84,8 @@ class SparePool:
     def take(self, spec: RunnerSpec, *, handshake_timeout: float) -> RunnerProcess:
         """A started runner for ``spec``: the spare when there is a live one (waiting for it if it is still
         starting), else a new process. Starting a new one raises what `RunnerProcess.start` raises."""
+        if not _poolable(spec):
+            return RunnerProcess.start(spec, handshake_timeout=handshake_timeout)
         with self._lock:
             pending = self._spares.pop(spec, None)
         if pending is not None:
@@ -93,6 +105,8 @@ class SparePool:
     def replenish(self, spec: RunnerSpec) -> None:
         """Make sure a spare for ``spec`` exists or is starting (in a background thread); evict the least recently
         used spares beyond the limit. A no-op when the pool is disabled or closed."""
+        if not _poolable(spec):
+            return
         limit = spare_limit()
         evicted: list[Future[RunnerProcess]] = []
         started: Future[RunnerProcess] | None = None
@@ -131,6 +145,8 @@ class SparePool:
 
     def ready(self, spec: RunnerSpec) -> RunnerProcess | None:
         """The spare for ``spec`` if it has finished starting (for tests and diagnostics); it stays in the pool."""
+        if not _poolable(spec):
+            return None
         with self._lock:
             future = self._spares.get(spec)
         if future is None or not future.done() or future.exception() is not None:
@@ -138,13 +154,20 @@ class SparePool:
         return future.result()
 
     def wait(self, spec: RunnerSpec, timeout: float) -> RunnerProcess | None:
-        """Wait up to ``timeout`` for the spare of ``spec`` to be ready; it stays in the pool."""
-        with self._lock:
-            future = self._spares.get(spec)
+        """Wait up to ``timeout`` for the spare of ``spec`` to be scheduled and ready; it stays in the pool."""
+        if not _poolable(spec):
+            return None
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                future = self._spares.get(spec)
+            if future is not None or time.monotonic() >= deadline:
+                break
+            time.sleep(0.02)
         if future is None:
             return None
         try:
-            return future.result(timeout=timeout)
+            return future.result(timeout=max(0.0, deadline - time.monotonic()))
         except Exception:  # a failed or slow spare is simply not ready
             return None
 

@@ -13,8 +13,8 @@ import ctypes
 import errno
 import os
 import platform
+import stat
 from collections.abc import Iterable
-from pathlib import Path
 
 __all__ = ["LandlockError", "abi_version", "restrict"]
 
@@ -134,7 +134,7 @@ def _add_path(libc: ctypes.CDLL, add_rule: int, ruleset: int, path: str, rights:
     except OSError as exc:
         raise LandlockError(f"cannot open {path} for a Landlock rule: {exc.strerror}") from exc
     try:
-        if not Path(path).is_dir():
+        if not stat.S_ISDIR(os.fstat(fd).st_mode):
             rights &= _FILE_RIGHTS
         rule = _PathBeneath(rights, fd)
         if libc.syscall(ctypes.c_long(add_rule), ctypes.c_int(ruleset), ctypes.c_int(_RULE_PATH_BENEATH),

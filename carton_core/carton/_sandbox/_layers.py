@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import enum
 import functools
+import json
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -12,10 +14,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import _landlock, _seccomp
+from ._namespaces import namespace_config
+from ._paths import import_roots, system_paths
 
-__all__ = ["Backend", "Layer", "LayerStatus", "MachineSupport", "machine_support"]
+__all__ = ["SHIM", "Backend", "Layer", "LayerStatus", "MachineSupport", "fresh_uid", "machine_support"]
 
 _PROBE_TIMEOUT = 10.0
+SHIM = Path(__file__).resolve().with_name("_shim.py")
+#: Unprivileged uids handed to runners when the host is root: one fresh uid per runner, so the ``processes``
+#: limit (RLIMIT_NPROC counts per uid) is that runner's alone and runners cannot signal each other.
+_UID_BASE = 0x10000000
+_UID_SPAN = 1 << 24
 
 
 class Layer(enum.StrEnum):
@@ -34,7 +43,7 @@ class Layer(enum.StrEnum):
 
 
 class Backend(enum.StrEnum):
-    """What creates the namespaces: bubblewrap (also builds the filesystem view) or util-linux ``unshare``."""
+    """What creates the namespaces and the filesystem view: bubblewrap, or the shim itself with ``unshare(2)``."""
 
     BWRAP = "bwrap"
     UNSHARE = "unshare"
@@ -81,16 +90,17 @@ class MachineSupport:
             for layer in (Layer.PID_NAMESPACE, Layer.NETWORK_NAMESPACE, Layer.MOUNT_NAMESPACE, Layer.IPC_NAMESPACE):
                 add(layer, f"no namespace backend ({reasons})", "")
         else:
+            how = "bwrap" if backend is Backend.BWRAP else "unshare(2) in the shim"
             for layer in (Layer.PID_NAMESPACE, Layer.NETWORK_NAMESPACE, Layer.MOUNT_NAMESPACE, Layer.IPC_NAMESPACE):
-                add(layer, None, f"via {backend.value} ({self.backend_paths[backend]})")
+                add(layer, None, f"via {how} ({self.backend_paths[backend]})")
         if backend is Backend.BWRAP:
             add(Layer.FILESYSTEM_VIEW, None, "bubblewrap binds: system and Python paths and the model read-only, "
                 "the runtime directory read-write, nothing else")
-        elif self.landlock_abi:
-            add(Layer.FILESYSTEM_VIEW, None, "Landlock rules: the model and system paths read-only, the runtime "
-                "directory read-write (unshare builds no private mount view)")
+        elif backend is Backend.UNSHARE:
+            add(Layer.FILESYSTEM_VIEW, None, "the shim's private root (tmpfs + pivot_root): system and Python "
+                "paths and the model bound read-only, the runtime directory read-write, fresh /proc, minimal /dev")
         else:
-            add(Layer.FILESYSTEM_VIEW, "needs bubblewrap, or Landlock with unshare", "")
+            add(Layer.FILESYSTEM_VIEW, "no namespace backend to build a private root", "")
         add(Layer.RESOURCE_LIMITS, self.rlimits, "setrlimit AS, CPU, NOFILE, NPROC, FSIZE in the shim")
         add(Layer.LANDLOCK, None if self.landlock_abi else "the kernel has no Landlock (or it is disabled)",
             f"ABI {self.landlock_abi}")
@@ -101,16 +111,13 @@ class MachineSupport:
     def _uid_problem(self, backend: Backend | None) -> str | None:
         if backend is None:
             return "no namespace backend to map or switch the uid"
-        if backend is Backend.UNSHARE and self.is_root:
-            # Without a private mount view a dropped uid cannot reach the interpreter or the model wherever a
-            # 0700 directory (e.g. /root) is on the way; the runner keeps uid 0 inside a user namespace instead.
-            return "unshare without a private filesystem view keeps uid 0 (mapped in a user namespace); use bwrap"
         return None
 
     def _uid_detail(self, backend: Backend | None) -> str:
+        where = "bwrap's namespaces" if backend is Backend.BWRAP else "the shim's namespaces"
         if self.is_root:
-            return "the shim drops to a fresh unprivileged uid per runner (setresuid) inside bwrap's namespaces"
-        return f"uid 65534 in a user namespace created by {backend.value if backend else '-'}"
+            return f"the shim drops to a fresh unprivileged uid per runner (setresuid) inside {where}"
+        return f"uid 65534 (mapped to the caller's uid) in a user namespace created by {where}"
 
 
 def _run_probe(argv: list[str]) -> str | None:
@@ -134,12 +141,38 @@ def _probe_bwrap(path: str | None, is_root: bool) -> str | None:
     return _run_probe([*argv, "--", sys.executable, "-S", "-c", "pass"])
 
 
-def _probe_unshare(path: str | None, is_root: bool) -> str | None:
-    if path is None:
-        return "unshare (util-linux) is not installed"
-    argv = [path, "--pid", "--fork", "--net", "--ipc", "--mount", "--mount-proc", "--kill-child", "--user"]
-    argv += ["--map-root-user"] if is_root else ["--map-user=65534", "--map-group=65534"]
-    return _run_probe([*argv, "--", sys.executable, "-S", "-c", "pass"])
+#: Run inside the probe's sandbox: exits non-zero, saying why, unless every property of the view holds.
+_UNSHARE_CHECK = (
+    "import os, sys\n"
+    "problems = [text for text, bad in (\n"
+    "    (f'pid {os.getpid()} is not 2 (no PID namespace)', os.getpid() != 2),\n"
+    "    ('still uid 0', os.getuid() == 0),\n"
+    "    ('/etc/shadow is visible (no private root)', os.path.lexists('/etc/shadow')),\n"
+    "    ('/proc is not the namespace\\'s', sorted(p for p in os.listdir('/proc') if p.isdigit()) != ['1', '2']),\n"
+    ") if bad]\n"
+    "sys.exit('; '.join(problems) if problems else 0)\n"
+)
+
+
+def fresh_uid() -> int:
+    """A random unprivileged uid for one runner (the host is root)."""
+    return _UID_BASE + secrets.randbelow(_UID_SPAN)
+
+
+def _probe_unshare(is_root: bool) -> str | None:
+    """Build a real sandbox with the shim (namespaces, private root, uid switch) around ``python -c CHECK``."""
+    read = [*system_paths(), *import_roots(sys.executable, {}), str(SHIM.parent)]
+    config: dict[str, object] = {
+        "pdeathsig": True,
+        "namespaces": namespace_config(read=read, write=[], cwd="/", user_namespace=not is_root),
+        "reaper": True,
+        "close_fds": True,
+    }
+    if is_root:
+        uid = fresh_uid()
+        config.update(uid=uid, gid=uid)
+    shim = [sys.executable, "-E", "-s", "-S", str(SHIM), json.dumps(config, separators=(",", ":")), "--"]
+    return _run_probe([*shim, sys.executable, "-E", "-S", "-c", _UNSHARE_CHECK])
 
 
 def _rlimits_problem() -> str | None:
@@ -163,11 +196,12 @@ def machine_support() -> MachineSupport:
     """Probe this machine once per process (each backend is tried by really starting a sandboxed ``true``)."""
     is_root = os.geteuid() == 0
     linux = sys.platform.startswith("linux")
-    paths = {Backend.BWRAP: shutil.which("bwrap"), Backend.UNSHARE: shutil.which("unshare")}
+    # The unshare backend needs no binary: the shim makes the syscalls (its path is what doctor shows).
+    paths = {Backend.BWRAP: shutil.which("bwrap"), Backend.UNSHARE: str(SHIM) if linux else None}
     if linux:
         backends = {
             Backend.BWRAP: _probe_bwrap(paths[Backend.BWRAP], is_root),
-            Backend.UNSHARE: _probe_unshare(paths[Backend.UNSHARE], is_root),
+            Backend.UNSHARE: _probe_unshare(is_root),
         }
     else:
         backends = {backend: f"namespaces are Linux-only (this is {sys.platform})" for backend in Backend}

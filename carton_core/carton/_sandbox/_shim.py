@@ -1,12 +1,13 @@
 """The sandbox shim: ``python -E -s -S .../_shim.py CONFIG_JSON -- ARGV...`` applies layers, then execs ``ARGV``.
 
 Standard library only, run with site and user paths disabled, so it starts in a few milliseconds and cannot be
-steered by the environment. It runs in two places: *outer* (before ``unshare``, only the parent-death signal, which
-survives exec) and *inner* (inside the namespaces, as the last step before the runner). Inner order matters:
-parent-death signal, optionally a PID-1 reaper that forks the runner, resource limits, the uid drop (while still
-privileged), closing inherited descriptors, Landlock, then seccomp (last: it forbids what the steps before need),
-then exec. Any failure prints ``carton sandbox: <layer>: <reason>`` to stderr (the runner log) and exits with
-`SETUP_FAILED` so the host reports the layer by name.
+steered by the environment. With bubblewrap it runs inside bwrap's namespaces as the last step before the runner.
+With the ``unshare`` backend it is the process the host starts: it creates the namespaces and the private root
+itself (``_namespaces.py``), forks the namespace's PID 1 and waits for it. Order: parent-death signal, namespaces
+and filesystem view (unshare only), the PID-1 reaper that forks the runner (unshare only), resource limits, the uid
+drop (while still privileged), closing inherited descriptors, Landlock, then seccomp (last: it forbids what the
+steps before need), then exec. Any failure prints ``carton sandbox: <layer>: <reason>`` to stderr (the runner log)
+and exits with `SETUP_FAILED` so the host reports the layer by name.
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ import os
 import resource
 import signal
 import sys
-from typing import Any
+
+TYPE_CHECKING = False  # typing is not imported at run time: the shim's start-up is on every runner's load path
+if TYPE_CHECKING:
+    from typing import Any
 
 SETUP_FAILED = 121
 _PR_SET_PDEATHSIG = 1
@@ -53,6 +57,7 @@ def _reaper() -> None:
     child = os.fork()
     if child == 0:
         return
+    os.closerange(3, 1 << 20)  # the runner's descriptors are its own; PID 1 keeps none of them open
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, lambda num, _frame: os.kill(child, num))
     while True:
@@ -106,12 +111,20 @@ def main(argv: list[str]) -> None:
     target = argv[2:]
     if config.get("pdeathsig"):
         _parent_death_signal(signal.SIGKILL)
+    namespaces = config.get("namespaces")
+    if namespaces:
+        _namespaces: Any = importlib.import_module("_namespaces")
+        try:
+            _namespaces.enter(namespaces)  # returns only in the namespaces' PID 1, inside the private root
+        except _namespaces.NamespaceError as exc:
+            _fail(exc.layer, exc)
     if config.get("reaper"):
         _reaper()
         _parent_death_signal(signal.SIGKILL)
     _limits(config.get("rlimits") or {})
     if config.get("uid") is not None:
         _drop_uid(int(config["uid"]), int(config["gid"]))
+        _parent_death_signal(signal.SIGKILL)  # changing the uid cleared it
     if config.get("close_fds"):
         _close_fds([int(fd) for fd in config.get("keep_fds", ())])
     landlock = config.get("landlock")

@@ -1,16 +1,16 @@
 """From a policy and limits to a launch-plan wrapper: which layers apply, and the argv that applies them.
 
 The wrapped argv is ``bwrap <binds> -- python <shim> CONFIG -- <runner argv>`` with bubblewrap, or
-``python <shim> OUTER -- unshare <flags> -- python <shim> INNER -- <runner argv>`` with util-linux unshare (the outer
-shim arms the parent-death signal that unshare cannot). The runner's ``--host-pid`` watch is dropped inside a PID
-namespace (the host's pid means nothing there); the parent-death signal chain and PID 1's death replace it.
+``python <shim> CONFIG -- <runner argv>`` with the ``unshare`` backend, where the shim itself creates the namespaces
+and the private root (``_namespaces.py``) from the same allow-list as bubblewrap's binds. The runner's
+``--host-pid`` watch is dropped inside a PID namespace (the host's pid means nothing there); the parent-death signal
+chain and PID 1's death replace it.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import secrets
 import sys
 import warnings
 from collections.abc import Callable, Mapping
@@ -20,7 +20,8 @@ from pathlib import Path
 from .._runtime._isolation import RunnerLimits, SandboxPolicy
 from .._runtime._launch import LaunchPlan
 from ..errors import SandboxError, SandboxUnavailable, SandboxWarning
-from ._layers import Backend, Layer, LayerStatus, MachineSupport, machine_support
+from ._layers import SHIM, Backend, Layer, LayerStatus, MachineSupport, fresh_uid, machine_support
+from ._namespaces import namespace_config
 from ._paths import import_roots, system_paths
 
 __all__ = ["BACKEND_ENV", "SandboxSetup", "forced_backend", "launch_wrapper", "plan_setup"]
@@ -29,11 +30,6 @@ LaunchWrapper = Callable[[LaunchPlan], LaunchPlan]
 
 #: Environment variable forcing a backend (``bwrap`` or ``unshare``), for tests and for machines where one misbehaves.
 BACKEND_ENV = "CARTON_SANDBOX_BACKEND"
-SHIM = Path(__file__).resolve().with_name("_shim.py")
-#: Unprivileged uids handed to runners when the host is root: one fresh uid per runner, so the ``processes``
-#: limit (RLIMIT_NPROC counts per uid) is that runner's alone and runners cannot signal each other.
-_UID_BASE = 0x10000000
-_UID_SPAN = 1 << 24
 _NOBODY = 65534
 _NOFILE_DEFAULT = 4096
 _SYSTEM_PATH = ("/usr/local/bin", "/usr/bin", "/bin")
@@ -102,17 +98,18 @@ class SandboxSetup:
         if self.backend is Backend.BWRAP:
             argv = (*self._bwrap_argv(plan, read), *_shim_argv(shim_python, inner), *runner_argv)
         else:
-            outer = {"pdeathsig": True}
-            argv = (*_shim_argv(shim_python, outer), *self._unshare_argv(), *_shim_argv(shim_python, inner),
-                    *runner_argv)
+            inner["namespaces"] = namespace_config(
+                read=[path for path in read if path not in ("/proc", "/dev")], write=[str(plan.runtime_dir)],
+                cwd=str(plan.cwd), user_namespace=not self.support.is_root)
+            argv = (*_shim_argv(shim_python, inner), *runner_argv)
         # The host's PATH names its own folders; the runner gets its interpreter's and the system's.
         env = {**plan.env, "PATH": os.pathsep.join([str(Path(plan.argv[0]).parent), *_SYSTEM_PATH])}
         return replace(plan, argv=argv, env=env, limits=self.plan_limits(), exit_signal_base=128)
 
     def _uid(self, plan: LaunchPlan) -> int | None:
-        if self.backend is not Backend.BWRAP or not self.support.is_root:
-            return None  # unprivileged: bwrap maps uid 65534 in a user namespace; unshare keeps a mapped uid 0
-        uid = _UID_BASE + secrets.randbelow(_UID_SPAN)
+        if not self.support.is_root:
+            return None  # unprivileged: bwrap or the shim maps the caller to uid 65534 in a user namespace
+        uid = fresh_uid()
         try:
             for path in (plan.runtime_dir, plan.scratch_dir):
                 os.chown(path, uid, uid)
@@ -149,14 +146,6 @@ class SandboxSetup:
         argv += ["--bind", str(plan.runtime_dir), str(plan.runtime_dir)]
         argv += ["--remount-ro", "/", "--chdir", str(plan.cwd), "--"]
         return argv
-
-    def _unshare_argv(self) -> list[str]:
-        unshare = self.support.backend_paths[Backend.UNSHARE]
-        assert unshare is not None
-        argv = [unshare, "--pid", "--fork", "--net", "--ipc", "--mount", "--uts", "--mount-proc", "--kill-child",
-                "--user"]
-        argv += ["--map-root-user"] if self.support.is_root else [f"--map-user={_NOBODY}", f"--map-group={_NOBODY}"]
-        return [*argv, "--"]
 
 
 def _parent_dirs(paths: list[str], *, under_dev: bool = False) -> list[str]:

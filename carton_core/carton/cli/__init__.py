@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+import warnings
 from collections.abc import Sequence
+from typing import TextIO
 
 from ..errors import CartonError
 
@@ -27,12 +30,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _show_warning(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: TextIO | None = None,
+    line: str | None = None,
+) -> None:
+    # On the command line a warning is a message for the user, not a pointer into carton's source.
+    print(f"carton: warning: {category.__name__}: {message}", file=file or sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    saved_showwarning = warnings.showwarning
+    warnings.showwarning = _show_warning
     try:
         return int(args.func(args))
     except CartonError as exc:
@@ -40,6 +57,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader went away (`carton info ... | head`): not an error of ours. Point stdout at /dev/null so the
+        # interpreter's final flush does not raise again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 0
+    finally:
+        warnings.showwarning = saved_showwarning
 
 
 if __name__ == "__main__":

@@ -1,0 +1,223 @@
+"""Header templates: the infer fast path for a tensor layout seen before.
+
+A model is called again and again with the same tensor names, dtypes and shapes, so the ``tensors`` part of its
+infer headers is the same bytes every time; only the request ``id`` differs. Both ends keep, per connection:
+
+* an **encode cache**, (name, dtype, shape) of each tensor -> the msgpack bytes of the header after the ``id``.
+  A header is then ``prefix + packed id + cached tail``: byte for byte what `pack_header` makes of the same map.
+* a **decode cache**, the exact bytes after the ``id`` -> a `Plan` of the tensors those bytes declare. A plan is
+  only made from a header the full decoder (`unpack_header` + `decode_tensors`) has just accepted, so every check
+  that depends on the header alone (names, datatypes, shape products, sizes, limits, header size) already passed
+  for those very bytes. What depends on the data is checked on every call: the number of data frames, each
+  frame's byte count and BOOL bytes. A header whose bytes differ in any way (another field, ``drop``, shared
+  memory, nested or string tensors) misses and takes the full decoder.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from ._framing import DIRECT_WIRE_TYPES, FIXED_WIRE_TYPES
+from ._limits import WireLimits
+from ._messages import pack_header
+from ._runner import Tensor
+from .errors import FrameError
+
+__all__ = ["REPLY_PREFIX", "REQUEST_PREFIX", "Plan", "Templates", "pack_id"]
+
+#: ``{"op": "infer", "id": `` as msgpack (a map of 3): the start of every plain infer request.
+REQUEST_PREFIX = b"\x83\xa2op\xa5infer\xa2id"
+#: ``{"id": `` (a map of 3): the start of every plain infer reply, ``{"id": n, "ok": true, "tensors": [...]}``.
+REPLY_PREFIX = b"\x83\xa2id"
+_REQUEST_MIDDLE = b"\xa7tensors"
+_REPLY_MIDDLE = b"\xa2ok\xc3\xa7tensors"
+_REQUEST_KEYS = frozenset({"op", "id", "tensors"})
+_REPLY_KEYS = frozenset({"id", "ok", "tensors"})
+# Layouts remembered per cache; a peer cycling through more shapes than this just takes the full path more often.
+_MAX_TEMPLATES = 256
+# The longest msgpack encoding of an id (0xcf + 8 bytes), so a cached tail stays within max_header_bytes.
+_MAX_ID_BYTES = 9
+
+# (name, dtype, shape) of each tensor of a message.
+Layout = tuple[tuple[str, np.dtype[Any], tuple[int, ...]], ...]
+_UNKNOWN: Any = object()
+
+_U8 = struct.Struct(">B")
+_U16 = struct.Struct(">H")
+_U32 = struct.Struct(">I")
+_U64 = struct.Struct(">Q")
+_SMALL_IDS = [bytes([value]) for value in range(128)]
+
+
+def pack_id(value: int) -> bytes:
+    """A non-negative int in msgpack's shortest encoding (as `msgpack.Packer` writes it)."""
+    if value < 128:
+        return _SMALL_IDS[value]
+    if value < 1 << 8:
+        return b"\xcc" + _U8.pack(value)
+    if value < 1 << 16:
+        return b"\xcd" + _U16.pack(value)
+    if value < 1 << 32:
+        return b"\xce" + _U32.pack(value)
+    return b"\xcf" + _U64.pack(value)
+
+
+def _unpack_id(data: bytes, position: int) -> tuple[int, int]:
+    """(id, position after it) for a non-negative msgpack int at `position`, or (-1, -1) for anything else."""
+    if position >= len(data):
+        return -1, -1
+    marker = data[position]
+    if marker < 0x80:
+        return marker, position + 1
+    try:
+        if marker == 0xCC:
+            return _U8.unpack_from(data, position + 1)[0], position + 2
+        if marker == 0xCD:
+            return _U16.unpack_from(data, position + 1)[0], position + 3
+        if marker == 0xCE:
+            return _U32.unpack_from(data, position + 1)[0], position + 5
+        if marker == 0xCF:
+            return _U64.unpack_from(data, position + 1)[0], position + 9
+    except struct.error:
+        pass
+    return -1, -1
+
+
+class Plan:
+    """The tensors a cached header declares, each read from its own data frame."""
+
+    __slots__ = ("items",)
+
+    def __init__(self, items: tuple[tuple[str, np.dtype[Any], tuple[int, ...], int, int, bool], ...]) -> None:
+        self.items = items  # (name, dtype, shape, size, element count, is BOOL)
+
+    def decode(self, frames: Sequence[Any]) -> dict[str, Tensor]:
+        """Arrays over the frame buffers, after the checks that depend on the data (frame count, sizes, BOOL)."""
+        items = self.items
+        if len(frames) != len(items):
+            raise FrameError(f"message has {len(frames)} data frames, the header accounts for {len(items)}")
+        tensors: dict[str, Tensor] = {}
+        for (name, dtype, shape, size, count, is_bool), frame in zip(items, frames, strict=True):
+            if len(frame) != size:
+                raise FrameError(f"tensor {name!r}: data frame is {len(frame)} bytes, header says {size}")
+            if count == 0:
+                array = np.empty(shape, dtype)
+            else:
+                array = np.frombuffer(frame, dtype, count).reshape(shape)
+                if is_bool and array.view(np.uint8).max() > 1:
+                    raise FrameError(f"tensor {name!r}: BOOL bytes must be 0 or 1")
+            tensors[name] = array
+        return tensors
+
+
+class Templates:
+    """The encode and decode caches of one connection end (a socket-owning thread; not thread-safe to fill,
+    but concurrent readers only ever see complete entries, so sharing one between threads is safe)."""
+
+    __slots__ = (
+        "_decode",
+        "_encode",
+        "_keys",
+        "_limits",
+        "_middle",
+        "_peer_keys",
+        "_peer_middle",
+        "_peer_prefix",
+        "_prefix",
+    )
+
+    def __init__(self, *, limits: WireLimits, sends: str) -> None:
+        """`sends` is ``"request"`` (the host: sends requests, reads replies) or ``"reply"`` (the runner)."""
+        request = (REQUEST_PREFIX, _REQUEST_MIDDLE, _REQUEST_KEYS)
+        reply = (REPLY_PREFIX, _REPLY_MIDDLE, _REPLY_KEYS)
+        mine, theirs = (request, reply) if sends == "request" else (reply, request)
+        self._prefix, self._middle, self._keys = mine
+        self._peer_prefix, self._peer_middle, self._peer_keys = theirs
+        self._limits = limits
+        self._encode: dict[Layout, tuple[bytes, int] | None] = {}
+        self._decode: dict[bytes, Plan] = {}
+
+    # --- sending ---------------------------------------------------------------------------------------------
+    def encode(self, tensors: Mapping[str, Tensor], threshold: int) -> tuple[bytes, list[Any]] | None:
+        """(header after the id, data frames) for plain contiguous arrays all under `threshold` bytes, or None."""
+        key = []
+        for name, value in tensors.items():
+            if type(value) is not np.ndarray or not value.flags.c_contiguous:
+                return None
+            key.append((name, value.dtype, value.shape))
+        layout = tuple(key)
+        cached = self._encode.get(layout, _UNKNOWN)
+        if cached is _UNKNOWN:
+            cached = self._learn_encoding(layout)
+        if cached is None or cached[1] >= threshold:
+            return None
+        return cached[0], list(tensors.values())
+
+    def _learn_encoding(self, layout: Layout) -> tuple[bytes, int] | None:
+        entries = []
+        largest = 0
+        result: tuple[bytes, int] | None = None
+        for name, dtype, shape in layout:
+            wire = DIRECT_WIRE_TYPES.get(dtype)
+            if wire is None or type(name) is not str:
+                break
+            size = dtype.itemsize
+            for dim in shape:
+                size *= dim
+            largest = max(largest, size)
+            entries.append({"name": name, "datatype": wire, "shape": list(shape), "size": size})
+        else:
+            # The map minus its first key: pack_header writes the same bytes for the same keys in the same order.
+            packed = pack_header({"tensors": entries})
+            result = (self._middle + packed[len(b"\x81\xa7tensors") :], largest)
+        if len(self._encode) >= _MAX_TEMPLATES:
+            self._encode.clear()
+        self._encode[layout] = result
+        return result
+
+    def header(self, request_id: int, tail: bytes) -> bytes:
+        return self._prefix + pack_id(request_id) + tail
+
+    # --- receiving -------------------------------------------------------------------------------------------
+    def match(self, data: bytes) -> tuple[int, Plan] | None:
+        """(id, plan) when `data` is a header whose bytes after the id were accepted before, else None."""
+        prefix = self._peer_prefix
+        if not data.startswith(prefix):
+            return None
+        request_id, position = _unpack_id(data, len(prefix))
+        if position < 0:
+            return None
+        plan = self._decode.get(data[position:])
+        if plan is None:
+            return None
+        return request_id, plan
+
+    def learn(self, data: bytes, header: Mapping[str, Any]) -> None:
+        """Remember the plan of `data`, a header the full decoder just accepted (with its data frames)."""
+        prefix = self._peer_prefix
+        if header.keys() != self._peer_keys or not data.startswith(prefix):
+            return
+        if len(data) + _MAX_ID_BYTES > self._limits.max_header_bytes:
+            return
+        request_id, position = _unpack_id(data, len(prefix))
+        if position < 0 or not data.startswith(self._peer_middle, position) or header.get("id") != request_id:
+            return
+        items = []
+        for entry in header["tensors"]:
+            if entry.keys() != {"name", "datatype", "shape", "size"}:
+                return  # shared memory, nested or something newer: always decoded in full
+            dtype = FIXED_WIRE_TYPES.get(entry["datatype"])
+            if dtype is None:
+                return
+            shape = tuple(entry["shape"])
+            count = 1
+            for dim in shape:
+                count *= dim
+            items.append((entry["name"], dtype, shape, entry["size"], count, entry["datatype"] == "BOOL"))
+        if len(self._decode) >= _MAX_TEMPLATES:
+            self._decode.clear()
+        self._decode[data[position:]] = Plan(tuple(items))

@@ -1,0 +1,193 @@
+"""`RunnerProcess.infer_async` on the event loop itself: replies, crashes, timeouts, cancellation, closing."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import carton
+import numpy as np
+import pytest
+from carton._runtime import _process
+from carton._runtime._connection import AsyncChannel
+from carton._runtime._process import RunnerProcess
+
+from .test_process import wait_dead
+
+Start = Callable[..., RunnerProcess]
+
+
+def channels(runner: RunnerProcess) -> list[AsyncChannel]:
+    return list(runner._channels.values())
+
+
+def test_calls_run_on_the_loop_without_a_thread_pool(start_runner: Start) -> None:
+    runner = start_runner("Echo")
+
+    async def main() -> list[dict[str, Any]]:
+        calls = [runner.infer_async({"x": np.full((1, 16), i, np.float32)}) for i in range(50)]
+        results = list(await asyncio.gather(*calls))
+        assert len(channels(runner)) == 1
+        return results
+
+    results = asyncio.run(main())
+    assert [float(result["x"][0, 0]) for result in results] == [float(i) for i in range(50)]
+    assert runner._executor is None  # no thread hand-off
+    results[0]["x"][0, 0] = 5.0  # outputs are the caller's to write
+
+
+def test_each_loop_gets_its_own_channel_and_a_finished_loop_releases_it(start_runner: Start) -> None:
+    runner = start_runner("Echo")
+    x = {"x": np.arange(4, dtype=np.int64)}
+    for _ in range(3):
+        output: Any = asyncio.run(runner.infer_async(x))["x"]
+        assert output.tolist() == [0, 1, 2, 3]
+    gc.collect()
+    # The loops of the first runs are gone: their channels (weakly keyed by loop) went with them.
+    assert len(channels(runner)) <= 1
+    # The sync path still works next to the async one.
+    output = runner.infer(x)["x"]
+    assert output.tolist() == [0, 1, 2, 3]
+
+
+def test_many_types_layouts_and_errors_through_the_async_path(start_runner: Start) -> None:
+    runner = start_runner("Echo")
+    failing = start_runner("Fail")
+    inputs: list[dict[str, Any]] = [
+        {"x": np.ones((2, 3), np.float32)},
+        {"s": np.array(["a", "bé"]), "n": [np.ones(2), np.zeros((1, 1))]},
+        {"x": np.ones((2, 3), np.float32), "b": np.array([True, False])},
+        {"big": np.ones(1 << 16, np.uint8)},  # shared memory, still on the loop (under the copy limit)
+    ]
+
+    async def main() -> None:
+        for tensors in inputs:
+            for _ in range(2):  # the second time through the header templates
+                outputs = await runner.infer_async(tensors)
+                assert outputs.keys() == tensors.keys()
+        with pytest.raises(carton.RunnerFailed, match="cannot handle this input"):
+            await failing.infer_async({"x": np.ones(1)})
+        with pytest.raises(carton.InvalidInput, match="complex"):
+            await runner.infer_async({"x": np.ones(2, np.complex64)})
+
+    asyncio.run(main())
+
+
+def test_large_requests_take_the_thread_pool(start_runner: Start) -> None:
+    runner = start_runner("Echo")
+    x = np.random.default_rng(0).random(1 << 20, dtype=np.float32)  # 4 MiB: copies that would stall the loop
+    result = asyncio.run(runner.infer_async({"x": x}))
+    assert np.array_equal(result["x"], x)
+    assert runner._executor is not None
+
+
+def test_a_crash_fails_every_waiting_call_within_a_second_naming_the_signal(start_runner: Start) -> None:
+    runner = start_runner("Sleep")
+
+    async def main() -> tuple[list[BaseException | dict[str, Any]], float]:
+        calls = [asyncio.ensure_future(runner.infer_async({"seconds": np.array([30.0])})) for _ in range(3)]
+        await asyncio.sleep(0.3)
+        killed = time.monotonic()
+        os.kill(runner.pid, signal.SIGSEGV)
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        return list(results), time.monotonic() - killed
+
+    results, took = asyncio.run(main())
+    assert took < 1.0
+    assert all(isinstance(result, carton.RunnerCrashed) and "SIGSEGV" in str(result) for result in results)
+    assert not runner.alive
+    # Later calls fail the same way at once.
+    with pytest.raises(carton.RunnerCrashed, match="SIGSEGV"):
+        asyncio.run(runner.infer_async({"seconds": np.array([0.0])}))
+
+
+def test_a_timeout_kills_the_runner_and_names_the_limit(start_runner: Start) -> None:
+    runner = start_runner("Sleep")
+
+    async def main() -> None:
+        with pytest.raises(carton.RunnerTimeout, match=r"did not answer infer within 0.3 s \(infer timeout\)"):
+            await runner.infer_async({"seconds": np.array([60.0])}, timeout=0.3)
+
+    begin = time.monotonic()
+    asyncio.run(main())
+    assert time.monotonic() - begin < 3
+    assert wait_dead([runner.pid]) == []
+
+
+def test_a_cancelled_call_is_safe_and_its_late_reply_is_discarded(start_runner: Start) -> None:
+    runner = start_runner("ConcurrentEcho", threads=4)
+
+    async def main() -> None:
+        slow = asyncio.ensure_future(runner.infer_async({"sleep": np.array([0.3]), "i": np.array([1])}))
+        await asyncio.sleep(0.05)
+        slow.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await slow
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(runner.infer_async({"sleep": np.array([0.3]), "i": np.array([2])}), 0.05)
+        # The late replies (ids 1 and 2) arrive while these wait: none is mistaken for theirs.
+        outputs = await asyncio.gather(
+            *(runner.infer_async({"sleep": np.array([0.1]), "i": np.array([10 + i])}) for i in range(6))
+        )
+        assert [int(output["i"][0]) for output in outputs] == [10 + i for i in range(6)]
+        await asyncio.sleep(0.4)
+        assert not channels(runner)[0]._pending
+
+    asyncio.run(main())
+    assert runner.alive
+
+
+def test_a_cancelled_call_keeps_its_shared_memory_until_the_runner_answers(start_runner: Start) -> None:
+    runner = start_runner("ConcurrentEcho", threads=4, shm_threshold=1024)
+    pool = runner._resources.connection.pool  # type: ignore[union-attr]
+    assert pool is not None
+
+    async def main() -> None:
+        call = asyncio.ensure_future(runner.infer_async({"sleep": np.array([0.3]), "x": np.ones(4096, np.uint8)}))
+        await asyncio.sleep(0.1)
+        call.cancel()
+        await asyncio.gather(call, return_exceptions=True)
+        assert len(pool._busy) == 1  # the runner may still be reading it
+        await asyncio.sleep(0.5)
+        assert not pool._busy  # released when the late reply came in
+
+    asyncio.run(main())
+
+
+def test_close_during_async_calls_gives_model_closed(start_runner: Start) -> None:
+    runner = start_runner("Sleep")
+
+    async def main() -> BaseException | None:
+        call = asyncio.ensure_future(runner.infer_async({"seconds": np.array([30.0])}))
+        await asyncio.sleep(0.2)
+        closer = threading.Thread(target=runner.close, kwargs={"timeout": 0.5})
+        closer.start()
+        try:
+            await call
+        except BaseException as exc:
+            return exc
+        finally:
+            await asyncio.to_thread(closer.join)
+        return None
+
+    error = asyncio.run(main())
+    assert isinstance(error, carton.ModelClosed)
+    with pytest.raises(carton.ModelClosed):
+        asyncio.run(runner.infer_async({"seconds": np.array([0.0])}))
+
+
+def test_without_pidfd_the_thread_pool_is_used(start_runner: Start, monkeypatch: pytest.MonkeyPatch) -> None:
+    runner = start_runner("Echo")
+    connection = runner._resources.connection
+    assert connection is not None
+    monkeypatch.setattr(connection, "pidfd", None)
+    result: dict[str, Any] = asyncio.run(runner.infer_async({"x": np.ones(2)}))
+    assert result["x"].tolist() == [1.0, 1.0]
+    assert runner._executor is not None
+    assert _process._ASYNC_THREADS >= 32
