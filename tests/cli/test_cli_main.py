@@ -67,3 +67,11 @@ def test_runner_warnings_print_as_messages(tmp_path: Path) -> None:
     assert "carton: warning: RunnerWarning:" in result.stderr
     assert "bogus_option" in result.stderr
     assert ".py:" not in result.stderr  # a message for the user, not a pointer into carton's source
+
+
+def test_runner_warnings_point_at_the_callers_line(tmp_path: Path) -> None:
+    path = _identity_carton(tmp_path)
+    with pytest.warns(carton.RunnerWarning, match="bogus_option") as record:
+        model = carton.load(path, runner_opts={"bogus_option": 1})
+    model.close()
+    assert record[0].filename == __file__

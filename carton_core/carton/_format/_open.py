@@ -1,13 +1,16 @@
 """`open_carton`: the carton's info plus a local ``model/`` folder the runner process reads.
 
-A directory is used in place. A .carton file (or URL) is materialized once into the cache, keyed by the model hash:
-every ``model/`` file is extracted into a private temporary directory while being hashed, checked against
-MANIFEST, and only then is the directory renamed into place (atomically). A finished cache entry is trusted by its
-name and reused without touching the zip again, so every load after the first costs one directory lookup.
+A directory is used in place, after its ``model/`` files are checked against its MANIFEST; a verification stamp in
+the cache (per file: inode, size, mtime_ns) makes every later load of the unchanged folder cost one ``stat`` per
+file. A .carton file (or URL) is materialized once into the cache, keyed by the model hash: every ``model/`` file is
+extracted into a private temporary directory while being hashed, checked against MANIFEST, stamped, and only then
+is the directory renamed into place (atomically). A cache entry is reused after comparing every file with its stamp
+(one ``stat`` per file); an entry that does not match (tampered, partly deleted) is extracted again and swapped in.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import mmap
 import os
@@ -18,23 +21,27 @@ from pathlib import Path
 
 from .. import _paths
 from .._progress import Progress
-from ..errors import FormatError, ManifestError
+from ..errors import FormatError, ManifestError, UnsafeArchive
 from ._info import CartonInfo
 from ._limits import DEFAULT_LIMITS, ReadLimits
 from ._reader import CartonReader, DirStore, ZipStore, build_info, open_reader
 from ._source import FileSource
+from ._stamp import FileStat, file_stat, hash_stable, read_stamp, stamp_matches, write_stamp
 from ._zipread import METHOD_STORED, ZipEntry
 
 __all__ = ["OpenedCarton", "open_carton"]
 
 _COPY_CHUNK = 8 << 20
+#: The stamp of a materialized cache entry, next to its model/ folder.
+ENTRY_STAMP = "stamp.json"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class OpenedCarton:
     """A carton ready to load: ``model_dir`` is a local folder holding exactly the verified ``model/`` files.
 
-    ``cached`` is True when ``model_dir`` is a cache entry that already existed (nothing was extracted).
+    ``cached`` is True when no model byte was read: ``model_dir`` is a cache entry that already existed, or an
+    unpacked folder whose verification stamp matched.
     """
 
     info: CartonInfo
@@ -44,6 +51,11 @@ class OpenedCarton:
 
 def models_dir(cache_dir: Path) -> Path:
     return cache_dir / "models"
+
+
+def dir_stamp_path(cache_dir: Path, root: Path) -> Path:
+    """Where the verification stamp of the unpacked carton folder ``root`` (resolved) lives."""
+    return cache_dir / "verified" / f"{hashlib.sha256(os.fsencode(root)).hexdigest()}.json"
 
 
 def open_carton(
@@ -62,15 +74,68 @@ def open_carton(
             model_dir = reader.store.root / "model"
             if not model_dir.is_dir():
                 raise FormatError(f"{reader.location}: has no model/ folder")
-            return OpenedCarton(info=info, model_dir=model_dir)
+            cached = _verify_folder(reader, reader.store, model_paths, cache)
+            return OpenedCarton(info=info, model_dir=model_dir, cached=cached)
         final = models_dir(cache) / reader.model_hash
         if (final / "model").is_dir():
-            return OpenedCarton(info=info, model_dir=final / "model", cached=True)
+            if _entry_intact(final, model_paths, reader.model_hash):
+                return OpenedCarton(info=info, model_dir=final / "model", cached=True)
+            # Tampered with or partly deleted: extract again and swap the fresh entry in.
+            _materialize(reader, model_paths, final, replace=True)
+            return OpenedCarton(info=info, model_dir=final / "model")
         _materialize(reader, model_paths, final)
         return OpenedCarton(info=info, model_dir=final / "model")
 
 
-def _materialize(reader: CartonReader, model_paths: list[str], final: Path) -> None:
+def _verify_folder(reader: CartonReader, store: DirStore, model_paths: list[str], cache: Path) -> bool:
+    """Check an unpacked folder's ``model/`` files against MANIFEST unless its stamp shows them unchanged.
+
+    Returns True when the stamp matched (no byte was read). Symlinks were already checked by `DirStore` (they must
+    stay inside the folder); the stamp records the stat of the file a symlink leads to.
+    """
+    key = {"model_hash": reader.model_hash, "root": str(store.root)}
+    stamp_path = dir_stamp_path(cache, store.root)
+    current = {p: file_stat(store.root / p) for p in model_paths}
+    if stamp_matches(read_stamp(stamp_path), key=key, files=current):
+        return True
+    verified: list[tuple[str, FileStat]] = []
+    total = sum(s[1] for s in current.values())
+    with Progress(f"verifying {reader.location}", total=total) as bar:
+        for path in model_paths:
+            digest, stat_now = hash_stable(store.root / path, f"{reader.location}: {path}")
+            if digest != reader.manifest[path]:
+                raise ManifestError(
+                    f"{reader.location}: {path} has sha256 {digest} but MANIFEST says {reader.manifest[path]}"
+                )
+            verified.append((path, stat_now))
+            bar.advance(stat_now[1])
+    write_stamp(stamp_path, key=key, files=verified)
+    return False
+
+
+def _entry_files(model_dir: Path) -> dict[str, FileStat] | None:
+    """``{"model/...": stat}`` of every file in a cache entry's model/ folder (symlinks not followed), or None if
+    anything in it is not a plain file or directory."""
+    found: dict[str, FileStat] = {}
+    for directory, _dirs, names in os.walk(model_dir):
+        for name in names:
+            path = Path(directory) / name
+            try:
+                found[f"model/{path.relative_to(model_dir).as_posix()}"] = file_stat(path, follow=False)
+            except FormatError:
+                return None
+    return found
+
+
+def _entry_intact(final: Path, model_paths: list[str], model_hash: str) -> bool:
+    """True when the cache entry holds exactly the files its stamp recorded, unchanged (one stat per file)."""
+    files = _entry_files(final / "model")
+    if files is None or sorted(files) != model_paths:
+        return False
+    return stamp_matches(read_stamp(final / ENTRY_STAMP), key={"model_hash": model_hash}, files=files)
+
+
+def _materialize(reader: CartonReader, model_paths: list[str], final: Path, *, replace: bool = False) -> None:
     final.parent.mkdir(parents=True, exist_ok=True)
     temp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name[:16]}-", suffix=".partial"))
     try:
@@ -85,7 +150,7 @@ def _materialize(reader: CartonReader, model_paths: list[str], final: Path) -> N
                 destination = temp / path
                 destination.parent.mkdir(parents=True, exist_ok=True)
                 if path not in reader.present:
-                    _link_or_copy(reader.linked_blob(path), destination)
+                    _link_verified_blob(reader, path, destination)
                     continue
                 digest = _extract(reader, path, destination, bar)
                 if digest != reader.manifest[path]:
@@ -93,6 +158,13 @@ def _materialize(reader: CartonReader, model_paths: list[str], final: Path) -> N
                         f"{reader.location}: {path} has sha256 {digest} but MANIFEST says {reader.manifest[path]}"
                     )
                 destination.chmod(0o444)
+        files = _entry_files(temp / "model")
+        if files is None:
+            raise UnsafeArchive(f"{temp}: extracted entry holds something other than plain files")
+        write_stamp(temp / ENTRY_STAMP, key={"model_hash": reader.model_hash}, files=files.items())
+        if replace:
+            _swap_in(temp, final)
+            return
         try:
             temp.rename(final)
         except OSError:
@@ -103,6 +175,37 @@ def _materialize(reader: CartonReader, model_paths: list[str], final: Path) -> N
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
         raise
+
+
+def _swap_in(temp: Path, final: Path) -> None:
+    """Replace a damaged cache entry by a fresh one: the old one is renamed aside, then removed."""
+    stale = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name[:16]}-", suffix=".stale"))
+    with contextlib.suppress(FileNotFoundError):  # another process already moved it aside
+        final.rename(stale / "entry")
+    try:
+        temp.rename(final)
+    except OSError:
+        if not (final / "model").is_dir():
+            raise
+        shutil.rmtree(temp, ignore_errors=True)  # another process swapped in its fresh entry first
+    shutil.rmtree(stale, ignore_errors=True)
+
+
+def _link_verified_blob(reader: CartonReader, path: str, destination: Path) -> None:
+    """Link (or copy) a LINKS blob from the cache into the entry, after hashing it: a cached blob may have been
+    changed since it was downloaded. A bad blob is removed from the cache and downloaded once more."""
+    for attempt in range(2):
+        blob = reader.linked_blob(path)
+        _link_or_copy(blob, destination)
+        digest, _stat = hash_stable(destination, f"{reader.location}: {path}")
+        if digest == reader.manifest[path]:
+            return
+        destination.unlink()
+        blob.unlink(missing_ok=True)
+        if attempt:
+            raise ManifestError(
+                f"{reader.location}: {path} from LINKS has sha256 {digest} but MANIFEST says {reader.manifest[path]}"
+            )
 
 
 def _link_or_copy(blob: Path, destination: Path) -> None:
@@ -120,7 +223,7 @@ def _extract(reader: CartonReader, path: str, destination: Path, bar: Progress) 
     if isinstance(store, ZipStore) and isinstance(store.source, FileSource):
         entry = store.entry(path)
         if entry.method == METHOD_STORED:
-            return _extract_stored(store, entry, destination, bar)
+            return extract_stored(store, entry, destination, bar)
     fd = os.open(destination, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
     try:
         for chunk in store.iter_file(path):
@@ -134,13 +237,43 @@ def _extract(reader: CartonReader, path: str, destination: Path, bar: Progress) 
     return hasher.hexdigest()
 
 
-def _extract_stored(store: ZipStore, entry: ZipEntry, destination: Path, bar: Progress) -> str:
-    """A stored entry of a local file: copied in the kernel (``copy_file_range``), then hashed from the copy.
+def extract_stored(store: ZipStore, entry: ZipEntry, destination: Path, bar: Progress | None = None) -> str:
+    """A stored entry of a local file, in one pass: ``preadv`` into a reused buffer, hash it, write it.
 
-    Hashing the destination, not the source, is what makes the check hold for exactly the bytes the runner will
-    read: the copy sits in a private directory nobody else writes to, while the source could change underneath.
-    The copy is hashed through one mmap after the copy (measured faster than reading it back chunk by chunk).
+    The hash is computed over the very buffer that is written, so the bytes checked against MANIFEST are exactly
+    the bytes the runner reads (the copy sits in a private directory nobody else writes to). Measured faster than
+    a kernel copy (``copy_file_range``) followed by a SHA-256 over an mmap of the copy, which reads every byte twice
+    (bench/bench_format.py; docs/performance.md).
     """
+    offset, length = store.zip.data_span(entry)
+    source_fd = store.source.fileno() if isinstance(store.source, FileSource) else -1
+    hasher = hashlib.sha256()
+    buffer = bytearray(min(_COPY_CHUNK, max(length, 1)))
+    view = memoryview(buffer)
+    fd = os.open(destination, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+    try:
+        done = 0
+        while done < length:
+            n = os.preadv(source_fd, [view[: min(len(buffer), length - done)]], offset + done)
+            if n <= 0:
+                raise FormatError(f"{store.name}: {entry.name} ends early (file truncated while reading?)")
+            chunk = view[:n]
+            hasher.update(chunk)
+            while chunk:
+                chunk = chunk[os.write(fd, chunk) :]
+            done += n
+            if bar is not None:
+                bar.advance(n)
+    finally:
+        os.close(fd)
+    return hasher.hexdigest()
+
+
+def extract_stored_kernel_copy(
+    store: ZipStore, entry: ZipEntry, destination: Path, bar: Progress | None = None
+) -> str:
+    """The previous design, kept for bench/bench_format.py: ``copy_file_range`` in the kernel, then one SHA-256
+    over an mmap of the copy (two passes over the bytes)."""
     offset, length = store.zip.data_span(entry)
     source_fd = store.source.fileno() if isinstance(store.source, FileSource) else -1
     fd = os.open(destination, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
@@ -155,12 +288,11 @@ def _extract_stored(store: ZipStore, entry: ZipEntry, destination: Path, bar: Pr
             if n <= 0:
                 raise FormatError(f"{store.name}: {entry.name} ends early (file truncated while reading?)")
             copied += n
-            bar.advance(n)
-        if os.fstat(fd).st_size != length:
-            raise FormatError(f"{destination}: extracted copy has the wrong size")
+            if bar is not None:
+                bar.advance(n)
         if length == 0:
             return hashlib.sha256(b"").hexdigest()
-        with mmap.mmap(fd, length, access=mmap.ACCESS_READ) as view:
-            return hashlib.sha256(view).hexdigest()
+        with mmap.mmap(fd, length, access=mmap.ACCESS_READ) as mapped:
+            return hashlib.sha256(mapped).hexdigest()
     finally:
         os.close(fd)

@@ -8,8 +8,10 @@ carton and checks that its model hash has not changed).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import MappingProxyType
@@ -18,7 +20,7 @@ from typing import Protocol
 from carton_protocol import Tensor
 
 from .. import _paths
-from ..errors import ConfigError, FormatError, ManifestError, TensorDataError
+from ..errors import ConfigError, FormatError, ManifestError, TensorDataError, UnsafeArchive
 from ._config import MISC_PREFIX, TENSOR_PREFIX, parse_carton_toml
 from ._info import CartonInfo, Example, MiscRef, SelfTest, TensorRef
 from ._limits import DEFAULT_LIMITS, ReadLimits
@@ -28,7 +30,7 @@ from ._source import Source, open_source
 from ._tensor_data import INDEX_PATH, IndexEntry, load_tensor, parse_index
 from ._zipread import ZipEntry, ZipReader
 
-__all__ = ["CartonReader", "DirStore", "ZipStore", "build_info", "get_model_info", "open_reader"]
+__all__ = ["CartonReader", "DirStore", "ZipStore", "build_info", "get_model_info", "located", "open_reader"]
 
 _CHUNK = 4 << 20
 
@@ -75,22 +77,49 @@ class ZipStore:
 
 
 class DirStore:
-    """An unpacked carton: a directory holding carton.toml, model/ and so on. Symlinks are followed."""
+    """An unpacked carton: a directory holding carton.toml, model/ and so on.
+
+    ``root`` is resolved (absolute, symlinks followed) so that the folder means the same thing to a runner process
+    started in another working directory. Symlinks inside the folder are followed only when they lead to a regular
+    file or directory inside it; anything else (a link out of the folder, a device, a FIFO, a directory loop) is
+    refused with `UnsafeArchive` before any file is read.
+    """
 
     def __init__(self, root: Path) -> None:
-        self.root = root
+        self.root = root.resolve()
         self._present: frozenset[str] | None = None
 
     @property
     def name(self) -> str:
         return str(self.root)
 
+    def _inside(self, path: Path) -> Path:
+        target = path.resolve()
+        if target != self.root and not target.is_relative_to(self.root):
+            raise UnsafeArchive(f"{path}: symlink leads out of the carton folder {self.root} (to {target})")
+        return target
+
     def present(self) -> frozenset[str]:
         if self._present is None:
             found = set()
-            for directory, _dirs, files in os.walk(self.root, followlinks=True):
+            visited: set[Path] = set()
+            for directory, dirs, files in os.walk(self.root, followlinks=True):
+                here = self._inside(Path(directory))
+                if here in visited:
+                    raise UnsafeArchive(f"{directory}: directory symlink loop in the carton folder")
+                visited.add(here)
                 base = Path(directory).relative_to(self.root)
+                for name in dirs:
+                    self._inside(Path(directory) / name)
                 for file in files:
+                    path = Path(directory) / file
+                    target = self._inside(path)
+                    try:
+                        mode = target.stat().st_mode
+                    except OSError as exc:
+                        raise UnsafeArchive(f"{path}: cannot stat ({exc.strerror}; a broken symlink?)") from exc
+                    if not stat.S_ISREG(mode):
+                        raise UnsafeArchive(f"{path}: not a regular file (a FIFO, socket or device)")
                     found.add((base / file).as_posix())
             self._present = frozenset(found)
         return self._present
@@ -113,6 +142,17 @@ class DirStore:
         return None
 
 
+@contextlib.contextmanager
+def located(location: str) -> Iterator[None]:
+    """Prefix a `TensorDataError` raised inside (which names the file in tensor_data/) with the carton's path."""
+    try:
+        yield
+    except TensorDataError as exc:
+        if str(exc).startswith(f"{location}: "):
+            raise
+        raise TensorDataError(f"{location}: {exc}") from exc
+
+
 def _hash_chunks(chunks: Iterator[bytes]) -> str:
     hasher = hashlib.sha256()
     for chunk in chunks:
@@ -123,9 +163,13 @@ def _hash_chunks(chunks: Iterator[bytes]) -> str:
 class CartonReader:
     """A carton whose file list has been checked against MANIFEST; `read` hands out verified bytes."""
 
-    def __init__(self, store: Store, location: str, limits: ReadLimits, cache_dir: Path) -> None:
+    def __init__(
+        self, store: Store, location: str, limits: ReadLimits, cache_dir: Path, *, reopen: str | None = None
+    ) -> None:
         self.store = store
         self.location = location
+        #: What lazy loads reopen: the resolved path (or the URL), independent of the working directory.
+        self.reopen = reopen or location
         self.limits = limits
         self.cache_dir = cache_dir
         present = store.present()
@@ -198,13 +242,19 @@ class CartonReader:
 def open_reader(location: str | os.PathLike[str], limits: ReadLimits, cache_dir: Path) -> CartonReader:
     """A reader for a .carton file, an unpacked directory or an http(s) URL."""
     text = os.fspath(location)
-    if not text.startswith(("http://", "https://")) and Path(text).is_dir():
-        return CartonReader(DirStore(Path(text)), text, limits, cache_dir)
-    if not text.startswith(("http://", "https://")) and not Path(text).exists():
-        raise FormatError(f"{text}: no such file or directory")
-    source = open_source(text, limits, cache_dir / "downloads")
+    if not text.startswith(("http://", "https://")):
+        # Local paths are resolved once here: the runner process, lazy loads and the cache all see the same
+        # absolute folder whatever the working directory is later. Error messages keep the caller's spelling.
+        local = Path(text)
+        if local.is_dir():
+            return CartonReader(DirStore(local), text, limits, cache_dir, reopen=str(local.resolve()))
+        if not local.exists():
+            raise FormatError(f"{text}: no such file or directory")
+        source = open_source(local.resolve(), limits, cache_dir / "downloads")
+    else:
+        source = open_source(text, limits, cache_dir / "downloads")
     try:
-        return CartonReader(ZipStore(source, limits), text, limits, cache_dir)
+        return CartonReader(ZipStore(source, limits), text, limits, cache_dir, reopen=source.name)
     except BaseException:
         source.close()
         raise
@@ -237,12 +287,13 @@ def build_info(reader: CartonReader, read: Callable[[str], bytes] | None = None)
         raise ConfigError(f"{reader.location}: {exc}") from exc
     index: dict[str, IndexEntry] = {}
     if INDEX_PATH in reader.manifest:
-        index = parse_index(reader.read(INDEX_PATH), limits.max_toml_depth)
+        with located(reader.location):
+            index = parse_index(reader.read(INDEX_PATH), limits.max_toml_depth)
         for entry in index.values():
             if entry.file is not None and f"tensor_data/{entry.file}" not in reader.manifest:
                 raise TensorDataError(f"{reader.location}: {INDEX_PATH}: tensor {entry.name!r} names missing "
                                       f"file tensor_data/{entry.file}")  # fmt: skip
-    reader_fn = read or _LazyFiles(reader.location, reader.model_hash, limits, reader.cache_dir).read
+    reader_fn = read or _LazyFiles(reader.reopen, reader.model_hash, limits, reader.cache_dir).read
     tensors: dict[str, TensorRef] = {}
 
     def tensor(ref: str, where: str) -> TensorRef:
@@ -254,7 +305,8 @@ def build_info(reader: CartonReader, read: Callable[[str], bytes] | None = None)
             entry = index[name]
 
             def load(name: str = name) -> Tensor:
-                return load_tensor(index, name, reader_fn, limits.max_toml_depth)
+                with located(reader.location):
+                    return load_tensor(index, name, reader_fn, limits.max_toml_depth)
 
             tensors[name] = TensorRef(name=name, dtype=entry.dtype, shape=entry.shape, _loader=load)
         return tensors[name]

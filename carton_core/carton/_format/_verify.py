@@ -8,7 +8,7 @@ from collections.abc import Callable
 from .. import _paths
 from ._info import CartonInfo
 from ._limits import DEFAULT_LIMITS, ReadLimits
-from ._reader import build_info, open_reader
+from ._reader import build_info, located, open_reader
 from ._tensor_data import INDEX_PATH, load_tensor, parse_index
 
 __all__ = ["verify"]
@@ -39,9 +39,12 @@ def verify(
                 on_file(path, status)
         info = build_info(reader, read=lambda p: reader.read(p, limits.max_total_size))
         if INDEX_PATH in reader.manifest:
-            index = parse_index(reader.read(INDEX_PATH), limits.max_toml_depth)
-            for name, entry in index.items():
-                files = [entry.file] if entry.file else []
-                if fetch_links or all(f"tensor_data/{f}" in reader.present for f in files):
-                    load_tensor(index, name, lambda p: reader.read(p, limits.max_total_size), limits.max_toml_depth)
+            with located(reader.location):
+                index = parse_index(reader.read(INDEX_PATH), limits.max_toml_depth)
+                for name, entry in index.items():
+                    files = [entry.file] if entry.file else []
+                    if fetch_links or all(f"tensor_data/{f}" in reader.present for f in files):
+                        load_tensor(
+                            index, name, lambda p: reader.read(p, limits.max_total_size), limits.max_toml_depth
+                        )
     return info

@@ -16,7 +16,6 @@ import signal
 import socket
 import threading
 import time
-import warnings
 import weakref
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -38,9 +37,9 @@ from carton_protocol._messages import (
     infer_request,
     pack_header,
 )
-from carton_protocol._reaper import kill_tree
 from carton_protocol._shm import SHM_AVAILABLE, FdChannel, Segment
 
+from .._warnings import warn_user
 from ..errors import (
     InvalidInput,
     InvalidOutput,
@@ -57,7 +56,10 @@ from ..errors import (
     RunnerWarning,
 )
 from ._connection import AsyncChannel, CallTimeout, Connection, PeerGone, Reply
-from ._launch import LaunchPlan, build_launch_plan, make_runtime_dir, read_log_tail, remove_runtime_dir, spawn
+from ._exits import Resources as _Resources
+from ._exits import describe_exit as _describe_exit
+from ._exits import exit_signal as _exit_signal
+from ._launch import LaunchPlan, build_launch_plan, make_runtime_dir, read_log_tail, spawn
 
 __all__ = ["DEFAULT_SHM_THRESHOLD", "LaunchPlan", "RunnerProcess"]
 
@@ -72,68 +74,6 @@ _ASYNC_THREADS = 64
 _ASYNC_COPY_BYTES = 1 << 20
 
 _PROTOCOL_KINDS = frozenset({"ProtocolError", "FrameError", "LimitExceeded"})
-
-
-def _exit_signal(returncode: int | None, signal_base: int | None) -> int | None:
-    """The signal that ended the runner: a negative status, or ``signal_base + N`` from a sandbox wrapper."""
-    if returncode is None:
-        return None
-    if returncode < 0:
-        return -returncode
-    if signal_base is not None and signal_base < returncode < signal_base + 65:
-        return returncode - signal_base
-    return None
-
-
-def _describe_exit(returncode: int | None, signal_base: int | None = None) -> str:
-    if returncode is None:
-        return "is still running"
-    signum = _exit_signal(returncode, signal_base)
-    if signum is not None:
-        try:
-            name = signal.Signals(signum).name
-        except ValueError:
-            name = f"signal {signum}"
-        return f"was killed by {name}"
-    return f"exited with status {returncode}"
-
-
-class _Resources:
-    """What must be released however the RunnerProcess ends; held by its finalizer, so no reference to it."""
-
-    def __init__(self, runtime_dir: Path) -> None:
-        self.runtime_dir = runtime_dir
-        self.process: Any = None
-        self.pidfd: int | None = None
-        self.connection: Connection | None = None
-        # A child forked from the host inherits this object and its finalizer: the runner is not its to kill.
-        self.owner_pid = os.getpid()
-
-    def kill(self) -> None:
-        if os.getpid() != self.owner_pid:
-            return
-        process = self.process
-        if process is not None and process.poll() is None:
-            kill_tree(process.pid)
-        if process is not None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                # Descendants that stayed in the runner's process group (it is its own session leader).
-                os.killpg(process.pid, signal.SIGKILL)
-            with contextlib.suppress(Exception):
-                process.wait(timeout=5)
-
-    def release(self) -> None:
-        if os.getpid() != self.owner_pid:
-            return
-        self.kill()
-        if self.connection is not None:
-            self.connection.close()
-            self.connection = None
-        if self.pidfd is not None:
-            with contextlib.suppress(OSError):
-                os.close(self.pidfd)
-            self.pidfd = None
-        remove_runtime_dir(self.runtime_dir)
 
 
 class RunnerProcess:
@@ -675,4 +615,4 @@ class RunnerProcess:
         messages = reply.get("warnings")
         if type(messages) is list:
             for message in messages:
-                warnings.warn(f"runner {self.spec.runner_name}: {message}", RunnerWarning, stacklevel=3)
+                warn_user(f"runner {self.spec.runner_name}: {message}", RunnerWarning)
