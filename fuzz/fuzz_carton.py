@@ -2,22 +2,23 @@
 
 Run (atheris is in the `fuzz` extra: ``pip install -e ".[fuzz]"``):
 
-    python fuzz/fuzz_carton.py -max_total_time=300 -max_len=65536
+    python fuzz/fuzz_carton.py -max_total_time=120 -max_len=65536 -rss_limit_mb=4096 /tmp/carton-fuzz/carton
 
-Without a corpus directory argument, the fixture cartons of tests/fixtures/format are copied into a temporary
-corpus (libFuzzer writes new inputs into its first corpus directory; the fixtures stay untouched).
+The corpus directory (default ``/tmp/carton-fuzz/carton``) is kept between runs, as a corpus should be; when it is
+missing or empty it is seeded with the fixture cartons of tests/fixtures/format (libFuzzer writes new inputs into
+its first corpus directory; the fixtures stay untouched). Extracted model folders go to one scratch cache,
+``<corpus>.cache``, emptied after every input and at start-up, so a run leaves no temporary folders behind.
 """
 
 from __future__ import annotations
 
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import atheris
 
-with atheris.instrument_imports():
+with atheris.instrument_imports(include=["carton"]):
     from carton._format._limits import ReadLimits
     from carton._format._open import _materialize
     from carton._format._reader import CartonReader, ZipStore, build_info
@@ -26,7 +27,8 @@ with atheris.instrument_imports():
     from carton.errors import CartonError
 
 LIMITS = ReadLimits(max_total_size=1 << 26, max_metadata_size=1 << 22)
-CACHE = Path(tempfile.mkdtemp(prefix="carton-fuzz-"))
+DEFAULT_CORPUS = Path("/tmp/carton-fuzz/carton")
+CACHE = DEFAULT_CORPUS.with_name("carton.cache")  # replaced in main() to sit next to the corpus given
 
 
 def test_one_input(data: bytes) -> None:
@@ -42,16 +44,25 @@ def test_one_input(data: bytes) -> None:
             _materialize(reader, paths, CACHE / "models" / reader.model_hash)
     except CartonError:
         return
+    finally:
+        shutil.rmtree(CACHE / "models", ignore_errors=True)
 
 
 def main() -> None:
+    global CACHE
     seeds = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "format"
     args = list(sys.argv)
-    if not [a for a in args[1:] if not a.startswith("-")]:
-        corpus = Path(tempfile.mkdtemp(prefix="carton-fuzz-corpus-"))
+    corpora = [a for a in args[1:] if not a.startswith("-")]
+    if not corpora:
+        args.append(str(DEFAULT_CORPUS))
+        corpora = [str(DEFAULT_CORPUS)]
+    corpus = Path(corpora[0])
+    corpus.mkdir(parents=True, exist_ok=True)
+    if not any(corpus.iterdir()):
         for seed in seeds.glob("*.carton"):
             shutil.copyfile(seed, corpus / seed.name)
-        args.append(str(corpus))
+    CACHE = corpus.with_name(f"{corpus.name}.cache")
+    shutil.rmtree(CACHE, ignore_errors=True)
     atheris.Setup(args, test_one_input)
     atheris.Fuzz()
 

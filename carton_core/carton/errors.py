@@ -11,6 +11,11 @@
     │   └── FetchError              a carton URL could not be read (status, timeout, broken range responses)
     ├── PackError                   packing or shrinking a carton failed
     ├── SafetensorsError            a safetensors file breaks a rule of the format
+    │   └── SafetensorsOSError      the file cannot be opened or written; also an OSError, as the reference raises
+    │       ├── SafetensorsFileNotFound      ... and a FileNotFoundError (no such file, or a missing folder)
+    │       ├── SafetensorsIsADirectory      ... and an IsADirectoryError
+    │       ├── SafetensorsNotADirectory     ... and a NotADirectoryError (a component of the path is a file)
+    │       └── SafetensorsPermissionError   ... and a PermissionError
     ├── MCFError                    an MCF file breaks a rule of the container layout or quantization spec
     │   └── UnsupportedModel        the mcf runner does not implement the model's architecture or a config key
     ├── ResolutionError             finding a runner for a model failed
@@ -31,6 +36,7 @@
     ├── InvalidInput                inputs do not match the model's declared inputs (names the tensor)
     ├── InvalidOutput               the runner returned outputs that do not match the declared outputs
     ├── SandboxError                the sandbox could not be set up
+    │   ├── SandboxConfigError      a sandbox policy or RunnerLimits value is invalid (also a ValueError)
     │   └── SandboxUnavailable      the strict policy needs a layer this machine does not have (names it)
     └── ServerError                 the model server refused a request (carries its HTTP status)
         ├── BadRequest              a request is malformed: body, header, tensor data, names (400)
@@ -78,6 +84,12 @@ __all__ = [
     "RunnerTimeout",
     "RunnerWarning",
     "SafetensorsError",
+    "SafetensorsFileNotFound",
+    "SafetensorsIsADirectory",
+    "SafetensorsNotADirectory",
+    "SafetensorsOSError",
+    "SafetensorsPermissionError",
+    "SandboxConfigError",
     "SandboxError",
     "SandboxUnavailable",
     "SandboxWarning",
@@ -133,6 +145,31 @@ class PackError(CartonError):
 # --- tensor files ---------------------------------------------------------------------------------------------
 class SafetensorsError(CartonError):
     """A safetensors file or buffer breaks a rule of the format."""
+
+
+class SafetensorsOSError(SafetensorsError, OSError):
+    """A safetensors file could not be opened, read or written. Also an `OSError` (the reference package raises
+    plain OSErrors there), with the underlying ``errno``, ``strerror`` and ``filename``; ``str()`` is carton's
+    message, which starts with the file name."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class SafetensorsFileNotFound(SafetensorsOSError, FileNotFoundError):
+    """The file, or the folder it is to be written in, does not exist."""
+
+
+class SafetensorsIsADirectory(SafetensorsOSError, IsADirectoryError):
+    """The path names a directory, not a file."""
+
+
+class SafetensorsNotADirectory(SafetensorsOSError, NotADirectoryError):
+    """A component of the path that should be a folder is a file."""
+
+
+class SafetensorsPermissionError(SafetensorsOSError, PermissionError):
+    """The file or its folder may not be read or written by this process."""
 
 
 class MCFError(CartonError):
@@ -217,6 +254,12 @@ class InvalidOutput(CartonError):
 # --- sandbox --------------------------------------------------------------------------------------------------
 class SandboxError(CartonError):
     """The sandbox for a runner could not be set up."""
+
+
+class SandboxConfigError(SandboxError, ValueError):
+    """A usage error: an unknown sandbox policy, or a `RunnerLimits` value that is not a positive number.
+
+    Also a `ValueError`, since that is what it is; names the field or the allowed values."""
 
 
 class SandboxUnavailable(SandboxError):

@@ -125,13 +125,60 @@ def test_pack_refuses_missing_model_dir(tmp_path: Path) -> None:
         pack(tmp_path / "nope", tmp_path / "m.carton")
 
 
-def test_default_output_is_a_new_file(model_dir: Path) -> None:
+def test_default_output_is_beside_the_model_folder(model_dir: Path, tmp_path: Path) -> None:
     path = carton.pack(model_dir, runner_name="r", required_framework_version="=1", runner_compat_version=1,
                        validate=False)  # fmt: skip
-    try:
-        assert path.suffix == ".carton" and carton.get_model_info(path).runner.runner_name == "r"
-    finally:
-        path.unlink()
+    assert path == tmp_path / "model_src.carton"  # as `carton pack` without -o
+    assert carton.get_model_info(path).runner.runner_name == "r"
+    with pytest.raises(PackError, match="output= is required"):
+        carton.pack(object(), runner_name="r", required_framework_version="=1", runner_compat_version=1,
+                    validate=False)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (TensorSpec(name="x", dtype="float17", shape="*"), r"inputs\[0\]\.dtype 'float17' is not a carton dtype"),  # type: ignore[arg-type]
+        (TensorSpec(name="x", dtype=DType.FLOAT32, shape=(2, -1)), r"inputs\[0\]\.shape\[1\] is negative"),
+        (TensorSpec(name="x", dtype=DType.FLOAT32, shape=""), r"inputs\[0\]\.shape must not be an empty string"),
+        (TensorSpec(name="x", dtype=DType.FLOAT32, shape=(2.5,)), r"inputs\[0\]\.shape\[0\] must be"),  # type: ignore[arg-type]
+        (TensorSpec(name="", dtype=DType.FLOAT32, shape="*"), r"inputs\[0\]\.name"),
+        (TensorSpec(name=3, dtype=DType.FLOAT32, shape="*"), r"inputs\[0\]\.name"),  # type: ignore[arg-type]
+    ],
+)
+def test_pack_refuses_bad_specs(model_dir: Path, tmp_path: Path, spec: TensorSpec, message: str) -> None:
+    with pytest.raises(PackError, match=message):
+        pack(model_dir, tmp_path / "m.carton", inputs=[spec])
+    assert not (tmp_path / "m.carton").exists()
+
+
+def test_dtype_given_as_a_string_is_accepted(model_dir: Path, tmp_path: Path) -> None:
+    path = pack(model_dir, tmp_path / "m.carton", inputs=[TensorSpec(name="x", dtype="int8", shape=[2])])  # type: ignore[arg-type]
+    assert carton.get_model_info(path).inputs == (TensorSpec(name="x", dtype=DType.INT8, shape=(2,)),)
+
+
+@pytest.mark.parametrize("urls", [["notaurl"], ["ftp://example.com/w"], [], "https://example.com/w", ["https://"]])
+def test_shrink_and_pack_require_http_urls(model_dir: Path, tmp_path: Path, urls: object) -> None:
+    path = pack(model_dir, tmp_path / "m.carton")
+    digest = hashlib.sha256((model_dir / "weights.bin").read_bytes()).hexdigest()
+    with pytest.raises(PackError, match=f"sha256 {digest}"):
+        carton.shrink(path, {digest: urls}, tmp_path / "s.carton")  # type: ignore[dict-item]
+    with pytest.raises(PackError, match=f"sha256 {digest}"):
+        pack(model_dir, tmp_path / "l.carton", linked_files={digest: urls})
+    assert not (tmp_path / "s.carton").exists() and not (tmp_path / "l.carton").exists()
+
+
+def test_runner_refusal_names_the_callers_folder(tmp_path: Path) -> None:
+    runtime = pytest.importorskip("carton._runtime")
+    if not hasattr(runtime, "pack_in_runner"):
+        pytest.skip("carton._runtime.pack_in_runner is not available yet")
+    pytest.importorskip("xgboost")
+    folder = tmp_path / "bad_model"
+    folder.mkdir()
+    (folder / "model.json").write_text("{not json")
+    with pytest.raises(PackError) as caught:
+        carton.pack(folder, tmp_path / "m.carton", runner_name="xgboost", required_framework_version="*")
+    assert str(folder) in str(caught.value) and "carton-pack-" not in str(caught.value)
 
 
 def test_unpacked_directory_is_used_in_place(model_dir: Path, tmp_path: Path, cache: Path) -> None:

@@ -3,6 +3,9 @@ quantized entries, and the writer's refusals."""
 
 from __future__ import annotations
 
+import os
+import re
+import stat
 import struct
 from pathlib import Path
 
@@ -239,6 +242,52 @@ def test_writer_failure_leaves_no_file(tmp_path: Path) -> None:
     assert target.read_bytes() == b"previous"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.mcf"]
 
+
+
+def test_written_file_mode_follows_the_umask(tmp_path: Path) -> None:
+    # A sandboxed runner reads the file under another uid: it must get the mode open() would give, not mkstemp's 0600.
+    previous = os.umask(0o027)
+    try:
+        path = mcf.write_mcf(tmp_path / "m.mcf", tensors={"a": np.zeros(4, np.float32)})
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640
+    path = mcf.write_mcf(tmp_path / "n.mcf", tensors={"a": np.zeros(4, np.float32)})
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~previous
+
+
+def test_open_errors_name_the_path(tmp_path: Path) -> None:
+    missing = tmp_path / "missing.mcf"
+    with pytest.raises(MCFError, match=rf"^{re.escape(str(missing))}: cannot open: no such file") as info:
+        mcf.MCFFile.open(missing)
+    assert isinstance(info.value.__cause__, FileNotFoundError)
+    with pytest.raises(MCFError, match=rf"^{re.escape(str(tmp_path))}: cannot open: it is a directory"):
+        mcf.MCFFile.open(tmp_path)
+    (tmp_path / "empty.mcf").touch()
+    with pytest.raises(MCFError, match=r"empty.mcf: file is empty"):
+        mcf.open(tmp_path / "empty.mcf")
+
+
+def test_writer_refuses_a_directory_or_a_missing_folder(tmp_path: Path) -> None:
+    (tmp_path / "out").mkdir()
+    with pytest.raises(MCFError, match=r"out: cannot write the MCF file: it is a directory"):
+        mcf.MCFWriter(tmp_path / "out")
+    target = tmp_path / "nowhere" / "m.mcf"
+    with pytest.raises(MCFError, match=rf"{re.escape(str(target))}: cannot write the MCF file: folder .*nowhere does"):
+        mcf.write_mcf(target, tensors={"a": np.zeros(1, np.float32)})
+    assert not (tmp_path / "nowhere").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_failed_rename_leaves_no_temporary_file(tmp_path: Path) -> None:
+    target = tmp_path / "m.mcf"
+    writer = mcf.MCFWriter(target)
+    writer.add_tensor("a", np.zeros(4, np.float32))
+    target.mkdir()  # the output turns into a folder while the file is being written
+    with pytest.raises(MCFError, match=rf"{re.escape(str(target))}: cannot write the MCF file: it is a directory"):
+        writer.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.mcf"]
+    assert target.is_dir() and not list(target.iterdir())
 
 @pytest.mark.parametrize(
     ("call", "message"),

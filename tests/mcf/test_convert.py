@@ -317,6 +317,31 @@ def test_cli_reports_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert "no such model folder" in capsys.readouterr().err
 
 
+
+def test_cli_info_on_a_missing_file_or_a_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "nonexist.mcf"
+    assert main(["mcf", "info", str(missing)]) == 1
+    assert f"carton: error: MCFError: {missing}: cannot open: no such file" in capsys.readouterr().err
+    assert main(["mcf", "info", str(tmp_path)]) == 1
+    assert f"carton: error: MCFError: {tmp_path}: cannot open: it is a directory" in capsys.readouterr().err
+
+
+def test_cli_convert_output_errors(model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    before = sorted(p.name for p in model_dir.iterdir())
+    # The output is an existing folder (here the source itself): refused, nothing left behind in it.
+    assert main(["mcf", "convert", str(model_dir), str(model_dir)]) == 1
+    err = capsys.readouterr().err
+    assert f"carton: error: MCFError: {model_dir}: cannot write the MCF file: it is a directory" in err
+    assert "Traceback" not in err
+    assert sorted(p.name for p in model_dir.iterdir()) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-llama"]
+    # A missing parent folder is refused, not created.
+    out = tmp_path / "nonexist" / "out.mcf"
+    assert main(["mcf", "convert", str(model_dir), str(out)]) == 1
+    err = capsys.readouterr().err
+    assert f"carton: error: MCFError: {out}: cannot write the MCF file: folder {out.parent} does not exist" in err
+    assert not out.parent.exists()
+
 @pytest.mark.slow
 def test_transformers_checkpoint_converts(tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")

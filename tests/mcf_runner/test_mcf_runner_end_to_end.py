@@ -83,3 +83,26 @@ def test_unsupported_model_fails_at_pack_and_load(hf_model: Callable[..., Path],
         carton.pack(folder, tmp_path / "qwen.carton", runner_name="mcf", required_framework_version=">=0.1")
     with pytest.raises(carton.RunnerStartError, match="model_type 'qwen2' is not supported by the mcf runner"):
         carton.load_unpacked(folder, runner_name="mcf", required_framework_version=">=0.1")
+
+
+def test_strict_sandbox_runs_a_converted_model(mcf_model: Callable[..., Path]):
+    """The sandboxed runner reads model.mcf under another uid: the converter must write it readable (umask mode)."""
+    folder = mcf_model("base")
+    ids = np.array([[3, 1, 4, 1, 5]], dtype=np.int64)
+    try:
+        model = carton.load_unpacked(folder, runner_name="mcf", required_framework_version=">=0.1", sandbox="strict")
+    except carton.SandboxUnavailable as exc:
+        pytest.skip(f"no strict sandbox on this machine: {exc}")
+    with model:
+        logits = model.infer({"input_ids": ids})["logits"]
+    assert max_relative_error(logits, infer_logits(folder, {"input_ids": ids})) < 1e-5
+
+
+def test_bad_runner_option_fails_the_load_out_of_process(mcf_model: Callable[..., Path]):
+    with pytest.raises(carton.RunnerStartError, match=r"ConfigError: runner option 'max_new_tokens' must be >= 0"):
+        carton.load_unpacked(
+            mcf_model("base"),
+            runner_name="mcf",
+            required_framework_version=">=0.1",
+            runner_opts={"mode": "generate", "max_new_tokens": -1},
+        )

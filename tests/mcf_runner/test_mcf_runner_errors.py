@@ -11,7 +11,7 @@ import carton.mcf
 import numpy as np
 import pytest
 from carton.errors import ConfigError, InvalidInput, MCFError, PackError, UnsupportedModel
-from carton_protocol import DType, PackContext, TensorSpec
+from carton_protocol import DType, OptValue, PackContext, TensorSpec
 from carton_runner_mcf.runner import MCFRunner
 from mcf_runner_models import edit_config, load_runner, to_mcf
 
@@ -231,3 +231,99 @@ def test_config_json_must_be_json(hf_model: Callable[..., Path], tmp_path: Path)
     )
     with pytest.raises(MCFError, match="must hold a JSON object"):
         load_runner(tmp_path / "list")
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (
+            {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}, "rope_scaling": {"rope_type": "yarn"}},
+            r"config.json rope_scaling.rope_type = 'yarn' is not supported",
+        ),
+        (
+            {"rope_parameters": {"rope_type": "yarn", "factor": 2.0}, "rope_scaling": {"type": "linear", "factor": 2.0}},
+            r"config.json rope_parameters.rope_type = 'yarn' is not supported",
+        ),
+        (
+            {"rope_parameters": {"rope_type": "default"}, "rope_scaling": {"type": "linear", "factor": 2.0}},
+            r"config.json rope_parameters \(rope_type 'default'\) and rope_scaling \(rope_type 'linear'\) disagree",
+        ),
+        (
+            {
+                "rope_parameters": {"rope_type": "linear", "factor": 2.0},
+                "rope_scaling": {"rope_type": "linear", "factor": 4.0},
+            },
+            r"config.json rope_parameters \(factor 2.0\) and rope_scaling \(factor 4.0\) disagree",
+        ),
+        (
+            {"rope_theta": 5000.0, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+            r"config.json rope_theta \(5000.0\) and rope_parameters.rope_theta \(10000.0\) disagree",
+        ),
+    ],
+)
+def test_rope_keys_must_agree_and_be_supported(
+    changes: dict[str, object], message: str, hf_model: Callable[..., Path], tmp_path: Path
+):
+    folder = _variant(hf_model, tmp_path, "rope", **changes)
+    with pytest.raises(UnsupportedModel, match=message):
+        load_runner(folder)
+
+
+def test_agreeing_rope_keys_are_accepted(hf_model: Callable[..., Path], tmp_path: Path):
+    folder = _variant(
+        hf_model,
+        tmp_path,
+        "rope-agree",
+        rope_theta=10000.0,
+        rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+        rope_scaling={"type": "linear", "factor": 2},
+    )
+    runner = load_runner(folder)
+    try:
+        assert runner._loaded.config.rope_scaling_factor == 2.0
+    finally:
+        runner.close()
+
+
+def test_sequences_beyond_max_position_embeddings_are_refused_before_any_work(
+    hf_model: Callable[..., Path], tmp_path: Path
+):
+    folder = _variant(hf_model, tmp_path, "short", max_position_embeddings=16)
+    runner = load_runner(folder)
+    try:
+        assert runner.infer({"input_ids": np.ones((1, 16), np.int64)})["logits"].shape == (1, 16, 512)
+        with pytest.raises(InvalidInput, match=r"'input_ids' has 17 positions, more than config.json's max_posit"):
+            runner.infer({"input_ids": np.ones((2, 17), np.int64)})
+    finally:
+        runner.close()
+    runner = load_runner(folder, mode="generate", max_new_tokens=6, stop_at_eos=False)
+    try:
+        assert runner.infer({"input_ids": np.ones((1, 10), np.int64)})["output_ids"].shape == (1, 6)
+        limit = r"11 prompt positions \+ max_new_tokens 6 = 17 is more than config.json's max_position_embeddings \(16\)"
+        with pytest.raises(InvalidInput, match=limit):
+            runner.infer({"input_ids": np.ones((1, 11), np.int64)})
+        with pytest.raises(InvalidInput, match=r"10 prompt positions \+ max_new_tokens 7 = 17"):
+            runner.infer({"input_ids": np.ones((1, 10), np.int64), "max_new_tokens": np.array(7)})
+    finally:
+        runner.close()
+    with pytest.raises(ConfigError, match=r"runner option 'max_new_tokens' = 16 leaves no room for a prompt"):
+        load_runner(folder, mode="generate", max_new_tokens=16)
+
+
+@pytest.mark.parametrize(
+    ("opts", "message"),
+    [
+        ({"max_new_tokens": -1}, r"runner option 'max_new_tokens' must be >= 0, got -1"),
+        ({"temperature": -0.5}, r"runner option 'temperature' must be a finite number >= 0, got -0.5"),
+        ({"temperature": float("nan")}, r"runner option 'temperature' must be a finite number >= 0, got nan"),
+        ({"top_k": -2}, r"runner option 'top_k' must be >= 0, got -2"),
+        ({"top_p": 0.0}, r"runner option 'top_p' must be in \(0, 1\], got 0.0"),
+        ({"top_p": 1.5}, r"runner option 'top_p' must be in \(0, 1\], got 1.5"),
+        ({"seed": -1}, r"runner option 'seed' must be >= 0, got -1"),
+    ],
+)
+def test_bad_option_values_fail_at_load(opts: dict[str, OptValue], message: str, mcf_model: Callable[..., Path]):
+    with pytest.raises(ConfigError, match=message):
+        load_runner(mcf_model("base"), mode="generate", **opts)
+    with pytest.raises(ConfigError, match=message):
+        MCFRunner.pack(PackContext(model_dir=mcf_model("base"), opts={"mode": "generate", **opts}))

@@ -142,7 +142,44 @@ class Spawner(Runner):
             handle.write(f"{child.pid}\n")
 
     def infer(self, inputs: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
+        if "wedge" in inputs:
+            # Stuck in a C call that holds the GIL: no Python signal handler or watch thread can run any more.
+            ctypes.PyDLL(None).sleep(600)
         return {"pid": np.array([os.getpid()], dtype=np.int64)}
+
+
+def _spawn_setsid_orphan(pid_file: Path) -> int:
+    """Fork a child that calls setsid() and forks a sleeper, then exits: the sleeper is orphaned at once."""
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:
+        os.setsid()
+        sleeper = os.fork()
+        if sleeper == 0:
+            os.execv(sys.executable, [sys.executable, "-c", "import time; time.sleep(600)"])
+        os.write(write_end, f"{sleeper}\n".encode())
+        os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end) as reader:
+        sleeper_pid = int(reader.readline())
+    os.waitpid(child, 0)
+    with pid_file.open("a") as handle:
+        handle.write(f"{sleeper_pid}\n")
+    return sleeper_pid
+
+
+class OrphanThenCrash(Runner):
+    """Orphans a setsid() sleeper (pid appended to opts['pid_file']), then dies of SIGSEGV or SIGKILL (input)."""
+
+    def load(self, context: LoadContext) -> None:
+        self.pid_file = Path(str(context.opts["pid_file"]))
+
+    def infer(self, inputs: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
+        _spawn_setsid_orphan(self.pid_file)
+        if "sigkill" in inputs:
+            os.kill(os.getpid(), signal.SIGKILL)
+        ctypes.string_at(0)
+        return {}
 
 
 class IgnoreClose(Runner):

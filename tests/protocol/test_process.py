@@ -38,6 +38,11 @@ def pid_alive(pid: int) -> bool:
     return state != b"Z"
 
 
+def parent_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat", "rb") as handle:
+        return int(handle.read().rsplit(b")", 1)[1].split()[1])
+
+
 def wait_dead(pids: list[int], timeout: float = 5.0) -> list[int]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -51,7 +56,9 @@ def wait_dead(pids: list[int], timeout: float = 5.0) -> list[int]:
 # --- the happy path -----------------------------------------------------------------------------------------------
 def test_start_load_infer_close(start_runner: Start) -> None:
     runner = start_runner("Echo", opts={"prefix": "out_"})
-    assert runner.alive and runner.runner_pid == runner.pid
+    # `pid` is the process the host started (the supervisor), `runner_pid` the runner it forked (hello's pid).
+    assert runner.alive and runner.runner_pid is not None and runner.runner_pid != runner.pid
+    assert parent_of(runner.runner_pid) == runner.pid
     tensors = {
         "x": np.arange(16, dtype=np.float32).reshape(1, 16),
         "text": np.array(["héllo", ""]),
@@ -250,7 +257,8 @@ def test_every_call_in_flight_fails_within_a_second_when_the_runner_dies(start_r
         thread.start()
     time.sleep(0.3)
     killed = time.monotonic()
-    os.kill(runner.pid, signal.SIGSEGV)
+    assert runner.runner_pid is not None
+    os.kill(runner.runner_pid, signal.SIGSEGV)  # the runner itself dies; its supervisor re-raises the signal
     for thread in threads:
         thread.join(5)
     assert time.monotonic() - killed < 1.0
@@ -441,6 +449,60 @@ def test_close_ends_children_and_setsid_grandchildren(start_runner: Start, tmp_p
     assert wait_dead([runner.pid, *pids]) == []
 
 
+@pytest.mark.parametrize("how", ["SIGSEGV", "SIGKILL"])
+def test_a_runner_dying_by_a_signal_leaves_no_setsid_orphan(start_runner: Start, tmp_path: Path, how: str) -> None:
+    """The runner cannot clean up after a signal: its supervisor kills the orphan before reporting the death."""
+    pid_file = tmp_path / "pids"
+    runner = start_runner("OrphanThenCrash", opts={"pid_file": str(pid_file)})
+    runner_pid = runner.runner_pid
+    assert runner_pid is not None
+    begin = time.monotonic()
+    with pytest.raises(carton.RunnerCrashed, match=rf"was killed by {how} during infer"):
+        runner.infer({"sigkill": np.ones(1)} if how == "SIGKILL" else {"x": np.ones(1)})
+    assert time.monotonic() - begin < 1.0
+    # Already gone when the crash is reported (the supervisor kills the orphans, then dies of the same signal).
+    assert wait_dead([runner_pid, *_spawned_pids(pid_file, 1)], timeout=0.5) == []
+    assert runner.returncode == -getattr(signal, how)
+
+
+def test_the_supervisor_forwards_sigterm_and_leaves_nothing(start_runner: Start, tmp_path: Path) -> None:
+    pid_file = tmp_path / "pids"
+    runner = start_runner("Spawner", opts={"pid_file": str(pid_file)})
+    pids = [runner.pid, runner.runner_pid, *_spawned_pids(pid_file, 2)]
+    os.kill(runner.pid, signal.SIGTERM)
+    assert wait_dead(pids) == []
+    # The runner's own exit status (its SIGTERM handler exits with 128 + 15), passed on by the supervisor.
+    assert runner._resources.process.wait(timeout=5) == 128 + signal.SIGTERM
+
+
+def test_killing_the_supervisor_alone_ends_the_runner_and_its_descendants(start_runner: Start, tmp_path: Path) -> None:
+    pid_file = tmp_path / "pids"
+    runner = start_runner("Spawner", opts={"pid_file": str(pid_file)})
+    pids = [runner.pid, runner.runner_pid, *_spawned_pids(pid_file, 2)]
+    os.kill(runner.pid, signal.SIGKILL)  # the runner gets its parent-death signal and kills its own tree
+    assert wait_dead(pids) == []
+    with pytest.raises(carton.RunnerCrashed, match="SIGKILL"):
+        runner.infer({})
+
+
+def test_the_package_import_is_lazy_and_complete() -> None:
+    """``python -m carton_protocol`` forks before numpy is imported: importing the package must not import it."""
+    script = (
+        "import sys, carton_protocol\n"
+        "assert 'numpy' not in sys.modules and 'zmq' not in sys.modules, sorted(sys.modules)\n"
+        "missing = [name for name in carton_protocol.__all__ if getattr(carton_protocol, name, None) is None]\n"
+        "assert not missing, missing\n"
+        "assert set(carton_protocol.__all__) <= set(dir(carton_protocol))\n"
+        "try:\n"
+        "    carton_protocol.no_such_name\n"
+        "except AttributeError as exc:\n"
+        "    assert 'no_such_name' in str(exc)\n"
+        "else:\n"
+        "    raise AssertionError('no AttributeError')\n"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, env={**os.environ, "PYTHONPATH": str(HERE)})
+
+
 def test_garbage_collection_ends_the_runner(tmp_path: Path) -> None:
     runner = RunnerProcess.start(make_spec("runners_for_tests:Echo"), extra_env=TEST_ENV)
     pid, runtime_dir = runner.pid, runner.plan.runtime_dir
@@ -452,33 +514,39 @@ def test_garbage_collection_ends_the_runner(tmp_path: Path) -> None:
 
 HOST_SCRIPT = textwrap.dedent(
     """
-    import sys, time
+    import sys, threading, time
+    import numpy as np
     sys.path.insert(0, {here!r})
     from conftest import make_spec, TEST_ENV
     from carton._runtime._process import RunnerProcess
     runner = RunnerProcess.start(make_spec("runners_for_tests:Spawner"), extra_env=TEST_ENV)
     runner.load(model_dir={here!r}, opts={{"pid_file": sys.argv[1]}}, inputs=(), outputs=())
-    print(runner.pid, runner.plan.runtime_dir, flush=True)
-    if sys.argv[2] == "hang":
+    if sys.argv[2] == "wedge":
+        threading.Thread(target=runner.infer, args=({{"wedge": np.ones(1)}},), daemon=True).start()
+        time.sleep(0.5)
+    print(runner.pid, runner.runner_pid, runner.plan.runtime_dir, flush=True)
+    if sys.argv[2] != "exit":
         time.sleep(600)
     """
 )
 
 
-@pytest.mark.parametrize("how", ["sigkill", "exit"])
+@pytest.mark.parametrize("how", ["sigkill", "exit", "wedge"])
 def test_host_death_ends_the_runner_and_its_descendants(tmp_path: Path, how: str) -> None:
+    """``wedge``: the host is SIGKILLed while the runner is stuck in a C call holding the GIL (its own handlers
+    cannot run): its supervisor still kills the whole tree."""
     pid_file = tmp_path / "pids"
     script = tmp_path / "host.py"
     script.write_text(HOST_SCRIPT.format(here=str(HERE)))
     host = subprocess.Popen(
-        [sys.executable, str(script), str(pid_file), "hang" if how == "sigkill" else "exit"],
+        [sys.executable, str(script), str(pid_file), how],
         stdout=subprocess.PIPE,
         text=True,
     )
     assert host.stdout is not None
-    runner_pid_text, runtime_dir = host.stdout.readline().split()
-    pids = [int(runner_pid_text), *_spawned_pids(pid_file, 2)]
-    if how == "sigkill":
+    supervisor_pid, runner_pid, runtime_dir = host.stdout.readline().split()
+    pids = [int(supervisor_pid), int(runner_pid), *_spawned_pids(pid_file, 2)]
+    if how != "exit":
         host.kill()
     host.wait(10)
     assert wait_dead(pids) == []
@@ -519,7 +587,8 @@ def test_the_runner_gets_a_clean_environment_and_no_host_descriptors(
     assert env["HOME"] == str(runner.plan.scratch_dir) == out["cwd"][0]
     assert not any("host-only" in target for target in out["fds"].tolist())
     session, pid = out["sid"].tolist()
-    assert session == pid  # its own session: a process-group kill cannot reach the host
+    # Its own session, led by its supervisor: a process-group kill cannot reach the host.
+    assert pid == runner.runner_pid and session == runner.pid != os.getsid(0)
 
 
 def test_a_forked_child_of_the_host_does_not_end_the_hosts_runner(start_runner: Start) -> None:

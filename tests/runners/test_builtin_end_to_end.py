@@ -50,7 +50,7 @@ def test_onnx_mlp_pack_load_infer(tmp_path: Path) -> None:
 def test_onnx_every_dtype_and_strings_out_of_process(tmp_path: Path) -> None:
     write_identity_all_dtypes(tmp_path / "ids" / "model")
     write_string_ops(tmp_path / "strings" / "model")
-    with carton.load(carton.pack(tmp_path / "ids" / "model", runner_name="onnxruntime",
+    with carton.load(carton.pack(tmp_path / "ids" / "model", tmp_path / "ids.carton", runner_name="onnxruntime",
                                  required_framework_version="*")) as model:
         inputs = {f"in_{name}": sample(name, (4, 3), seed=i) for i, name in enumerate(DTYPES)}
         outputs = model.infer(inputs)
@@ -58,7 +58,7 @@ def test_onnx_every_dtype_and_strings_out_of_process(tmp_path: Path) -> None:
             assert np.array_equal(outputs[f"out_{name}"], inputs[f"in_{name}"]), name
             if name != "string":
                 assert outputs[f"out_{name}"].dtype == inputs[f"in_{name}"].dtype
-    with carton.load(carton.pack(tmp_path / "strings" / "model", runner_name="onnxruntime",
+    with carton.load(carton.pack(tmp_path / "strings" / "model", tmp_path / "s.carton", runner_name="onnxruntime",
                                  required_framework_version="*")) as model:
         words = np.array(["b", "日本語", "", "b"], dtype=np.str_)
         outputs = model.infer({"words": words})
@@ -69,7 +69,7 @@ def test_onnx_every_dtype_and_strings_out_of_process(tmp_path: Path) -> None:
 def test_onnx_internal_names_out_of_process(tmp_path: Path) -> None:
     write_graph_names(tmp_path / "model")
     packed = carton.pack(
-        tmp_path / "model", runner_name="onnxruntime", required_framework_version="*",
+        tmp_path / "model", tmp_path / "names.carton", runner_name="onnxruntime", required_framework_version="*",
         inputs=[TensorSpec(name="x", dtype=DType.FLOAT32, shape=("batch", 3), internal_name="ns/in_x:0")],
         outputs=[TensorSpec(name="y", dtype=DType.FLOAT32, shape=("batch", 3), internal_name="ns/out_y:0")],
     )
@@ -100,7 +100,7 @@ def test_onnx_external_data_outside_is_refused_at_pack_and_load(tmp_path: Path, 
 
 def test_onnx_external_data_inside_is_packed_and_runs(tmp_path: Path) -> None:
     weights = write_external_data(tmp_path / "model", "data/w.bin")
-    with carton.load(carton.pack(tmp_path / "model", runner_name="onnxruntime",
+    with carton.load(carton.pack(tmp_path / "model", tmp_path / "ext.carton", runner_name="onnxruntime",
                                  required_framework_version="*")) as model:
         x = np.ones((3, 4), np.float32)
         assert np.array_equal(model.infer({"x": x})["y"], x @ weights)

@@ -24,7 +24,7 @@ from carton.errors import (
     RunnerStartError,
     RunnerTimeout,
     RunnerWarning,
-    SandboxUnavailable,
+    SandboxConfigError,
 )
 from carton_protocol import DType, TensorSpec
 
@@ -248,7 +248,7 @@ def test_resolution_errors(affine_dir: Path) -> None:
 
 
 def test_sandbox_and_limits(affine_dir: Path) -> None:
-    with pytest.raises(SandboxUnavailable, match="unknown sandbox policy 'tight'"):
+    with pytest.raises(SandboxConfigError, match="unknown sandbox policy 'tight'"):
         load_affine(affine_dir, sandbox="tight")
     # resource limits are applied by the sandbox layer's exec shim, even under sandbox="none"
     with load_affine(affine_dir, limits=RunnerLimits(memory_bytes=3 << 30)) as model:

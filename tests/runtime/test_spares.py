@@ -205,7 +205,7 @@ def test_a_carton_that_fails_to_open_leaves_no_runner_behind(tmp_path: Path, aff
             carton.load(packed)
     assert len(started) == 1  # the runner was starting while the carton was read
     try:
-        process = started[0].result(timeout=30)
+        process, _ = started[0].result(timeout=30)
     except RunnerStartError:
         return  # it never came up: nothing to leak
     assert _wait_gone(process.pid)

@@ -3,8 +3,11 @@ lazy/zero-copy API, and every dtype."""
 
 from __future__ import annotations
 
+import errno
 import json
 import mmap
+import os
+import stat
 import struct
 from pathlib import Path
 
@@ -242,8 +245,56 @@ def test_safe_open_errors(tmp_path: Path) -> None:
         f.get_tensor("a")
     with pytest.raises(SafetensorsError, match=r"framework 'pt' is not supported"):
         st.safe_open(tmp_path / "f.safetensors", framework="pt")
+
+
+@pytest.mark.parametrize("reader", [st.safe_open, st.load_file])
+def test_missing_file_and_directory_are_both_oserror_and_safetensors_error(reader: object, tmp_path: Path) -> None:
+    """The reference raises FileNotFoundError for a missing file and OSError (ENODEV) for a directory; ours raise
+    FileNotFoundError and IsADirectoryError (an OSError), which are also SafetensorsError and name the file."""
+    missing = tmp_path / "missing.safetensors"
     with pytest.raises(FileNotFoundError):
-        st.safe_open(tmp_path / "missing.safetensors")
+        ref.load_file(str(missing))
+    with pytest.raises(OSError):
+        ref.load_file(str(tmp_path))
+    with pytest.raises(FileNotFoundError) as not_found:
+        reader(missing)  # type: ignore[operator]
+    assert isinstance(not_found.value, SafetensorsError) and isinstance(not_found.value, st.SafetensorsFileNotFound)
+    assert not_found.value.errno == errno.ENOENT and not_found.value.filename == str(missing)
+    assert str(not_found.value) == f"{missing}: cannot open: no such file"
+    with pytest.raises(IsADirectoryError) as is_dir:
+        reader(tmp_path)  # type: ignore[operator]
+    assert isinstance(is_dir.value, SafetensorsError) and is_dir.value.errno == errno.EISDIR
+    assert str(is_dir.value) == f"{tmp_path}: cannot open: it is a directory"
+    try:
+        reader(missing)  # type: ignore[operator]
+    except SafetensorsError as exc:  # the carton-wide handler catches it too
+        assert isinstance(exc, OSError)
+
+
+def test_save_file_errors_name_the_target(tmp_path: Path) -> None:
+    target = tmp_path / "nowhere" / "x.safetensors"
+    with pytest.raises(FileNotFoundError) as info:
+        st.save_file({"a": np.zeros(2, np.float32)}, target)
+    assert isinstance(info.value, SafetensorsError)
+    assert str(info.value) == f"{target}: cannot write: folder {target.parent} does not exist"
+    assert info.value.filename == str(target)
+    assert not target.parent.exists()
+    (tmp_path / "d.safetensors").mkdir()
+    with pytest.raises(IsADirectoryError) as is_dir:
+        st.save_file({"a": np.zeros(2, np.float32)}, tmp_path / "d.safetensors")
+    assert isinstance(is_dir.value, SafetensorsError)
+    assert str(is_dir.value) == f"{tmp_path / 'd.safetensors'}: cannot write: it is a directory"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.safetensors"]
+
+
+def test_save_file_mode_follows_the_umask(tmp_path: Path) -> None:
+    previous = os.umask(0o027)
+    try:
+        st.save_file({"a": np.zeros(2, np.float32)}, tmp_path / "ours.safetensors")
+    finally:
+        os.umask(previous)
+    # As open(path, "wb") would create it (the reference 0.8 writes 0600 through its temporary file).
+    assert stat.S_IMODE((tmp_path / "ours.safetensors").stat().st_mode) == 0o640
 
 
 def test_load_from_bytes_is_a_view() -> None:

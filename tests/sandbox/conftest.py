@@ -63,8 +63,11 @@ def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     return value
 
 
-def policy_for(backend: Backend) -> str:
-    """The strictest policy the backend can start here: strict when every layer is present, else best_effort."""
+def policy_for(backend: Backend | None) -> str:
+    """The strictest policy the backend can start here: strict when every layer is present, else best_effort;
+    ``none`` without a backend."""
+    if backend is None:
+        return "none"
     layers = machine_support().layers(backend)
     return "strict" if all(status.available for status in layers) else "best_effort"
 

@@ -41,7 +41,7 @@ pytestmark = pytest.mark.usefixtures("adversarial_plugin")
 BOUND = 20.0
 
 
-def load(model_dir: Path, backend: Backend, limits: carton.RunnerLimits | None = None, **options: Any) -> carton.Model:
+def load(model_dir: Path, backend: Backend | None, limits: carton.RunnerLimits | None = None, **options: Any) -> carton.Model:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", SandboxWarning)
         return carton.load_unpacked(model_dir, runner_name="adversary", required_framework_version="1",
@@ -68,7 +68,7 @@ def wait_gone(*needles: str, timeout: float = 10.0) -> list[tuple[int, str]]:
 
 
 @contextmanager
-def aftermath(models: tuple[Path, Path], backend: Backend, model: carton.Model, *markers: str) -> Iterator[None]:
+def aftermath(models: tuple[Path, Path], backend: Backend | None, model: carton.Model, *markers: str) -> Iterator[None]:
     """Checks the host after an attack on `model` (which this closes)."""
     rss_before = host_rss()
     started = time.monotonic()
@@ -152,11 +152,20 @@ def test_segfault_mid_request(models: tuple[Path, Path], backend: Backend) -> No
         attack(model, "segfault")
 
 
-def test_setsid_orphan_does_not_survive(models: tuple[Path, Path], backend: Backend) -> None:
+def _orphan_then_segfault(models: tuple[Path, Path], backend: Backend | None) -> None:
     marker = f"carton-orphan-{uuid.uuid4().hex}"
     model = load(models[0], backend)
     with aftermath(models, backend, model, marker), pytest.raises(RunnerCrashed, match="SIGSEGV"):
         attack(model, "orphan", marker)
+
+
+def test_setsid_orphan_does_not_survive(models: tuple[Path, Path], backend: Backend) -> None:
+    _orphan_then_segfault(models, backend)
+
+
+def test_setsid_orphan_does_not_survive_without_a_sandbox(models: tuple[Path, Path]) -> None:
+    """Policy ``none``: no PID namespace ends the tree, the runner's supervisor does (docs/protocol.md)."""
+    _orphan_then_segfault(models, None)
 
 
 def test_never_answering_the_handshake(models: tuple[Path, Path], backend: Backend) -> None:

@@ -19,7 +19,14 @@ from carton._sandbox import Backend, Layer, SandboxPolicy, _seccomp, _wrap, laun
 from carton._sandbox._layers import SHIM
 from carton._sandbox._paths import system_paths
 from carton._sandbox._shim import SETUP_FAILED
-from carton.errors import RunnerMemoryLimit, SandboxError, SandboxUnavailable, SandboxWarning
+from carton.errors import (
+    RunnerMemoryLimit,
+    RunnerStartError,
+    SandboxConfigError,
+    SandboxError,
+    SandboxUnavailable,
+    SandboxWarning,
+)
 
 # --- policies --------------------------------------------------------------------------------------------------
 
@@ -66,8 +73,10 @@ def test_unknown_backend_name_is_refused(monkeypatch: pytest.MonkeyPatch) -> Non
 
 @pytest.mark.usefixtures("adversarial_plugin")
 def test_unknown_policy_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(SandboxUnavailable, match="unknown sandbox policy 'paranoid'"):
+    allowed = r"\(choose one of 'none', 'best_effort', 'strict'\)"
+    with pytest.raises(SandboxConfigError, match=f"unknown sandbox policy 'paranoid' {allowed}") as caught:
         carton.load_unpacked(tmp_path, runner_name="adversary", required_framework_version="1", sandbox="paranoid")
+    assert isinstance(caught.value, ValueError) and not isinstance(caught.value, SandboxUnavailable)
 
 
 def test_none_without_limits_is_unwrapped(tmp_path: Path) -> None:
@@ -79,8 +88,9 @@ def test_none_without_limits_is_unwrapped(tmp_path: Path) -> None:
 @pytest.mark.parametrize("field", ["memory_bytes", "cpu_seconds", "processes", "open_files", "file_size_bytes"])
 @pytest.mark.parametrize("value", [0, -1, float("nan"), True, "1"])
 def test_limits_are_validated(field: str, value: object) -> None:
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(SandboxConfigError, match=rf"RunnerLimits\.{field} must be a positive number") as caught:
         carton.RunnerLimits(**{field: value})  # type: ignore[arg-type]
+    assert isinstance(caught.value, ValueError) and isinstance(caught.value, carton.CartonError)
 
 
 @pytest.mark.usefixtures("adversarial_plugin")

@@ -289,22 +289,6 @@ def test_upload_disabled(locked_server: Server, cartons: dict[str, Path]) -> Non
     assert _request(locked_server, "GET", "/v2/health/ready")[0] == 200
 
 
-def test_uploads_run_under_the_sandbox_policy(server: Server, repository: Path, cartons: dict[str, Path]) -> None:
-    options = ServerOptions(
-        repository=repository, http_port=0, grpc_port=None, model_control_mode=ModelControlMode.EXPLICIT
-    )
-    assert options.upload_sandbox == "best_effort"
-    payload = base64.b64encode(cartons["identity"].read_bytes()).decode()
-    body = json.dumps({"parameters": {"config": "{}", "file:1/model.carton": payload}}).encode()
-    with serve_in_thread(options) as running:
-        status, _headers, text = _request(running, "POST", "/v2/repository/models/up/load", body)
-        if status == 200:  # the sandbox layer exists on this machine
-            assert _request(running, "GET", "/v2/models/up/ready")[0] == 200
-        else:
-            message = json.loads(text)["error"]
-            assert status == 400 and "sandbox" in message and "best_effort" in message
-
-
 def test_model_control_mode_none(repository: Path) -> None:
     options = ServerOptions(repository=repository, http_port=0, grpc_port=None, load_timeout=60)
     with serve_in_thread(options) as running:

@@ -39,6 +39,10 @@ def test_serve_subprocess_stops_on_sigint(repository: Path) -> None:
             time.sleep(0.2)
         process.send_signal(signal.SIGINT)
         assert process.wait(30) == 0
+        # Where it listens reaches the user as a plain line on stderr, not as a warning in the log.
+        lines = process.stderr.read().decode().splitlines() if process.stderr else []
+        assert f"carton server: HTTP on 127.0.0.1:{port}" in lines, lines
+        assert not any("WARNING" in line for line in lines), lines
     finally:
         if process.poll() is None:
             process.kill()

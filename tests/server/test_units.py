@@ -2,15 +2,29 @@
 
 from __future__ import annotations
 
+import os
 import struct
+import subprocess
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from carton.errors import BadRequest, RepositoryError
+from carton.errors import (
+    BadRequest,
+    InvalidInput,
+    ModelClosed,
+    RepositoryError,
+    RunnerCrashed,
+    RunnerFailed,
+    RunnerMemoryLimit,
+    RunnerTimeout,
+)
 from carton.server._config import PolicyKind, parse_config
 from carton.server._datatypes import decode_bytes_elements, encode_bytes_elements
-from carton.server._layout import Scrubber, validate_model_name, write_upload
+from carton.server._inference import translate_error
+from carton.server._layout import Scrubber, sweep_stale_upload_roots, validate_model_name, write_upload
 
 
 def test_bytes_elements_exact_layout() -> None:
@@ -48,10 +62,58 @@ def test_upload_confinement(tmp_path: Path) -> None:
 
 
 def test_scrubber_removes_paths(tmp_path: Path) -> None:
-    scrub = Scrubber([(tmp_path / "repo", ""), (tmp_path / "up", "<upload>/")])
+    up = tmp_path / "up"
+    scrub = Scrubber(tmp_path / "repo", up)
     assert scrub(f"bad {tmp_path}/repo/m/1/model.carton: zip") == "bad m/1/model.carton: zip"
-    assert scrub(f"in {tmp_path}/up/m/abc/1/x") == "in <upload>/m/abc/1/x"
+    assert scrub(f"in '{up}/m/{'ab' * 16}/1/x'") == "in 'file:1/x'"  # the client's own parameter name
+    assert scrub(f"in {up}/elsewhere") == "in <upload>/elsewhere"
     assert scrub("cannot open /home/user/.cache/carton/abc/model.onnx now") == "cannot open model.onnx now"
+    # A root is replaced only where a path starts with it, never inside a longer path or a name.
+    assert scrub(f"{tmp_path}/repository/x/y") == "y"
+    assert scrub(f"{tmp_path}/repo") == "repo"
+
+
+@pytest.mark.parametrize("root", ["models/", "repo", "models"])
+def test_scrubber_relative_roots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, root: str) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / root).mkdir()
+    scrub = Scrubber(Path(root), tmp_path / "up")
+    for message in (
+        "failed to load 'nomodels': no such model in the repository",
+        "model 'repo' is both a folder and 'repo.carton' in the repository; keep one",
+        "models/m/1 and repo/m/1 are relative: the server never hands them out",
+    ):
+        assert scrub(message) == message
+    assert scrub(f"bad {tmp_path / root}/m/1/model.carton") == "bad m/1/model.carton"
+
+
+def _exited_pid() -> int:
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
+def test_sweep_removes_only_folders_of_dead_servers(tmp_path: Path) -> None:
+    dead = tmp_path / f"carton-serve-uploads-{_exited_pid()}-abc"
+    (dead / "m" / "x" / "1").mkdir(parents=True)
+    (dead / "m" / "x" / "1" / "model.carton").write_bytes(b"x")
+    with subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) as sleeper:
+        try:
+            alive = tmp_path / f"carton-serve-uploads-{sleeper.pid}-abc"
+            mine = tmp_path / f"carton-serve-uploads-{os.getpid()}-abc"
+            legacy = tmp_path / "carton-serve-uploads-k2j4h5"  # no pid: nobody can tell whose it is
+            other = tmp_path / f"unrelated-{_exited_pid()}-abc"
+            for folder in (alive, mine, legacy, other):
+                folder.mkdir()
+            target = tmp_path / "target"
+            target.mkdir()
+            link = tmp_path / f"carton-serve-uploads-{_exited_pid()}-link"
+            link.symlink_to(target)
+            assert sweep_stale_upload_roots(tmp_path) == [dead]
+            assert not dead.exists()
+            assert all(folder.is_dir() for folder in (alive, mine, legacy, other, target)) and link.is_symlink()
+        finally:
+            sleeper.kill()
 
 
 def test_config_parsing() -> None:
@@ -75,3 +137,47 @@ def test_config_parsing() -> None:
     ]:
         with pytest.raises(RepositoryError, match=message):
             parse_config(document, model="m", source="config.json")
+
+
+@pytest.mark.parametrize(
+    ("error", "status", "expected"),
+    [
+        (
+            RunnerTimeout(
+                "runner carton_runner_mcf.runner:MCFRunner did not answer infer within 2.5 s (timeout); it was killed"
+            ),
+            503,
+            "model 'm' version 1 did not answer within the server's request timeout of 2.5 s; the request was "
+            "abandoned and the model restarted",
+        ),
+        (
+            ModelClosed("runner a.b:C was closed during infer"),
+            503,
+            "model 'm' version 1 was unloaded while it ran; retry the request",
+        ),
+        (
+            RunnerCrashed(
+                "runner a.b:C (pid 4242) was killed by SIGSEGV during infer\nrunner log:\n/opt/x/y.py line 3"
+            ),
+            500,
+            "model 'm' version 1 crashed while running the request; it is restarted for the next request",
+        ),
+        (
+            RunnerMemoryLimit("runner a.b:C ran out of its memory limit (memory_bytes=1000) during infer: MemoryError"),
+            500,
+            "model 'm' version 1 went over the server's memory limit for a model while running the request",
+        ),
+        (
+            RunnerFailed("runner pkg.mod:Runner failed during infer: Got invalid dimensions for input /srv/m/x.onnx"),
+            500,
+            "model 'm' version 1 failed: Got invalid dimensions for input x.onnx",
+        ),
+        (InvalidInput("input 'x': expected float32"), 400, "input 'x': expected float32"),
+    ],
+)
+def test_runner_failures_answered_without_internals(error: Exception, status: int, expected: str) -> None:
+    served = SimpleNamespace(model="m", version_str="1")
+    answer = translate_error(error, Scrubber(Path("/srv/repo")), served)  # type: ignore[arg-type]
+    assert answer.http_status == status and str(answer).startswith(expected), str(answer)
+    for internal in ("runner", "pid", "a.b:C", "SIGSEGV", "/srv", "MCF"):
+        assert internal not in str(answer)

@@ -32,6 +32,8 @@ from ._zipread import METHOD_STORED, ZipEntry
 __all__ = ["OpenedCarton", "open_carton"]
 
 _COPY_CHUNK = 8 << 20
+#: Buffer of the one-pass stored extraction: 1 MiB measured fastest (stays in cache between read, hash and write).
+_ONE_PASS_CHUNK = 1 << 20
 #: The stamp of a materialized cache entry, next to its model/ folder.
 ENTRY_STAMP = "stamp.json"
 
@@ -132,7 +134,7 @@ def _entry_intact(final: Path, model_paths: list[str], model_hash: str) -> bool:
     files = _entry_files(final / "model")
     if files is None or sorted(files) != model_paths:
         return False
-    return stamp_matches(read_stamp(final / ENTRY_STAMP), key={"model_hash": model_hash}, files=files)
+    return stamp_matches(read_stamp(final / ENTRY_STAMP), key={"model_hash": model_hash}, files=files, racy=False)
 
 
 def _materialize(reader: CartonReader, model_paths: list[str], final: Path, *, replace: bool = False) -> None:
@@ -248,7 +250,7 @@ def extract_stored(store: ZipStore, entry: ZipEntry, destination: Path, bar: Pro
     offset, length = store.zip.data_span(entry)
     source_fd = store.source.fileno() if isinstance(store.source, FileSource) else -1
     hasher = hashlib.sha256()
-    buffer = bytearray(min(_COPY_CHUNK, max(length, 1)))
+    buffer = bytearray(min(_ONE_PASS_CHUNK, max(length, 1)))
     view = memoryview(buffer)
     fd = os.open(destination, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
     try:

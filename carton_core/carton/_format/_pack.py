@@ -22,8 +22,9 @@ from carton_protocol import OptValue, TensorSpec
 
 from .. import _paths
 from .._progress import Progress
-from ..errors import PackError, UnsafeArchive
+from ..errors import ConfigError, PackError, UnsafeArchive
 from ._config import RawExample, RawSelfTest, serialize_carton_toml
+from ._config import _tensor_spec as tensor_spec_from_table
 from ._info import MiscRef, RunnerInfo, SelfTest, TensorRef
 from ._limits import DEFAULT_LIMITS
 from ._links import serialize_links
@@ -64,17 +65,38 @@ def _model_files(model_dir: Path) -> dict[str, Path]:
 
 
 def _check_specs(name: str, specs: Sequence[TensorSpec] | None) -> tuple[TensorSpec, ...]:
+    """The specs as carton.toml will hold them, checked by the same rules the reader applies (dtype, shape, name)."""
     if specs is None:
         return ()
-    out = tuple(specs)
-    for spec in out:
+    out = []
+    for i, spec in enumerate(specs):
+        where = f"{name}[{i}]"
         if not isinstance(spec, TensorSpec):
-            raise PackError(f"{name} must be carton.TensorSpec objects, got {type(spec).__name__}")
+            raise PackError(f"{where} must be a carton.TensorSpec, got {type(spec).__name__}")
+        if not isinstance(spec.name, str) or not spec.name:
+            raise PackError(f"{where}.name must be a non-empty string, not {spec.name!r}")
+        shape = spec.shape if isinstance(spec.shape, str) else list(spec.shape) if isinstance(
+            spec.shape, tuple | list) else spec.shape  # fmt: skip
+        table = {"name": spec.name, "dtype": spec.dtype, "shape": shape, "description": spec.description,
+                 "internal_name": spec.internal_name}  # fmt: skip
+        try:
+            out.append(tensor_spec_from_table({k: v for k, v in table.items() if v is not None}, where))
+        except ConfigError as exc:
+            raise PackError(str(exc).removeprefix("carton.toml: ")) from exc
     names = [s.name for s in out]
     for spec_name in names:
         if names.count(spec_name) > 1:
             raise PackError(f"{name}: tensor name {spec_name!r} is declared more than once")
-    return out
+    return tuple(out)
+
+
+def _check_urls(digest: str, targets: object, where: str) -> None:
+    """LINKS may only hold http(s) URLs (the reader refuses anything else), and at least one per file."""
+    if isinstance(targets, str) or not isinstance(targets, Sequence) or not targets:
+        raise PackError(f"{where}: sha256 {digest} needs a non-empty list of URLs, not {targets!r}")
+    for url in targets:
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")) or len(url) <= len("https://"):
+            raise PackError(f"{where}: sha256 {digest}: {url!r} is not an http(s) URL")
 
 
 def _tensor_value(value: object) -> object:
@@ -198,10 +220,10 @@ def _atomic_output(output: Path) -> Iterator[BinaryIO]:
         raise
 
 
-def _default_output(stem: str) -> Path:
-    fd, name = tempfile.mkstemp(prefix=f"{stem}-", suffix=".carton")
-    os.close(fd)
-    return Path(name)
+def _default_output(model_dir: Path) -> Path:
+    """``<model_dir>.carton`` beside the folder, as `carton pack` does without ``-o``."""
+    folder = model_dir.resolve()
+    return folder.with_name(f"{folder.name}.carton")
 
 
 def pack(
@@ -236,17 +258,24 @@ def pack(
     "expected_out"}`` mappings, examples ``{"name", "description", "inputs", "sample_out"}``; tensors are numpy
     arrays, strings, (nested) lists, or lists of arrays for nested tensors; example values may also be misc files
     (bytes or a path). ``linked_files`` maps sha256 to URLs: files with those hashes are left out of the zip and
-    listed in LINKS. ``output=None`` writes a new temporary file. Raises `carton.PackError`.
+    listed in LINKS. ``output=None`` writes ``<model_dir>.carton`` beside a model folder (a model object needs an
+    explicit ``output``). Raises `carton.PackError`.
     """
     method = COMPRESSION_METHODS.get(compression)
     if method is None:
         raise PackError(f"compression {compression!r} is not one of {', '.join(COMPRESSION_METHODS)}")
     inputs_t, outputs_t = _check_specs("inputs", inputs), _check_specs("outputs", outputs)
+    is_folder = isinstance(model_dir_or_object, str | os.PathLike)
+    if output is None and not is_folder:
+        raise PackError("pack(model_object): output= is required (there is no model folder to write beside)")
+    for digest, targets in (linked_files or {}).items():
+        _check_urls(digest, targets, "linked_files")
+    destination = Path(output) if output is not None else _default_output(Path(model_dir_or_object))  # type: ignore[arg-type]
     opts: dict[str, OptValue] = dict(runner_opts or {})
     with tempfile.TemporaryDirectory(prefix="carton-pack-") as staging_name:
         staging = Path(staging_name) / "model"
-        if isinstance(model_dir_or_object, str | os.PathLike):
-            model_dir = Path(model_dir_or_object)
+        if is_folder:
+            model_dir = Path(model_dir_or_object)  # type: ignore[arg-type]
             if not model_dir.is_dir():
                 raise PackError(f"{model_dir}: not a directory (pack takes a model folder or a model object)")
         else:
@@ -263,14 +292,20 @@ def pack(
                 # The runner's pack step may rewrite files: give it a copy, never the caller's folder.
                 shutil.copytree(model_dir, staging, symlinks=False)
                 model_dir = staging
-            packed = pack_in_runner(
-                runner_name=runner_name,
-                required_framework_version=required_framework_version,
-                model_dir=model_dir,
-                opts=opts,
-                inputs=inputs_t,
-                outputs=outputs_t,
-            )
+            try:
+                packed = pack_in_runner(
+                    runner_name=runner_name,
+                    required_framework_version=required_framework_version,
+                    model_dir=model_dir,
+                    opts=opts,
+                    inputs=inputs_t,
+                    outputs=outputs_t,
+                )
+            except PackError as exc:
+                # The runner saw our private copy; name the caller's folder (or object) instead.
+                shown = str(Path(model_dir_or_object)) if is_folder else "the serialized model object"  # type: ignore[arg-type]
+                message = str(exc).replace(str(staging.resolve()), shown).replace(str(staging), shown)
+                raise PackError(message) from exc
             inputs_t = inputs_t or tuple(packed.result.inputs)
             outputs_t = outputs_t or tuple(packed.result.outputs)
             opts = dict(packed.result.opts)
@@ -300,7 +335,6 @@ def pack(
             )  # fmt: skip
         except (TypeError, ValueError) as exc:
             raise PackError(f"carton.toml cannot hold these values: {exc}") from exc
-        destination = Path(output) if output is not None else _default_output(model_name or model_dir.name)
         _write(destination, _model_files(model_dir), contents.files, dict(linked_files or {}), method)
     return destination
 
@@ -361,6 +395,8 @@ def shrink(
             raise PackError(f"{path}: sha256 {unknown[0]} given to shrink is not the hash of any file in the carton")
         if reader.manifest.get("carton.toml") in urls:
             raise PackError(f"{path}: carton.toml cannot be moved to LINKS")
+        for digest, targets in urls.items():
+            _check_urls(digest, targets, f"{path}: shrink")
         links: dict[str, list[str]] = {d: list(u) for d, u in reader.links.items()}
         for digest, targets in urls.items():
             known = links.setdefault(digest, [])

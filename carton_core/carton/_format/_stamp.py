@@ -79,9 +79,13 @@ def read_stamp(path: Path) -> dict[str, object] | None:
 
 
 def stamp_matches(
-    stamp: Mapping[str, object] | None, *, key: Mapping[str, str], files: Mapping[str, FileStat]
+    stamp: Mapping[str, object] | None, *, key: Mapping[str, str], files: Mapping[str, FileStat], racy: bool = True
 ) -> bool:
-    """True when ``stamp`` was written for ``key`` (model hash, folder) and records exactly ``files``."""
+    """True when ``stamp`` was written for ``key`` (model hash, folder) and records exactly ``files``.
+
+    ``racy``: distrust files modified within `RACY_NS` before the stamp was written (folders the user edits; a
+    cache entry's files are written by us before its stamp and then never again, so it passes False).
+    """
     if stamp is None or any(stamp.get(k) != v for k, v in key.items()):
         return False
     recorded = stamp.get("files")
@@ -89,7 +93,7 @@ def stamp_matches(
     if not isinstance(recorded, dict) or not isinstance(written, int) or recorded.keys() != files.keys():
         return False
     for path, current in files.items():
-        if recorded[path] != list(current) or current[2] + RACY_NS >= written:
+        if recorded[path] != list(current) or (racy and current[2] + RACY_NS >= written):
             return False
     return True
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import SandboxUnavailable
+from ..errors import SandboxConfigError, SandboxUnavailable
 from ._launch import LaunchPlan
 
 __all__ = ["RunnerLimits", "SandboxPolicy", "launch_wrapper"]
@@ -35,7 +35,8 @@ class SandboxPolicy(enum.StrEnum):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RunnerLimits:
     """Per-model limits; ``None`` means unlimited. Exceeding one is `RunnerMemoryLimit`, `RunnerCPULimit`,
-    `RunnerTimeout` or `RunnerCrashed`, naming the limit."""
+    `RunnerTimeout` or `RunnerCrashed`, naming the limit. A value that is not a positive number is
+    `SandboxConfigError` (a `ValueError`)."""
 
     memory_bytes: int | None = None
     cpu_seconds: float | None = None
@@ -50,7 +51,7 @@ class RunnerLimits:
             if value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
-                raise ValueError(f"RunnerLimits.{name} must be a positive number or None, got {value!r}")
+                raise SandboxConfigError(f"RunnerLimits.{name} must be a positive number or None, got {value!r}")
 
     def needs_sandbox(self) -> tuple[str, ...]:
         """The limits that only the sandbox layer can enforce."""
@@ -68,7 +69,7 @@ def _policy(value: SandboxPolicy | str | None) -> SandboxPolicy:
         return SandboxPolicy(value)
     except ValueError:
         choices = ", ".join(repr(p.value) for p in SandboxPolicy)
-        raise SandboxUnavailable(f"unknown sandbox policy {value!r} (choose one of {choices})") from None
+        raise SandboxConfigError(f"unknown sandbox policy {value!r} (choose one of {choices})") from None
 
 
 def launch_wrapper(

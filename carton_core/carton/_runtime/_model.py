@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from carton_protocol import OptValue, RunnerSpec, Tensor, TensorSpec
 
-from ..errors import CartonError, FormatError, InvalidVersionReq, ModelClosed
+from ..errors import CartonError, FormatError, InvalidVersionReq, ModelClosed, RunnerCrashed
 from ._isolation import LaunchWrapper, RunnerLimits, SandboxPolicy, launch_wrapper
 from ._process import RunnerProcess
 from ._resolve import RunnerRequest, resolve_runner
@@ -32,7 +32,7 @@ from ._spares import spare_pool
 from ._validate import Signature
 
 if TYPE_CHECKING:
-    from .._format import CartonInfo
+    from .._format import CartonInfo, ReadLimits
 
 __all__ = ["Model", "load", "load_unpacked"]
 
@@ -86,7 +86,7 @@ class Model:
         timeout: float | None,
         load_timeout: float | None,
         handshake_timeout: float,
-        prestarted: Future[RunnerProcess] | None = None,
+        prestarted: Future[tuple[RunnerProcess, bool]] | None = None,
     ) -> None:
         self._info = info
         self._model_dir = model_dir
@@ -138,29 +138,44 @@ class Model:
         return self._closed
 
     # --- lifecycle -----------------------------------------------------------------------------------------------
-    def _start_process(self, started: Future[RunnerProcess] | None = None) -> RunnerProcess:
+    def _start_process(self, started: Future[tuple[RunnerProcess, bool]] | None = None) -> RunnerProcess:
+        spare = False
         if started is not None:
-            process = started.result()
+            process, spare = started.result()
         elif self._wrap is None:
-            process = spare_pool().take(self._runner, handshake_timeout=self._handshake_timeout)
+            process, spare = spare_pool().take(self._runner, handshake_timeout=self._handshake_timeout)
         else:
             process = RunnerProcess.start(
                 self._runner, wrap=self._wrap, handshake_timeout=self._handshake_timeout, model_dir=self._model_dir
             )
         try:
-            process.load(
-                model_dir=self._model_dir,
-                opts=self._opts,
-                inputs=self._info.inputs,
-                outputs=self._info.outputs,
-                timeout=self._load_timeout,
-            )
+            self._load_into(process)
+        except RunnerCrashed:
+            process.close()
+            if not spare:
+                raise
+            # The spare died between the pool's liveness check and the load (killed, OOM): start a fresh one.
+            process = RunnerProcess.start(self._runner, handshake_timeout=self._handshake_timeout)
+            try:
+                self._load_into(process)
+            except BaseException:
+                process.close()
+                raise
         except BaseException:
             process.close()
             raise
         if self._wrap is None:
             self._schedule_spare()
         return process
+
+    def _load_into(self, process: RunnerProcess) -> None:
+        process.load(
+            model_dir=self._model_dir,
+            opts=self._opts,
+            inputs=self._info.inputs,
+            outputs=self._info.outputs,
+            timeout=self._load_timeout,
+        )
 
     def _schedule_spare(self) -> None:
         """Have the spare pool start a runner like this one after the next call returns (or after a delay)."""
@@ -333,9 +348,9 @@ def _replenish_later(model: weakref.ref[Model]) -> None:
         target._replenish_spare()
 
 
-def _close_started(future: Future[RunnerProcess]) -> None:
+def _close_started(future: Future[tuple[RunnerProcess, bool]]) -> None:
     if not future.cancelled() and future.exception() is None:
-        future.result().close()
+        future.result()[0].close()
 
 
 def _unsandboxed(sandbox: SandboxPolicy | str | None, limits: RunnerLimits | None) -> bool:
@@ -348,17 +363,18 @@ def _unsandboxed(sandbox: SandboxPolicy | str | None, limits: RunnerLimits | Non
     return policy is SandboxPolicy.NONE and (limits is None or not limits.needs_sandbox())
 
 
-def _start_in_background(runner: RunnerSpec, handshake_timeout: float) -> Future[RunnerProcess]:
-    """Take a spare (or start a runner) on a helper thread; the caller collects it with ``result()``."""
-    future: Future[RunnerProcess] = Future()
+def _start_in_background(runner: RunnerSpec, handshake_timeout: float) -> Future[tuple[RunnerProcess, bool]]:
+    """Take a spare (or start a runner) on a helper thread; the caller collects ``(process, was a spare)`` with
+    ``result()``."""
+    future: Future[tuple[RunnerProcess, bool]] = Future()
 
     def start() -> None:
         try:
-            process = spare_pool().take(runner, handshake_timeout=handshake_timeout)
+            taken = spare_pool().take(runner, handshake_timeout=handshake_timeout)
         except BaseException as exc:
             future.set_exception(exc)
         else:
-            future.set_result(process)
+            future.set_result(taken)
 
     threading.Thread(target=start, name="carton-prestart", daemon=True).start()
     return future
@@ -383,7 +399,7 @@ def _open(
     timeout: float | None,
     load_timeout: float | None,
     handshake_timeout: float,
-    prestarted: Future[RunnerProcess] | None = None,
+    prestarted: Future[tuple[RunnerProcess, bool]] | None = None,
 ) -> Model:
     try:
         wrap = launch_wrapper(sandbox, limits, model_dir=model_dir)
@@ -419,6 +435,7 @@ def load(
     timeout: float | None = None,
     load_timeout: float | None = DEFAULT_LOAD_TIMEOUT,
     handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
+    read_limits: ReadLimits | None = None,
 ) -> Model:
     """Load a carton (a ``.carton`` file, an unpacked carton folder, or an http(s) URL) and start its runner.
 
@@ -427,7 +444,8 @@ def load(
     override carton.toml's options key by key. ``workers`` runner processes serve the model; ``timeout`` is the
     default per-request limit in seconds (``None``: no limit, or ``limits.request_seconds``). ``sandbox`` and
     ``limits`` choose the isolation of the runner processes (see docs/sandbox.md); a carton loaded from an
-    http(s) URL defaults to ``sandbox="best_effort"``, any other to ``"none"``.
+    http(s) URL defaults to ``sandbox="best_effort"``, any other to ``"none"``. ``read_limits`` caps reading the
+    package (total uncompressed size, compression ratio, ...: `carton.ReadLimits`, docs/format.md).
     """
     from .._format import get_model_info, open_carton
 
@@ -452,19 +470,24 @@ def load(
     # Overlap: carton.toml names the runner without the model bytes being read, so an unsandboxed runner starts
     # (interpreter, imports, framework) while open_carton extracts and verifies the model.
     early: RunnerRequest | None = None
-    prestarted: Future[RunnerProcess] | None = None
+    early_runner: RunnerSpec | None = None
+    prestarted: Future[tuple[RunnerProcess, bool]] | None = None
     if not is_url and _unsandboxed(sandbox, limits):
         with contextlib.suppress(CartonError):  # open_carton below reports a bad carton with its own error
-            early = request_for(get_model_info(path_or_url))
-            prestarted = _start_in_background(_resolve(early, where), handshake_timeout)
+            early = request_for(get_model_info(path_or_url, limits=read_limits))
+            early_runner = _resolve(early, where)
+            prestarted = _start_in_background(early_runner, handshake_timeout)
     try:
-        opened = open_carton(path_or_url)
+        opened = open_carton(path_or_url, limits=read_limits)
         info = opened.info
         request = request_for(info)
-        if prestarted is not None and request != early:  # the file changed between the two reads
-            prestarted.add_done_callback(_close_started)
-            prestarted = None
-        runner = _resolve(request, where)
+        if prestarted is not None and early_runner is not None and request == early:
+            runner = early_runner
+        else:
+            if prestarted is not None:  # the file changed between the two reads
+                prestarted.add_done_callback(_close_started)
+                prestarted = None
+            runner = _resolve(request, where)
         opts = _merge_opts(info.runner.opts, runner_opts)
     except BaseException:
         if prestarted is not None:

@@ -81,11 +81,12 @@ class SparePool:
         self._spares: OrderedDict[RunnerSpec, Future[RunnerProcess]] = OrderedDict()
         self._closed = False
 
-    def take(self, spec: RunnerSpec, *, handshake_timeout: float) -> RunnerProcess:
-        """A started runner for ``spec``: the spare when there is a live one (waiting for it if it is still
-        starting), else a new process. Starting a new one raises what `RunnerProcess.start` raises."""
+    def take(self, spec: RunnerSpec, *, handshake_timeout: float) -> tuple[RunnerProcess, bool]:
+        """A started runner for ``spec`` and whether it was a spare: the spare when there is a live one (waiting for
+        it if it is still starting), else a new process. Starting a new one raises what `RunnerProcess.start`
+        raises. A spare can still die right after this check: callers retry a spare that fails with a fresh start."""
         if not _poolable(spec):
-            return RunnerProcess.start(spec, handshake_timeout=handshake_timeout)
+            return RunnerProcess.start(spec, handshake_timeout=handshake_timeout), False
         with self._lock:
             pending = self._spares.pop(spec, None)
         if pending is not None:
@@ -97,10 +98,10 @@ class SparePool:
             except Exception:  # a spare that failed to start: start one for this caller instead
                 process = None
             if process is not None and process.alive:
-                return process
+                return process, True
             if process is not None:
                 _close_quietly(process)
-        return RunnerProcess.start(spec, handshake_timeout=handshake_timeout)
+        return RunnerProcess.start(spec, handshake_timeout=handshake_timeout), False
 
     def replenish(self, spec: RunnerSpec) -> None:
         """Make sure a spare for ``spec`` exists or is starting (in a background thread); evict the least recently

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -56,9 +57,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("repository", metavar="REPO", type=Path, help="the model repository folder")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     parser.add_argument("--http-port", type=_port, default=8000, help="HTTP port (default: 8000; 0 picks one)")
-    parser.add_argument(
-        "--grpc-port", type=_port, default=8001, help="gRPC port (default: 8001; 0 picks one)"
-    )
+    parser.add_argument("--grpc-port", type=_port, default=8001, help="gRPC port (default: 8001; 0 picks one)")
     parser.add_argument("--no-grpc", action="store_true", help="do not start the gRPC endpoint")
     parser.add_argument(
         "--model-control-mode",
@@ -131,6 +130,7 @@ def _serve(args: argparse.Namespace) -> int:
     from .._runtime import RunnerLimits
     from ..server import ModelControlMode, ServerOptions, run_server
     from ..server._handle import load_carton
+    from ..server._server import listening_text
 
     if args.workers < 1:
         raise SystemExit("carton serve: --workers must be at least 1")
@@ -138,14 +138,20 @@ def _serve(args: argparse.Namespace) -> int:
         raise SystemExit("carton serve: --load-model needs --model-control-mode explicit")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        limits = RunnerLimits(memory_bytes=args.memory_limit, cpu_seconds=args.cpu_limit,
-                              request_seconds=args.request_timeout, processes=args.process_limit)
+        limits = RunnerLimits(
+            memory_bytes=args.memory_limit,
+            cpu_seconds=args.cpu_limit,
+            request_seconds=args.request_timeout,
+            processes=args.process_limit,
+        )
     except ValueError as exc:
         raise SystemExit(f"carton serve: {exc}") from exc
-    limited = any(value is not None for value in (args.memory_limit, args.cpu_limit, args.request_timeout,
-                                                  args.process_limit))
+    limited = any(
+        value is not None for value in (args.memory_limit, args.cpu_limit, args.request_timeout, args.process_limit)
+    )
     run_server(
-        ServerOptions(
+        on_started=lambda server: print(listening_text(server), file=sys.stderr, flush=True),
+        options=ServerOptions(
             loader=functools.partial(load_carton, limits=limits) if limited else load_carton,
             repository=args.repository,
             host=args.host,
@@ -159,6 +165,6 @@ def _serve(args: argparse.Namespace) -> int:
             sandbox=args.sandbox,
             upload_sandbox=args.upload_sandbox,
             load_timeout=args.load_timeout,
-        )
+        ),
     )
     return 0

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import MCFError
+from ..safetensors._files import describe_os_error
 from ..safetensors._header import fits_numpy
 from ._container import (
     NUMPY_DTYPES,
@@ -66,14 +67,17 @@ class MCFFile:
     # --- construction ---------------------------------------------------------------------------------------
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> MCFFile:
-        """Memory-map and validate ``path``. Raises `MCFError` for a malformed file (naming the field at fault) and
-        `FileNotFoundError`/`OSError` when the file cannot be read."""
+        """Memory-map and validate ``path``. Raises `MCFError` naming the path for a malformed file (and the field
+        at fault) and for a file that cannot be read (missing, a directory, no permission; the OSError is chained)."""
         path = Path(path)
-        with path.open("rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size == 0:
-                raise MCFError(f"{path}: file is empty")
-            mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            with path.open("rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size == 0:
+                    raise MCFError(f"{path}: file is empty")
+                mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except OSError as exc:
+            raise MCFError(f"{path}: cannot open: {describe_os_error(exc)}") from exc
         return cls(mapping, name=str(path), _mapping=mapping)
 
     @classmethod

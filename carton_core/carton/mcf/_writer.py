@@ -8,10 +8,10 @@ so a failed write never leaves a truncated MCF behind or clobbers an existing fi
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
-import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -21,6 +21,7 @@ import ml_dtypes
 import numpy as np
 
 from ..errors import MCFError
+from ..safetensors._files import create_temp_beside, describe_os_error, output_problem
 from ._container import (
     FLAG_TENSOR_DATA_ALIGNED64,
     HEADER_SIZE,
@@ -113,11 +114,15 @@ class MCFWriter:
         self._by_digest: dict[tuple[int, bytes], int] = {}
         self._data_start: int | None = None
         self._done = False
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
-        self._tmp_path = Path(tmp)
+        problem = output_problem(self.path)
+        if problem is not None:
+            raise MCFError(f"{self.path}: cannot write the MCF file: {problem[1]}")
+        try:
+            fd, self._tmp_path = create_temp_beside(self.path)
+        except OSError as exc:
+            raise MCFError(f"{self.path}: cannot write the MCF file: {describe_os_error(exc)}") from exc
         self._file: IO[bytes] = os.fdopen(fd, "w+b")
-        self._file.write(bytes(HEADER_SIZE))
+        self._write_failed(lambda: self._file.write(bytes(HEADER_SIZE)))
 
     # --- adding content -------------------------------------------------------------------------------------
     def set_model_info(self, model_info: ModelInfo) -> None:
@@ -224,8 +229,10 @@ class MCFWriter:
         if self._done:
             return
         self._done = True
-        self._file.close()
-        self._tmp_path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # closing flushes; a full disk must not keep the file from going
+            self._file.close()
+        with contextlib.suppress(OSError):
+            self._tmp_path.unlink(missing_ok=True)
 
     def __enter__(self) -> MCFWriter:
         return self
@@ -256,7 +263,23 @@ class MCFWriter:
         if name in self._pending:
             raise MCFError(f"tensor {name!r} was already added")
 
+    def _write_failed(self, write: Callable[[], object]) -> None:
+        """Run a write to the temporary file; an OSError (disk full, ...) becomes an `MCFError` naming the target
+        and discards the temporary file."""
+        try:
+            write()
+        except OSError as exc:
+            self.abort()
+            code_and_reason = output_problem(self.path)
+            reason = code_and_reason[1] if code_and_reason is not None else describe_os_error(exc)
+            raise MCFError(f"{self.path}: cannot write the MCF file: {reason}") from exc
+
     def _write_data(self, raw: memoryview) -> tuple[int, int]:
+        offset: list[int] = []
+        self._write_failed(lambda: offset.extend(self._append(raw)))
+        return offset[0], offset[1]
+
+    def _append(self, raw: memoryview) -> tuple[int, int]:
         f = self._file
         position = f.tell()
         offset = align(position, _TENSOR_ALIGN)
@@ -277,6 +300,10 @@ class MCFWriter:
 
     def _finish(self) -> None:
         self._check_open()
+        self._write_failed(self._write_index_and_rename)
+        self._done = True
+
+    def _write_index_and_rename(self) -> None:
         f = self._file
         sections: list[SectionEntry] = []
         ordered = sorted(self._pending.values(), key=lambda p: p.name.encode("utf-8"))
@@ -330,7 +357,6 @@ class MCFWriter:
         f.flush()
         os.fsync(f.fileno())
         f.close()
-        self._done = True
         self._tmp_path.replace(self.path)
 
     def _pad_to(self, alignment: int) -> int:

@@ -6,10 +6,18 @@
         part = f.get_slice("w")[0:16]          # a view of 16 rows, nothing else read
 
 Files written here are byte-identical to the reference's; reading is lazy and zero-copy (memory-mapped) and stricter
-than the reference: every rule failure raises `carton.SafetensorsError` naming the file and the tensor or field.
+than the reference: every rule failure raises `carton.SafetensorsError` naming the file and the tensor or field. A file that cannot be
+opened or written raises a `SafetensorsOSError`, which is also the matching `OSError` (`FileNotFoundError`, ...).
 """
 
-from ..errors import SafetensorsError
+from ..errors import (
+    SafetensorsError,
+    SafetensorsFileNotFound,
+    SafetensorsIsADirectory,
+    SafetensorsNotADirectory,
+    SafetensorsOSError,
+    SafetensorsPermissionError,
+)
 from ._header import DTYPES, MAX_HEADER_SIZE, DTypeInfo, TensorInfo
 from ._io import SafeOpen, TensorSlice, load, load_file, safe_open, save, save_file
 
@@ -19,6 +27,11 @@ __all__ = [
     "DTypeInfo",
     "SafeOpen",
     "SafetensorsError",
+    "SafetensorsFileNotFound",
+    "SafetensorsIsADirectory",
+    "SafetensorsNotADirectory",
+    "SafetensorsOSError",
+    "SafetensorsPermissionError",
     "TensorInfo",
     "TensorSlice",
     "load",

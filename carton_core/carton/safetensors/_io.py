@@ -7,9 +7,10 @@ so they are the one case that copies.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import mmap
 import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
@@ -17,7 +18,15 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import SafetensorsError
+from ..errors import (
+    SafetensorsError,
+    SafetensorsFileNotFound,
+    SafetensorsIsADirectory,
+    SafetensorsNotADirectory,
+    SafetensorsOSError,
+    SafetensorsPermissionError,
+)
+from ._files import create_temp_beside, describe_os_error, output_problem
 from ._header import DTypeInfo, Header, TensorInfo, build_header, dtype_for_array, parse_header
 
 __all__ = ["SafeOpen", "TensorSlice", "load", "load_file", "safe_open", "save", "save_file"]
@@ -69,16 +78,47 @@ def save_file(
     header, order = build_header(specs, metadata)
     infos = {name: info for name, info, _ in specs}
     path = Path(filename)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    problem = output_problem(path)
+    if problem is not None:
+        raise _os_error(f"{path}: cannot write: {problem[1]}", path, problem[0])
+    try:
+        fd, tmp = create_temp_beside(path)
+    except OSError as exc:
+        raise _os_error(f"{path}: cannot write: {describe_os_error(exc)}", path, exc.errno, exc.strerror) from exc
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(header)
             for name, _ in order:
                 f.write(_raw_bytes(arrays[name], infos[name]))
-        Path(tmp).replace(path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        tmp.replace(path)
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        if not isinstance(exc, OSError):
+            raise
+        # Name the target, not the temporary file; the state of the path explains most failures (e.g. the target
+        # became a directory, or the folder vanished, while writing).
+        code, reason = output_problem(path) or (exc.errno, describe_os_error(exc))
+        raise _os_error(f"{path}: cannot write: {reason}", path, code, exc.strerror) from exc
+
+
+_OS_ERRORS: dict[int, type[SafetensorsOSError]] = {
+    errno.ENOENT: SafetensorsFileNotFound,
+    errno.EISDIR: SafetensorsIsADirectory,
+    errno.ENOTDIR: SafetensorsNotADirectory,
+    errno.EACCES: SafetensorsPermissionError,
+    errno.EPERM: SafetensorsPermissionError,
+}
+
+
+def _os_error(message: str, path: Path, code: int | None, strerror: str | None = None) -> SafetensorsOSError:
+    """A `SafetensorsOSError` of the subclass matching ``code`` (so it is also a FileNotFoundError, ...), carrying
+    ``errno``, ``strerror`` and ``filename`` like the OSError the reference package would raise."""
+    exc = _OS_ERRORS.get(code, SafetensorsOSError)(message) if code is not None else SafetensorsOSError(message)
+    exc.errno = code  # type: ignore[assignment]
+    exc.strerror = strerror if strerror is not None else (os.strerror(code) if code is not None else None)  # type: ignore[assignment]
+    exc.filename = str(path)
+    return exc
 
 
 # --- reading --------------------------------------------------------------------------------------------------
@@ -195,11 +235,14 @@ def safe_open(filename: str | os.PathLike[str], framework: str = "numpy", device
     if device != "cpu":
         raise SafetensorsError(f"device {device!r} is not supported: carton.safetensors reads to the CPU")
     path = Path(filename)
-    with path.open("rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size < 8:
-            raise SafetensorsError(f"{path}: file is {size} bytes, too small for the 8-byte header length")
-        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    try:
+        with path.open("rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < 8:
+                raise SafetensorsError(f"{path}: file is {size} bytes, too small for the 8-byte header length")
+            mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    except OSError as exc:
+        raise _os_error(f"{path}: cannot open: {describe_os_error(exc)}", path, exc.errno, exc.strerror) from exc
     return SafeOpen(mapping, name=str(path), mapping=mapping)
 
 

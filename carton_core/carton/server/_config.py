@@ -152,15 +152,17 @@ def _version_policy(value: object, *, model: str, source: str) -> VersionPolicy:
         return VersionPolicy(kind=PolicyKind.ALL)
     if kind == "latest":
         count = _integer(
-            body.get("num_versions", 1), model=model, source=source, where="version_policy.latest.num_versions",
+            body.get("num_versions", 1),
+            model=model,
+            source=source,
+            where="version_policy.latest.num_versions",
             minimum=1,
         )
         return VersionPolicy(kind=PolicyKind.LATEST, num_versions=count)
     if kind == "specific":
         raw = _list(body.get("versions", []), model=model, source=source, where="version_policy.specific.versions")
         versions = tuple(
-            _integer(v, model=model, source=source, where="version_policy.specific.versions[]", minimum=1)
-            for v in raw
+            _integer(v, model=model, source=source, where="version_policy.specific.versions[]", minimum=1) for v in raw
         )
         if not versions:
             raise _fail(model, source, "version_policy.specific.versions must name at least one version")
@@ -195,9 +197,7 @@ def parse_config(document: str | bytes | Mapping[str, Any], *, model: str, sourc
     config = _object(parsed, model=model, source=source, where="the config")
     unknown = sorted(set(config) - _KNOWN_FIELDS)
     if unknown:
-        raise _fail(
-            model, source, f"unsupported field(s) {unknown}; a carton model accepts {sorted(_KNOWN_FIELDS)}"
-        )
+        raise _fail(model, source, f"unsupported field(s) {unknown}; a carton model accepts {sorted(_KNOWN_FIELDS)}")
     name = config.get("name")
     if name not in (None, "", model):
         raise _fail(model, source, f"name {name!r} does not match the model name")
@@ -217,14 +217,18 @@ def parse_config(document: str | bytes | Mapping[str, Any], *, model: str, sourc
         preferred = tuple(
             _integer(v, model=model, source=source, where="dynamic_batching.preferred_batch_size[]", minimum=1)
             for v in _list(
-                body.get("preferred_batch_size", []), model=model, source=source,
+                body.get("preferred_batch_size", []),
+                model=model,
+                source=source,
                 where="dynamic_batching.preferred_batch_size",
             )
         )
         if any(size > max_batch_size for size in preferred):
             raise _fail(model, source, f"a preferred_batch_size is larger than max_batch_size {max_batch_size}")
         delay = _integer(
-            body.get("max_queue_delay_microseconds", 0), model=model, source=source,
+            body.get("max_queue_delay_microseconds", 0),
+            model=model,
+            source=source,
             where="dynamic_batching.max_queue_delay_microseconds",
         )
         batching = DynamicBatching(max_queue_delay_microseconds=delay, preferred_batch_sizes=preferred)
@@ -249,7 +253,7 @@ def parse_config(document: str | bytes | Mapping[str, Any], *, model: str, sourc
     for key, raw in _object(config.get("parameters", {}), model=model, source=source, where="parameters").items():
         value = raw.get("string_value") if isinstance(raw, dict) else None
         if not isinstance(value, str):
-            raise _fail(model, source, f"parameters[{key!r}] must be {{\"string_value\": \"...\"}}")
+            raise _fail(model, source, f'parameters[{key!r}] must be {{"string_value": "..."}}')
         parameters[key] = value
     return ModelConfig(
         max_batch_size=max_batch_size,

@@ -59,6 +59,7 @@ NUMPY_OF: dict[str, np.dtype[Any]] = {
 
 _BY_KIND: dict[tuple[str, int], str] = {(dtype.kind, dtype.itemsize): name for name, dtype in NUMPY_OF.items()}
 
+
 def datatype_of_array(array: np.ndarray, *, tensor: str) -> str:
     """The KServe datatype that carries `array`; `TypeError` for a numpy dtype KServe v2 has no name for."""
     if array.dtype.kind in "USO":

@@ -3,8 +3,8 @@
 Handlers are registered by hand (`grpc.method_handlers_generic_handler`) under the protocol's service name, against
 the messages generated from ``_proto/kserve_v2.proto`` into carton's own proto package (see `._proto` for why).
 Failures map to gRPC status codes the way Triton maps them: bad input ``INVALID_ARGUMENT``, unknown model
-``NOT_FOUND``, upload disabled ``PERMISSION_DENIED``, anything else ``INTERNAL``. Outputs always travel in
-``raw_output_contents``, as Triton sends them.
+``NOT_FOUND``, upload disabled ``PERMISSION_DENIED``, a request timeout ``UNAVAILABLE``, anything else ``INTERNAL``.
+Outputs always travel in ``raw_output_contents``, as Triton sends them.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ _STATUS = {
     404: grpc.StatusCode.NOT_FOUND,
     413: grpc.StatusCode.RESOURCE_EXHAUSTED,
     501: grpc.StatusCode.UNIMPLEMENTED,
+    503: grpc.StatusCode.UNAVAILABLE,
 }
 
 # Which typed-contents field carries each datatype when a client does not send raw bytes.
@@ -133,9 +134,8 @@ class GrpcService:
             try:
                 return await function(request)
             except ServerError as exc:
-                await context.abort(
-                    _STATUS.get(exc.http_status, grpc.StatusCode.INTERNAL), self.repository.scrub(str(exc))
-                )
+                # Safe as composed (see `HttpApp.__call__`): client names are echoed verbatim.
+                await context.abort(_STATUS.get(exc.http_status, grpc.StatusCode.INTERNAL), str(exc))
 
         return guarded
 
@@ -257,7 +257,7 @@ class GrpcService:
         except Exception as exc:
             served.exit()
             served.stats.record_failure(total_ns=time.perf_counter_ns() - started)
-            raise translate_error(exc, self.repository.scrub) from exc
+            raise translate_error(exc, self.repository.scrub, served) from exc
         try:
             served.stats.record_success(
                 total_ns=time.perf_counter_ns() - started,
@@ -275,6 +275,6 @@ class GrpcService:
             try:
                 response = await self.model_infer(request)
             except ServerError as exc:
-                yield _M["ModelStreamInferResponse"](error_message=self.repository.scrub(str(exc)))
+                yield _M["ModelStreamInferResponse"](error_message=str(exc))
             else:
                 yield _M["ModelStreamInferResponse"](infer_response=response)

@@ -149,7 +149,9 @@ class HttpApp:
         except _HttpError as exc:
             await self._reject(send, exc.status, str(exc))
         except ServerError as exc:
-            await self._reject(send, exc.http_status, self.repository.scrub(str(exc)))
+            # Composed by the server from names, numbers and already-scrubbed foreign text (`translate_error`, the
+            # repository's load errors): scrubbing again would mangle names the client chose, such as 'file:/etc/x'.
+            await self._reject(send, exc.http_status, str(exc))
 
     async def _reject(self, send: Send, status: int, message: str) -> None:
         self.metrics.rejected.labels(str(status)).inc()
@@ -264,7 +266,7 @@ class HttpApp:
         except Exception as exc:
             served.exit()
             served.stats.record_failure(total_ns=time.perf_counter_ns() - started)
-            raise translate_error(exc, self.repository.scrub) from exc
+            raise translate_error(exc, self.repository.scrub, served) from exc
         try:
             served.stats.record_success(
                 total_ns=time.perf_counter_ns() - started,

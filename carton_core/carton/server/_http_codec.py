@@ -126,7 +126,9 @@ def _raw_request(served: ServedVersion, body: memoryview) -> InferBody:
         dims[unknown[0]] = total // fixed
     shape = [int(d) for d in dims if d is not None]
     return InferBody(
-        id=None, inputs={spec.name: from_raw(body, spec.dtype, shape, tensor=spec.name)}, outputs=None,
+        id=None,
+        inputs={spec.name: from_raw(body, spec.dtype, shape, tensor=spec.name)},
+        outputs=None,
         binary_default=True,
     )
 

@@ -6,17 +6,31 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 from carton_protocol import DType, Tensor
 
-from ..errors import BadRequest, CartonError, InvalidInput, ServerError
+from ..errors import (
+    BadRequest,
+    CartonError,
+    InvalidInput,
+    InvalidOutput,
+    ModelClosed,
+    RunnerCPULimit,
+    RunnerCrashed,
+    RunnerFailed,
+    RunnerMemoryLimit,
+    RunnerTimeout,
+    ServerError,
+)
 from ._datatypes import DATATYPE_OF, NUMPY_OF, datatype_of_array, decode_bytes_elements, encode_bytes_elements
 from ._repository import ServedVersion
 
 __all__ = [
+    "ModelUnavailable",
     "check_complete",
     "check_requested",
     "element_count",
@@ -30,6 +44,21 @@ __all__ = [
 ]
 
 _log = logging.getLogger("carton.server")
+
+# How the runtime's messages name the runner ("runner pkg.module:Class (pid 12) failed during infer: ..."), and the
+# limit it names in a timeout ("within 5 s"): clients get the model's own words without the server's internals.
+_RUNNER_LEAD = re.compile(r"^runner [\w.]+:[\w.]+(?: \(pid \d+\))?(?: failed during infer)?:? *")
+_WITHIN = re.compile(r"within ([0-9]+(?:\.[0-9]+)?(?:e[+-]?[0-9]+)?) s\b")
+
+
+class ModelUnavailable(ServerError):
+    """The model could not answer this request in time, or went away under it; retrying may succeed.
+
+    Answered like Triton's ``UNAVAILABLE`` errors (its request timeouts among them): HTTP 503, gRPC UNAVAILABLE.
+    Server-private: it is only ever turned into a response, never raised to library callers.
+    """
+
+    http_status = 503
 
 
 def element_count(shape: Sequence[int], *, tensor: str) -> int:
@@ -124,14 +153,39 @@ def output_tensor(name: str, tensor: Tensor) -> tuple[str, np.ndarray, bytes | m
     return datatype, array, array.data.cast("B")
 
 
-def translate_error(exc: BaseException, scrub: Callable[[str], str]) -> ServerError:
-    """The `ServerError` to answer `exc` with; messages are scrubbed of paths, unknown failures are not detailed."""
+def translate_error(exc: BaseException, scrub: Callable[[str], str], served: ServedVersion) -> ServerError:
+    """The `ServerError` to answer a failed inference of `served` with.
+
+    Messages say what happened to the model in the server's words: no runner entry points, pids, runner logs or
+    server paths (the model's own error text is kept, scrubbed of paths). A request timeout is a 503, like
+    Triton's; a runner that died or went over a limit is a 500; unknown failures are not detailed.
+    """
     if isinstance(exc, ServerError):
         return exc
     if isinstance(exc, InvalidInput):
         return BadRequest(scrub(str(exc)))
+    model = f"model {served.model!r} version {served.version_str}"
+    if isinstance(exc, RunnerTimeout):
+        limit = _WITHIN.search(str(exc))
+        within = f" within the server's request timeout of {limit.group(1)} s" if limit else " in time"
+        _log.warning("%s: %s", model, exc)
+        return ModelUnavailable(f"{model} did not answer{within}; the request was abandoned and the model restarted")
+    if isinstance(exc, ModelClosed):
+        return ModelUnavailable(f"{model} was unloaded while it ran; retry the request")
+    if isinstance(exc, (RunnerMemoryLimit, RunnerCPULimit, RunnerCrashed)):
+        _log.warning("%s: %s", model, exc)
+        if isinstance(exc, RunnerMemoryLimit):
+            what = "went over the server's memory limit for a model"
+        elif isinstance(exc, RunnerCPULimit):
+            what = "went over the server's CPU-time limit for a model"
+        else:
+            what = "crashed"
+        return ServerError(f"{model} {what} while running the request; it is restarted for the next request")
+    if isinstance(exc, (RunnerFailed, InvalidOutput)):
+        return ServerError(f"{model} failed: {scrub(_RUNNER_LEAD.sub('', str(exc)))}")
     if isinstance(exc, CartonError):
-        return ServerError(scrub(f"{type(exc).__name__}: {exc}"))
+        _log.error("%s failed", model, exc_info=exc)
+        return ServerError(f"{model} failed while running the request (see the server log)")
     _log.error("inference failed with an unexpected error", exc_info=exc)
     return ServerError("internal error while running the model (see the server log)")
 

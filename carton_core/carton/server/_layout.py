@@ -13,13 +13,23 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import stat
+import tempfile
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 from ..errors import BadRequest, RepositoryError
 
-__all__ = ["Scrubber", "list_models", "scan_versions", "validate_model_name", "write_upload"]
+__all__ = [
+    "Scrubber",
+    "list_models",
+    "make_upload_root",
+    "scan_versions",
+    "sweep_stale_upload_roots",
+    "validate_model_name",
+    "write_upload",
+]
 
 _MAX_NAME = 255
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
@@ -97,9 +107,7 @@ def list_models(root: Path) -> list[str]:
 def _upload_relpath(key: str) -> tuple[int, tuple[str, ...]]:
     match = _FILE_KEY.match(key)
     if match is None:
-        raise RepositoryError(
-            f"load parameter {key!r}: expected 'file:<version>/<path>' with a version number >= 1"
-        )
+        raise RepositoryError(f"load parameter {key!r}: expected 'file:<version>/<path>' with a version number >= 1")
     parts = tuple(match.group(2).split("/"))
     for part in parts:
         if part in ("", ".", "..") or "\\" in part or _CONTROL.search(part):
@@ -137,25 +145,88 @@ def write_upload(upload_root: Path, name: str, files: Mapping[str, bytes]) -> Pa
 
 
 _ABSOLUTE = re.compile(r"(?<![\w.>])/(?:[^\s'\"/:,;()\[\]]+/)+([^\s'\"/:,;()\[\]]*)")
+# A path starts at the beginning of the message or after a delimiter, never inside a longer path or a word.
+_BOUNDARY = r"(?:^|(?<=[\s'\"`(\[{=:,;<]))"
 
 
 class Scrubber:
-    """Rewrites messages so that no filesystem path of the server reaches a client.
+    """Rewrites foreign messages (the runtime's, a runner's) so that no filesystem path of the server reaches a client.
 
-    Paths under a known root become relative to it (the repository's become ``<model>/<version>/...``, uploads
-    ``<upload>/...``); any other absolute path is cut to its last component.
+    Only absolute paths are matched, and a known root only where a path starts (its absolute form followed by a
+    separator), so names that merely contain the root's text are left alone. Paths under the repository become
+    ``<model>/<version>/...``; paths inside an upload become the client's own ``file:<version>/<path>`` parameter
+    name; any other absolute path is cut to its last component. Messages the server composes itself are not passed
+    through it: they are built from names (model, tensor, parameter names, echoed verbatim) and carry no paths.
     """
 
-    def __init__(self, roots: Iterable[tuple[Path, str]]) -> None:
-        pairs: list[tuple[str, str]] = []
-        for root, label in roots:
-            for form in {str(root), str(root.resolve())}:
-                pairs.append((form.rstrip("/") + "/", label))
+    def __init__(self, repository: Path, upload_root: Path | None = None) -> None:
+        patterns: list[tuple[re.Pattern[str], str]] = []
+        if upload_root is not None:
+            for form in _absolute_forms(upload_root):
+                # <upload_root>/<model>/<uuid>/ is the folder the client's file: parameters were written into.
+                folder = re.escape(form) + r"/[^/\s]+/[0-9a-f]{32}/"
+                patterns.append((re.compile(_BOUNDARY + folder), "file:"))
+                patterns.append((re.compile(_BOUNDARY + re.escape(form) + "/"), "<upload>/"))
+        for form in _absolute_forms(repository):
+            patterns.append((re.compile(_BOUNDARY + re.escape(form) + "/"), ""))
         # Longest first, so a root nested in another is rewritten by its own label.
-        self._roots = sorted(pairs, key=lambda pair: len(pair[0]), reverse=True)
+        self._patterns = sorted(patterns, key=lambda pair: len(pair[0].pattern), reverse=True)
 
     def __call__(self, message: str) -> str:
-        for prefix, label in self._roots:
-            message = message.replace(prefix, label)
-            message = message.replace(prefix.rstrip("/"), label.rstrip("/") or ".")
+        for pattern, label in self._patterns:
+            message = pattern.sub(label, message)
         return _ABSOLUTE.sub(lambda match: match.group(1) or "/", message)
+
+
+def _absolute_forms(root: Path) -> set[str]:
+    forms = {str(root.absolute()), str(root.resolve())}
+    return {form.rstrip("/") for form in forms if form.rstrip("/")}
+
+
+# ---- the upload root: one private temporary folder per server process ------------------------------------------
+_UPLOAD_PREFIX = "carton-serve-uploads-"
+_UPLOAD_NAME = re.compile(rf"^{_UPLOAD_PREFIX}([1-9][0-9]*)-")
+
+
+def make_upload_root() -> Path:
+    """A new private (0700) temporary folder for this server's uploads, named after this process's pid."""
+    return Path(tempfile.mkdtemp(prefix=f"{_UPLOAD_PREFIX}{os.getpid()}-"))
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists, under another user
+        return True
+    return True
+
+
+def sweep_stale_upload_roots(temp_dir: Path | None = None) -> list[Path]:
+    """Delete upload folders left by servers that died without cleaning up (SIGKILL, power loss); returns them.
+
+    A folder is removed only when its name records an owner pid that no longer runs, and it is a real folder owned
+    by this user; a live server's folder (or one whose pid was reused by another process) is left alone.
+    """
+    folder = Path(temp_dir if temp_dir is not None else tempfile.gettempdir())
+    removed: list[Path] = []
+    try:
+        entries = list(folder.iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        match = _UPLOAD_NAME.match(entry.name)
+        if match is None:
+            continue
+        try:
+            status = entry.lstat()
+        except OSError:
+            continue
+        if not stat.S_ISDIR(status.st_mode) or status.st_uid != os.getuid() or _alive(int(match.group(1))):
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        removed.append(entry)
+    return removed

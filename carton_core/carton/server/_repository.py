@@ -155,11 +155,13 @@ def _close_quietly(handle: ModelHandle) -> None:
 
 
 class _Model:
-    __slots__ = ("lock", "name", "serving", "statuses", "upload_dir")
+    __slots__ = ("lock", "name", "serving", "statuses", "upload_dir", "users")
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.lock = asyncio.Lock()
+        # Loads, unloads and retirements holding or waiting for `lock`; the entry is not forgotten while any runs.
+        self.users = 0
         self.serving: dict[int, ServedVersion] = {}
         # What the index reports per version, including versions that are not serving (failed, unloaded).
         self.statuses: dict[int, tuple[ModelState, str]] = {}
@@ -178,15 +180,20 @@ class ModelRepository:
         upload_root: Path,
         options: RepositoryOptions = RepositoryOptions(),
     ) -> None:
-        self.root = root
+        # Absolute, so that every path handed to the loader (and so every path in its errors) is one the scrubber
+        # recognises, whatever form the repository was given in.
+        self.root = root.absolute()
         self.options = options
         self._loader = loader
         self._metrics = metrics
         self._upload_root = upload_root
+        # Models with a state to report: names that resolve in the repository, uploads, and (briefly) names a load
+        # or unload is working on. Names that turn out to exist nowhere are forgotten once that work ends, so what a
+        # client tries does not accumulate here.
         self._models: dict[str, _Model] = {}
         self._transitions = 0
         self._background: set[asyncio.Task[None]] = set()
-        self.scrub = Scrubber([(root, ""), (upload_root, "<upload>/")])
+        self.scrub = Scrubber(self.root, upload_root)
 
     # ---- lookups (hot path) --------------------------------------------------------------------------------------
     def get(self, name: str, version: str = "") -> ServedVersion:
@@ -233,7 +240,8 @@ class ModelRepository:
     def index(self, *, ready_only: bool = False) -> list[dict[str, str]]:
         """Every model of the repository folder or loaded by upload, one entry per version it has a state for."""
         entries: list[dict[str, str]] = []
-        for name in sorted(set(list_models(self.root)) | set(self._models)):
+        known = {name for name, model in self._models.items() if model.statuses}
+        for name in sorted(set(list_models(self.root)) | known):
             model = self._models.get(name)
             if model is None or not model.statuses:
                 if not ready_only:
@@ -268,7 +276,31 @@ class ModelRepository:
         await self._load(validate_model_name(name), config=None, files=None)
 
     async def _load(self, name: str, *, config: str | None, files: Mapping[str, bytes] | None) -> None:
-        model = self._models.get(name) or self._models.setdefault(name, _Model(name))
+        model = self._use(name)
+        try:
+            await self._load_locked(model, config=config, files=files)
+        finally:
+            self._release(model)
+
+    def _use(self, name: str) -> _Model:
+        model = self._models.get(name)
+        if model is None:
+            model = self._models[name] = _Model(name)
+        model.users += 1
+        return model
+
+    def _release(self, model: _Model) -> None:
+        """End one piece of work on `model`; forget it if nothing of it is left to report."""
+        model.users -= 1
+        if model.users or model.serving or self._models.get(model.name) is not model:
+            return
+        if not model.statuses or not self._exists(model.name):
+            # A name that resolved nowhere, or an upload that is not serving (failed or unloaded; the load answer
+            # carried the reason): nothing is kept for it, so a client cannot grow the index with names.
+            del self._models[model.name]
+
+    async def _load_locked(self, model: _Model, *, config: str | None, files: Mapping[str, bytes] | None) -> None:
+        name = model.name
         async with model.lock:
             self._transitions += 1
             upload_dir: Path | None = None
@@ -296,7 +328,7 @@ class ModelRepository:
                 if upload_dir is not None:
                     shutil.rmtree(upload_dir, ignore_errors=True)
                 if isinstance(exc, ServerError):
-                    raise type(exc)(self.scrub(str(exc))) from exc
+                    raise  # composed by the server from names: nothing to scrub, client names stay verbatim
                 raise RepositoryError(f"failed to load {name!r}: {self.scrub(str(exc))}") from exc
             finally:
                 self._transitions -= 1
@@ -310,7 +342,7 @@ class ModelRepository:
                 if old.version not in loaded:
                     model.statuses[old.version] = (ModelState.UNLOADING, "")
             if retiring or old_upload is not None:
-                self._spawn(self._retire(model, retiring, old_upload, keep=set(loaded)))
+                self._spawn_retire(model, retiring, old_upload, keep=set(loaded))
 
     async def _load_versions(
         self, model: _Model, config: ModelConfig, paths: Mapping[int, Path], sandbox: str | None
@@ -329,8 +361,12 @@ class ModelRepository:
             if isinstance(result, ServedVersion):
                 loaded[version] = result
             elif isinstance(result, BaseException):
-                reason = self.scrub(str(result)) if isinstance(result, CartonError) else "internal error while loading"
-                if not isinstance(result, CartonError):
+                if isinstance(result, ServerError):
+                    reason = str(result)
+                elif isinstance(result, CartonError):
+                    reason = self.scrub(str(result))
+                else:
+                    reason = "internal error while loading"
                     _log.error("loading %r version %s failed", model.name, version, exc_info=result)
                 failures.append(f"version {version}: {reason}")
                 if version not in model.serving:
@@ -375,9 +411,15 @@ class ModelRepository:
                 "model control mode is 'none': models cannot be loaded or unloaded through the API "
                 "(start the server with --model-control-mode explicit)"
             )
-        model = self._models.get(name)
-        if model is None:
+        if name not in self._models:
             return
+        model = self._use(name)
+        try:
+            await self._unload_locked(model)
+        finally:
+            self._release(model)
+
+    async def _unload_locked(self, model: _Model) -> None:
         async with model.lock:
             retiring = list(model.serving.values())
             old_upload = model.upload_dir
@@ -386,7 +428,19 @@ class ModelRepository:
             for old in retiring:
                 model.statuses[old.version] = (ModelState.UNLOADING, "")
             self._transitions += 1
-            self._spawn(self._retire(model, retiring, old_upload, keep=set(), counted=True))
+            self._spawn_retire(model, retiring, old_upload, keep=set(), counted=True)
+
+    def _spawn_retire(
+        self,
+        model: _Model,
+        versions: list[ServedVersion],
+        upload_dir: Path | None,
+        *,
+        keep: set[int],
+        counted: bool = False,
+    ) -> None:
+        model.users += 1  # released when the retirement ends: the entry reports UNLOADING until then
+        self._spawn(self._retire(model, versions, upload_dir, keep=keep, counted=counted))
 
     async def _retire(
         self,
@@ -411,6 +465,7 @@ class ModelRepository:
         finally:
             if counted:
                 self._transitions -= 1
+            self._release(model)
 
     def _spawn(self, coroutine: object) -> None:
         task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coroutine)  # type: ignore[arg-type]
@@ -423,7 +478,7 @@ class ModelRepository:
             model = self._models[name]
             retiring = list(model.serving.values())
             model.serving = {}
-            self._spawn(self._retire(model, retiring, model.upload_dir, keep=set()))
+            self._spawn_retire(model, retiring, model.upload_dir, keep=set())
             model.upload_dir = None
         while self._background:
             await asyncio.gather(*list(self._background), return_exceptions=True)

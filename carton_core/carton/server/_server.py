@@ -12,9 +12,8 @@ import enum
 import logging
 import shutil
 import socket
-import tempfile
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +21,7 @@ from pathlib import Path
 from ..errors import ServerError
 from ._handle import ModelLoader, load_carton
 from ._http import HttpApp
-from ._layout import list_models
+from ._layout import list_models, make_upload_root, sweep_stale_upload_roots
 from ._repository import ModelRepository, RepositoryOptions
 from ._stats import ServerMetrics
 
@@ -72,7 +71,10 @@ class Server:
             raise ServerError(f"model repository {options.repository} is not a directory")
         self.options = options
         self.metrics = ServerMetrics()
-        self._upload_root = Path(tempfile.mkdtemp(prefix="carton-serve-uploads-"))
+        # Uploads of servers that were killed (SIGKILL skips `stop`) are swept here: their folders name their pid.
+        for stale in sweep_stale_upload_roots():
+            _log.info("removed the upload folder of a server that is no longer running: %s", stale)
+        self._upload_root = make_upload_root()
         explicit = options.model_control_mode is ModelControlMode.EXPLICIT
         self.repository = ModelRepository(
             options.repository,
@@ -175,7 +177,13 @@ class Server:
         shutil.rmtree(self._upload_root, ignore_errors=True)
 
 
-async def _serve_until_signalled(server: Server) -> None:
+def listening_text(server: Server) -> str:
+    """Where a started server listens, as one line (the startup banner)."""
+    grpc_text = f", gRPC on {server.options.host}:{server.grpc_port}" if server.grpc_port is not None else ""
+    return f"carton server: HTTP on {server.options.host}:{server.http_port}{grpc_text}"
+
+
+async def _serve_until_signalled(server: Server, on_started: Callable[[Server], None] | None) -> None:
     import signal
 
     stop = asyncio.Event()
@@ -183,10 +191,9 @@ async def _serve_until_signalled(server: Server) -> None:
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
     await server.start()
-    _log.warning(
-        "carton server: HTTP on %s:%d%s", server.options.host, server.http_port,
-        f", gRPC on port {server.grpc_port}" if server.grpc_port is not None else "",
-    )  # fmt: skip
+    _log.info("%s", listening_text(server))
+    if on_started is not None:
+        on_started(server)
     try:
         await stop.wait()
     finally:
@@ -199,10 +206,10 @@ def _run(coroutine_factory: object) -> None:
     uvloop.run(coroutine_factory)  # type: ignore[arg-type]
 
 
-def run_server(options: ServerOptions) -> None:
-    """Serve until SIGINT/SIGTERM (what `carton serve` runs)."""
+def run_server(options: ServerOptions, *, on_started: Callable[[Server], None] | None = None) -> None:
+    """Serve until SIGINT/SIGTERM (what `carton serve` runs); `on_started` is called once the server listens."""
     server = Server(options)
-    _run(_serve_until_signalled(server))
+    _run(_serve_until_signalled(server, on_started))
 
 
 @contextmanager
