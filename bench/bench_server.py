@@ -19,8 +19,10 @@ as the servers do.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -74,6 +76,18 @@ def wait_ready(port: int, timeout: float = 120.0) -> None:
     raise RuntimeError(f"server on port {port} did not become ready")
 
 
+def stop_group(process: subprocess.Popen[bytes], timeout: float = 30) -> None:
+    """SIGTERM the child's process group, then SIGKILL it if it has not exited within `timeout`."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout)
+
+
 def build_repository(root: Path) -> Path:
     import carton
     import onnx
@@ -103,13 +117,13 @@ def carton_server(repo: Path) -> Iterator[int]:
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "carton", "serve", str(repo), "--http-port", str(port), "--grpc-port", "0"],
+        start_new_session=True,
     )
     try:
         wait_ready(port)
         yield port
     finally:
-        process.terminate()
-        process.wait(30)
+        stop_group(process)
 
 
 @contextmanager
@@ -129,8 +143,7 @@ def triton_server() -> Iterator[int | None]:
     except RuntimeError:
         yield None
     finally:
-        os.killpg(process.pid, 15)
-        process.wait(30)
+        stop_group(process)
 
 
 @contextmanager
@@ -163,15 +176,17 @@ def mlserver_server(root: Path) -> Iterator[int | None]:
     except RuntimeError:
         yield None
     finally:
-        os.killpg(process.pid, 15)
-        process.wait(30)
+        stop_group(process)
 
 
 STACKS = ("uvicorn-httptools", "uvicorn-h11", "granian")
 
 
-def stack_child(stack: str, port: int) -> None:
-    """Serve carton's ASGI app with a zero-cost in-process identity model under `stack` (a bench child process)."""
+def stack_child(stack: str, port: int, root: Path) -> None:
+    """Serve carton's ASGI app with a zero-cost in-process identity model under `stack` (a bench child process).
+
+    `root` is a folder the parent made inside its own temporary folder, so the parent's cleanup removes it however
+    this child ends (the parent stops it with SIGTERM, or SIGKILLs it if that fails)."""
     import uvloop
     from carton.server._http import HttpApp
     from carton.server._repository import ModelRepository, RepositoryOptions
@@ -189,7 +204,6 @@ def stack_child(stack: str, port: int) -> None:
             pass
 
     async def main() -> None:
-        root = Path(tempfile.mkdtemp(prefix="carton-bench-stack-"))
         (root / "identity" / "1").mkdir(parents=True)
         (root / "identity" / "1" / "model.carton").write_bytes(b"")
         metrics = ServerMetrics()
@@ -217,17 +231,19 @@ def stack_child(stack: str, port: int) -> None:
 
 
 @contextmanager
-def stack_server(stack: str) -> Iterator[int | None]:
+def stack_server(stack: str, root: Path) -> Iterator[int | None]:
     port = free_port()
-    process = subprocess.Popen([sys.executable, __file__, "--stack-child", stack, str(port)], start_new_session=True)
+    folder = Path(tempfile.mkdtemp(prefix=f"stack-{stack}-", dir=root))
+    command = [sys.executable, __file__, "--stack-child", stack, str(port), str(folder)]
+    process = subprocess.Popen(command, start_new_session=True)
     try:
         wait_ready(port, 60)
         yield port
     except RuntimeError:
         yield None
     finally:
-        os.killpg(process.pid, 15)
-        process.wait(30)
+        stop_group(process)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def run_load(
@@ -291,9 +307,12 @@ def print_table(
 
 
 def main() -> None:
-    if len(sys.argv) == 4 and sys.argv[1] == "--stack-child":
-        stack_child(sys.argv[2], int(sys.argv[3]))
+    if len(sys.argv) == 5 and sys.argv[1] == "--stack-child":
+        stack_child(sys.argv[2], int(sys.argv[3]), Path(sys.argv[4]))
         return
+    # SIGTERM (a CI timeout, `kill`) unwinds like Ctrl-C, so every `finally` below stops its server and the
+    # temporary folder is removed on every exit path.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=2000, help="requests per small-tensor case")
     parser.add_argument("--big-requests", type=int, default=16, help="requests per [64,3,224,224] case")
@@ -331,7 +350,7 @@ def main() -> None:
                     )
         if args.stack_requests:
             for stack in STACKS:
-                with stack_server(stack) as port:
+                with stack_server(stack, root) as port:
                     if port is None:
                         print(f"stack {stack}: not available, skipped", file=sys.stderr)
                         continue

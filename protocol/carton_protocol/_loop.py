@@ -4,8 +4,9 @@ The loop binds a ROUTER socket at the endpoint (each host thread talks to it ove
 entry, answers ``hello``, then serves ``load``/``pack``/``infer``/``release``/``close``. A ``concurrent`` runner's
 infers run on a thread pool; their replies come back to the socket-owning thread over an inproc socket.
 
-It also guards against orphans: a parent-death signal (SIGTERM) and a pidfd watch on the host both end the process,
-and as a child subreaper it adopts and kills every descendant before it exits.
+It also guards against orphans: a parent-death signal (SIGTERM; the parent is the supervisor that forked it, see
+`carton_protocol._supervisor`) and a pidfd watch on the host both end the process, and as a child subreaper it
+adopts and kills every descendant before it exits. What it cannot do after a fatal signal, its supervisor does.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Process-tree control for Linux: parent-death signal, child subreaper, and killing a whole tree.
 
 Used by the runner's supervisor and the runner loop (which adopt and kill their orphaned descendants) and by the
-host (which kills a runner's tree when the runner does not exit on request). Without ``/proc`` or ``prctl`` these degrade to no-ops, and a
-process group kill is all that remains.
+host (which kills a runner's tree when the runner does not exit on request). Without ``/proc`` or ``prctl`` these
+degrade to no-ops, and a process group kill is all that remains.
 """
 
 from __future__ import annotations

@@ -19,13 +19,15 @@ The supervisor is not on the data path (the host talks to the runner's socket di
 small interpreter at start-up. When the host is gone (the parent-death signal, or the host's pidfd) it kills the
 whole tree at once. Inside a sandbox's PID namespace it is harmless and redundant (PID 1's death ends the namespace).
 
-Standard library only, and only what the runner imports anyway before the fork (``ctypes``, ``signal``).
+Standard library only, and before the fork only what the runner imports anyway (``ctypes``, ``select``, ``signal``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
+import select
 import signal
 import sys
 
@@ -93,24 +95,60 @@ class _Supervisor:
     def run(self) -> None:
         # The runner's descriptors are its own (the shared-memory channel above all: the host must see it close).
         os.closerange(3, 1 << 20)
+        # One thread, no threads started: a thread's stack could not even be mapped under a tight memory limit.
+        # SIGCHLD (the runner or an adopted orphan exited) wakes the poll below through the wakeup pipe.
+        wake_read, wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        signal.set_wakeup_fd(wake_write, warn_on_full_buffer=False)
+        signal.signal(signal.SIGCHLD, _ignore)
         for signum in _FORWARDED:
             signal.signal(signum, self._on_termination)
         signal.signal(signal.SIGALRM, self._on_grace_expired)
         _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
         if os.getppid() != self.parent:
             self._end_all()  # the host died while this process started
-        if self.host_pid is not None:
-            self._watch_host(self.host_pid)
+        poller = select.poll()
+        poller.register(wake_read, select.POLLIN)
+        host = self._host_pidfd()
+        if host is not None:
+            poller.register(host, select.POLLIN)
         while True:
-            try:
-                pid, status = os.waitpid(-1, 0)  # adopted orphans are reaped here too
-            except ChildProcessError:
-                os._exit(1)  # cannot happen while the runner's status is unread
-            if pid == self.runner:
-                self.runner_exited = True
+            status = self._reap()
+            if status is not None:
                 break
+            for fd, _ in poller.poll():
+                if fd == host:
+                    self._end_all()
+                with contextlib.suppress(BlockingIOError):
+                    os.read(wake_read, 512)
         self._kill_descendants()
         _exit_as(status)
+
+    def _reap(self) -> int | None:
+        """Reap every exited child (adopted orphans included); the runner's wait status once it has exited."""
+        found = None
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                if found is None:
+                    os._exit(1)  # cannot happen while the runner's status is unread
+                return found
+            if pid == 0:
+                return found
+            if pid == self.runner:
+                self.runner_exited = True
+                found = status
+
+    def _host_pidfd(self) -> int | None:
+        if self.host_pid is None:
+            return None
+        try:
+            return os.pidfd_open(self.host_pid)
+        except ProcessLookupError:
+            self._end_all()
+        except (OSError, AttributeError):
+            pass  # no pidfd here (kernel before 5.3): the parent-death signal remains
+        return None
 
     def _kill_descendants(self) -> None:
         """SIGKILL every descendant, then reap them: an init that does not reap (a container's) must not inherit
@@ -154,27 +192,9 @@ class _Supervisor:
 
         kill_tree(os.getpid(), include_root=False)  # the wait loop then sees the runner killed by SIGKILL
 
-    def _watch_host(self, host_pid: int) -> None:
-        try:
-            pidfd = os.pidfd_open(host_pid)
-        except ProcessLookupError:
-            self._end_all()
-            return
-        except (OSError, AttributeError):
-            return  # no pidfd here: the parent-death signal remains
 
-        def wait() -> None:
-            import select
-
-            poller = select.poll()
-            poller.register(pidfd, select.POLLIN)
-            while not poller.poll():
-                pass
-            self._end_all()
-
-        import threading
-
-        threading.Thread(target=wait, name="carton-supervisor-host-watch", daemon=True).start()
+def _ignore(signum: int, frame: object) -> None:
+    del signum, frame  # a handler only so that SIGCHLD is delivered (and written to the wakeup pipe)
 
 
 def _exit_as(status: int) -> None:
@@ -189,10 +209,8 @@ def _exit_as(status: int) -> None:
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     except (ImportError, OSError, ValueError):
         pass
-    try:
+    with contextlib.suppress(OSError, ValueError):  # SIGKILL cannot be caught: it has the default disposition
         signal.signal(signum, signal.SIG_DFL)
-    except (OSError, ValueError):
-        pass  # SIGKILL cannot be caught: its disposition is already the default
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})
     signal.raise_signal(signum)  # delivered to this thread before raise returns
     os._exit(128 + signum)  # a signal whose default action is not to terminate (not expected)

@@ -147,17 +147,8 @@ def _token_ids(value: object, key: str, source: str) -> tuple[int, ...]:
     return tuple(items)
 
 
-def _rope(config: Mapping[str, Any], source: str) -> tuple[float, float]:
-    """(theta, linear factor) from either transformers 5's ``rope_parameters`` or the older ``rope_scaling``."""
-    theta = _float(config, "rope_theta", source, default=10000.0)
-    params = config.get("rope_parameters")
-    if params is None:
-        params = config.get("rope_scaling")
-        key = "rope_scaling"
-    else:
-        key = "rope_parameters"
-    if params is None:
-        return theta, 1.0
+def _rope_spec(params: object, key: str, source: str) -> tuple[str, float, float | None]:
+    """(rope type, linear factor, rope_theta or None) of one rope object; an unsupported type is refused by name."""
     if not isinstance(params, dict):
         raise MCFError(f"{source}: config.json {key!r} must be an object, got {params!r}")
     rope_type = params.get("rope_type", params.get("type", "default"))
@@ -167,14 +158,42 @@ def _rope(config: Mapping[str, Any], source: str) -> tuple[float, float]:
             f"config.json {key}.rope_type = {rope_type!r} is not supported by the mcf runner "
             f"(supported: {', '.join(_SUPPORTED_ROPE_TYPES)})",
         )
-    if "rope_theta" in params:
-        theta = _float(params, "rope_theta", source, default=theta)
     partial = params.get("partial_rotary_factor", 1.0)
     if partial != 1.0:
         raise _fail(source, f"config.json {key}.partial_rotary_factor = {partial!r} is not supported")
-    if rope_type == "linear":
-        return theta, _float(params, "factor", source, default=1.0)
-    return theta, 1.0
+    factor = _float(params, "factor", source, default=1.0) if rope_type == "linear" else 1.0
+    theta = _float(params, "rope_theta", source, default=10000.0) if "rope_theta" in params else None
+    return str(rope_type), factor, theta
+
+
+def _rope(config: Mapping[str, Any], source: str) -> tuple[float, float]:
+    """(theta, linear factor) from transformers 5's ``rope_parameters`` and/or the older ``rope_theta`` +
+    ``rope_scaling``. When a config carries several of them they must agree: reading one and ignoring the other
+    would silently run a different model (say ``rope_parameters`` default beside ``rope_scaling`` yarn)."""
+    specs = {
+        key: _rope_spec(config[key], key, source)
+        for key in ("rope_parameters", "rope_scaling")
+        if config.get(key) is not None
+    }
+    if len(specs) == 2:
+        (key_a, (type_a, factor_a, _)), (key_b, (type_b, factor_b, _)) = specs.items()
+        for label, value_a, value_b in (("rope_type", type_a, type_b), ("factor", factor_a, factor_b)):
+            if value_a != value_b:
+                raise _fail(
+                    source,
+                    f"config.json {key_a} ({label} {value_a!r}) and {key_b} ({label} {value_b!r}) disagree; "
+                    "the mcf runner will not guess which one the model was trained with",
+                )
+    thetas: dict[str, float] = {}
+    if config.get("rope_theta") is not None:
+        thetas["rope_theta"] = _float(config, "rope_theta", source, default=10000.0)
+    thetas |= {f"{key}.rope_theta": spec[2] for key, spec in specs.items() if spec[2] is not None}
+    (first_key, theta), *others = thetas.items() if thetas else [("", 10000.0)]
+    for key, value in others:
+        if value != theta:
+            raise _fail(source, f"config.json {first_key} ({theta!r}) and {key} ({value!r}) disagree")
+    factor = next(iter(specs.values()))[1] if specs else 1.0
+    return theta, factor
 
 
 def parse_config(raw: bytes, *, source: str) -> tuple[DecoderConfig, list[str]]:

@@ -8,6 +8,7 @@ and, with a tokenizer, ``text``). Sampling inputs default to the runner options 
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -23,6 +24,8 @@ __all__ = [
     "WEIGHT_CACHES",
     "Mode",
     "RunnerOptions",
+    "check_positions",
+    "check_room_for_a_prompt",
     "default_specs",
     "ids_and_mask",
     "parse_options",
@@ -86,8 +89,19 @@ def _typed(name: str, value: OptValue, kind: type) -> OptValue:
     return value
 
 
+def _in_range(name: str, value: object) -> None:
+    """Refuse values the request path would refuse on every call: better at load than at the first request."""
+    if name in ("max_new_tokens", "top_k", "seed") and isinstance(value, int) and value < 0:
+        raise ConfigError(f"runner option {name!r} must be >= 0, got {value!r}")
+    if name == "temperature" and isinstance(value, float) and not (math.isfinite(value) and value >= 0):
+        raise ConfigError(f"runner option 'temperature' must be a finite number >= 0, got {value!r}")
+    if name == "top_p" and isinstance(value, float) and not 0.0 < value <= 1.0:
+        raise ConfigError(f"runner option 'top_p' must be in (0, 1], got {value!r}")
+
+
 def parse_options(opts: Mapping[str, OptValue]) -> tuple[RunnerOptions, list[str]]:
-    """Parse known options (a wrong value is a `ConfigError` naming the option); returns the unknown names too."""
+    """Parse and check known options (a wrong type or value is a `ConfigError` naming the option); returns the
+    unknown names too."""
     known: dict[str, object] = {}
     unknown = []
     for name, value in opts.items():
@@ -110,7 +124,34 @@ def parse_options(opts: Mapping[str, OptValue]) -> tuple[RunnerOptions, list[str
             known[name] = _typed(name, value, bool)
         else:
             unknown.append(name)
+            continue
+        _in_range(name, known[name])
     return RunnerOptions(**known), unknown  # type: ignore[arg-type]
+
+
+def check_room_for_a_prompt(options: RunnerOptions, max_positions: int) -> None:
+    """In generate mode, ``max_new_tokens`` must leave at least one position of the context for the prompt."""
+    if options.mode is Mode.GENERATE and options.max_new_tokens >= max_positions:
+        raise ConfigError(
+            f"runner option 'max_new_tokens' = {options.max_new_tokens} leaves no room for a prompt within "
+            f"config.json's max_position_embeddings ({max_positions})"
+        )
+
+
+def check_positions(seq: int, max_new_tokens: int | None, max_positions: int, source: str) -> None:
+    """Refuse a request longer than the model's context before any work (a 9000-token request to an 8192-position
+    model would otherwise run for minutes and return gigabytes of logits)."""
+    if max_new_tokens is None:
+        if seq > max_positions:
+            raise InvalidInput(
+                f"input {source!r} has {seq} positions, more than config.json's max_position_embeddings "
+                f"({max_positions})"
+            )
+    elif seq + max_new_tokens > max_positions:
+        raise InvalidInput(
+            f"input {source!r}: {seq} prompt positions + max_new_tokens {max_new_tokens} = {seq + max_new_tokens} "
+            f"is more than config.json's max_position_embeddings ({max_positions})"
+        )
 
 
 def default_specs(mode: Mode, *, vocab_size: int, has_tokenizer: bool) -> tuple[tuple[TensorSpec, ...], ...]:

@@ -17,6 +17,8 @@ from ._interface import (
     OUTPUT_DTYPES,
     Mode,
     RunnerOptions,
+    check_positions,
+    check_room_for_a_prompt,
     default_specs,
     ids_and_mask,
     parse_options,
@@ -77,6 +79,7 @@ class MCFRunner(Runner):
         self._mcf = MCFFile.open(path)
         try:
             self._loaded = load_decoder(self._mcf, weight_cache=self._options.weight_cache)
+            check_room_for_a_prompt(self._options, self._loaded.config.max_position_embeddings)
         except BaseException:
             self._mcf.close()
             raise
@@ -117,6 +120,7 @@ class MCFRunner(Runner):
     def _logits(self, inputs: Mapping[str, Tensor]) -> np.ndarray:
         model = self._loaded.model
         ids, mask = ids_and_mask(inputs, model.config.vocab_size)
+        check_positions(ids.shape[1], None, model.config.max_position_embeddings, "input_ids")
         cache = KVCache(model.config, ids.shape[0], ids.shape[1])
         hidden = model.prefill(ids, positions_from_mask(mask), mask, cache)
         return model.logits(hidden)
@@ -155,7 +159,10 @@ class MCFRunner(Runner):
             ids, mask = ids_and_mask({"input_ids": ids, "attention_mask": mask.astype(np.int64)}, self._vocab)
         else:
             ids, mask = ids_and_mask(inputs, self._vocab)
-        output_ids = generate(self._loaded.model, ids, mask, self._params(inputs))
+        params = self._params(inputs)
+        source = "prompt" if prompt is not None else "input_ids"
+        check_positions(ids.shape[1], params.max_new_tokens, self._loaded.config.max_position_embeddings, source)
+        output_ids = generate(self._loaded.model, ids, mask, params)
         outputs: dict[str, Tensor] = {"output_ids": output_ids}
         wants_text = "text" in self._declared or (not self._declared and prompt is not None)
         if wants_text:
@@ -184,7 +191,9 @@ class MCFRunner(Runner):
         path = find_model_file(context.model_dir, options.model_file)
         with MCFFile.open(path) as mcf:
             # Building the decoder checks config.json, ModelInfo and every tensor's presence, shape and payload.
-            vocab = load_decoder(mcf, weight_cache="packed").config.vocab_size
+            config = load_decoder(mcf, weight_cache="packed").config
+            check_room_for_a_prompt(options, config.max_position_embeddings)
+            vocab = config.vocab_size
             has_tokenizer = mcf.resource(SectionType.HF_TOKENIZER) is not None
         inputs, outputs = default_specs(options.mode, vocab_size=vocab, has_tokenizer=has_tokenizer)
         _check_declared(context.inputs, INPUT_DTYPES[options.mode], "input", options.mode)

@@ -3,6 +3,7 @@ quantized entries, and the writer's refusals."""
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import stat
@@ -243,7 +244,6 @@ def test_writer_failure_leaves_no_file(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.mcf"]
 
 
-
 def test_written_file_mode_follows_the_umask(tmp_path: Path) -> None:
     # A sandboxed runner reads the file under another uid: it must get the mode open() would give, not mkstemp's 0600.
     previous = os.umask(0o027)
@@ -288,6 +288,25 @@ def test_failed_rename_leaves_no_temporary_file(tmp_path: Path) -> None:
         writer.close()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.mcf"]
     assert target.is_dir() and not list(target.iterdir())
+
+
+def test_write_error_names_the_target_and_discards_the_temporary_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    target = tmp_path / "m.mcf"
+    writer = mcf.MCFWriter(target)
+    writer.add_tensor("a", np.zeros(4, np.float32))
+
+    def disk_full(raw: memoryview) -> tuple[int, int]:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(writer, "_append", disk_full)
+    with pytest.raises(MCFError, match=rf"^{re.escape(str(target))}: cannot write the MCF file: no space left"):
+        writer.add_tensor("b", np.ones(4, np.float32))
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(MCFError, match="writer is already closed"):
+        writer.add_tensor("c", np.ones(4, np.float32))
+
 
 @pytest.mark.parametrize(
     ("call", "message"),

@@ -317,7 +317,6 @@ def test_cli_reports_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert "no such model folder" in capsys.readouterr().err
 
 
-
 def test_cli_info_on_a_missing_file_or_a_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     missing = tmp_path / "nonexist.mcf"
     assert main(["mcf", "info", str(missing)]) == 1
@@ -341,6 +340,7 @@ def test_cli_convert_output_errors(model_dir: Path, tmp_path: Path, capsys: pyte
     err = capsys.readouterr().err
     assert f"carton: error: MCFError: {out}: cannot write the MCF file: folder {out.parent} does not exist" in err
     assert not out.parent.exists()
+
 
 @pytest.mark.slow
 def test_transformers_checkpoint_converts(tmp_path: Path) -> None:

@@ -85,7 +85,7 @@ def test_unsupported_model_fails_at_pack_and_load(hf_model: Callable[..., Path],
         carton.load_unpacked(folder, runner_name="mcf", required_framework_version=">=0.1")
 
 
-def test_strict_sandbox_runs_a_converted_model(mcf_model: Callable[..., Path]):
+def test_strict_sandbox_runs_a_converted_model(mcf_model: Callable[..., Path]) -> None:
     """The sandboxed runner reads model.mcf under another uid: the converter must write it readable (umask mode)."""
     folder = mcf_model("base")
     ids = np.array([[3, 1, 4, 1, 5]], dtype=np.int64)
@@ -98,7 +98,7 @@ def test_strict_sandbox_runs_a_converted_model(mcf_model: Callable[..., Path]):
     assert max_relative_error(logits, infer_logits(folder, {"input_ids": ids})) < 1e-5
 
 
-def test_bad_runner_option_fails_the_load_out_of_process(mcf_model: Callable[..., Path]):
+def test_bad_runner_option_fails_the_load_out_of_process(mcf_model: Callable[..., Path]) -> None:
     with pytest.raises(carton.RunnerStartError, match=r"ConfigError: runner option 'max_new_tokens' must be >= 0"):
         carton.load_unpacked(
             mcf_model("base"),

@@ -241,7 +241,10 @@ def test_config_json_must_be_json(hf_model: Callable[..., Path], tmp_path: Path)
             r"config.json rope_scaling.rope_type = 'yarn' is not supported",
         ),
         (
-            {"rope_parameters": {"rope_type": "yarn", "factor": 2.0}, "rope_scaling": {"type": "linear", "factor": 2.0}},
+            {
+                "rope_parameters": {"rope_type": "yarn", "factor": 2.0},
+                "rope_scaling": {"type": "linear", "factor": 2.0},
+            },
             r"config.json rope_parameters.rope_type = 'yarn' is not supported",
         ),
         (
@@ -263,13 +266,13 @@ def test_config_json_must_be_json(hf_model: Callable[..., Path], tmp_path: Path)
 )
 def test_rope_keys_must_agree_and_be_supported(
     changes: dict[str, object], message: str, hf_model: Callable[..., Path], tmp_path: Path
-):
+) -> None:
     folder = _variant(hf_model, tmp_path, "rope", **changes)
     with pytest.raises(UnsupportedModel, match=message):
         load_runner(folder)
 
 
-def test_agreeing_rope_keys_are_accepted(hf_model: Callable[..., Path], tmp_path: Path):
+def test_agreeing_rope_keys_are_accepted(hf_model: Callable[..., Path], tmp_path: Path) -> None:
     folder = _variant(
         hf_model,
         tmp_path,
@@ -287,7 +290,7 @@ def test_agreeing_rope_keys_are_accepted(hf_model: Callable[..., Path], tmp_path
 
 def test_sequences_beyond_max_position_embeddings_are_refused_before_any_work(
     hf_model: Callable[..., Path], tmp_path: Path
-):
+) -> None:
     folder = _variant(hf_model, tmp_path, "short", max_position_embeddings=16)
     runner = load_runner(folder)
     try:
@@ -299,7 +302,9 @@ def test_sequences_beyond_max_position_embeddings_are_refused_before_any_work(
     runner = load_runner(folder, mode="generate", max_new_tokens=6, stop_at_eos=False)
     try:
         assert runner.infer({"input_ids": np.ones((1, 10), np.int64)})["output_ids"].shape == (1, 6)
-        limit = r"11 prompt positions \+ max_new_tokens 6 = 17 is more than config.json's max_position_embeddings \(16\)"
+        limit = (
+            r"11 prompt positions \+ max_new_tokens 6 = 17 is more than config.json's max_position_embeddings \(16\)"
+        )
         with pytest.raises(InvalidInput, match=limit):
             runner.infer({"input_ids": np.ones((1, 11), np.int64)})
         with pytest.raises(InvalidInput, match=r"10 prompt positions \+ max_new_tokens 7 = 17"):
@@ -308,6 +313,9 @@ def test_sequences_beyond_max_position_embeddings_are_refused_before_any_work(
         runner.close()
     with pytest.raises(ConfigError, match=r"runner option 'max_new_tokens' = 16 leaves no room for a prompt"):
         load_runner(folder, mode="generate", max_new_tokens=16)
+    with pytest.raises(ConfigError, match=r"'max_new_tokens' = 16 leaves no room .* max_position_embeddings \(16\)"):
+        MCFRunner.pack(PackContext(model_dir=folder, opts={"mode": "generate", "max_new_tokens": 16}))
+    load_runner(folder, max_new_tokens=16).close()  # logits mode generates nothing: no limit on the option
 
 
 @pytest.mark.parametrize(
@@ -322,7 +330,9 @@ def test_sequences_beyond_max_position_embeddings_are_refused_before_any_work(
         ({"seed": -1}, r"runner option 'seed' must be >= 0, got -1"),
     ],
 )
-def test_bad_option_values_fail_at_load(opts: dict[str, OptValue], message: str, mcf_model: Callable[..., Path]):
+def test_bad_option_values_fail_at_load(
+    opts: dict[str, OptValue], message: str, mcf_model: Callable[..., Path]
+) -> None:
     with pytest.raises(ConfigError, match=message):
         load_runner(mcf_model("base"), mode="generate", **opts)
     with pytest.raises(ConfigError, match=message):

@@ -468,6 +468,7 @@ def test_a_runner_dying_by_a_signal_leaves_no_setsid_orphan(start_runner: Start,
 def test_the_supervisor_forwards_sigterm_and_leaves_nothing(start_runner: Start, tmp_path: Path) -> None:
     pid_file = tmp_path / "pids"
     runner = start_runner("Spawner", opts={"pid_file": str(pid_file)})
+    assert runner.runner_pid is not None
     pids = [runner.pid, runner.runner_pid, *_spawned_pids(pid_file, 2)]
     os.kill(runner.pid, signal.SIGTERM)
     assert wait_dead(pids) == []
@@ -478,6 +479,7 @@ def test_the_supervisor_forwards_sigterm_and_leaves_nothing(start_runner: Start,
 def test_killing_the_supervisor_alone_ends_the_runner_and_its_descendants(start_runner: Start, tmp_path: Path) -> None:
     pid_file = tmp_path / "pids"
     runner = start_runner("Spawner", opts={"pid_file": str(pid_file)})
+    assert runner.runner_pid is not None
     pids = [runner.pid, runner.runner_pid, *_spawned_pids(pid_file, 2)]
     os.kill(runner.pid, signal.SIGKILL)  # the runner gets its parent-death signal and kills its own tree
     assert wait_dead(pids) == []

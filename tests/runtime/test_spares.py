@@ -15,7 +15,7 @@ from pathlib import Path
 import carton
 import numpy as np
 import pytest
-from carton._runtime import RunnerLimits, _model
+from carton._runtime import RunnerLimits, RunnerProcess, _model
 from carton._runtime._spares import SPARE_RUNNERS_ENV, spare_limit, spare_pool
 from carton.errors import CartonWarning, FormatError, RunnerStartError
 from carton_protocol import RunnerSpec
@@ -32,7 +32,8 @@ X = np.ones((1, 2), dtype=np.float32)
 
 @pytest.fixture(autouse=True)
 def _clean_pool(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setenv(SPARE_RUNNERS_ENV, "2")
+    # Room for every runner: models of earlier tests may still schedule spares, which must not evict these.
+    monkeypatch.setenv(SPARE_RUNNERS_ENV, "16")
     spare_pool().close()
     yield
     spare_pool().close()
@@ -58,22 +59,28 @@ def _resolved(spec: RunnerSpec) -> RunnerSpec:
         runner_compat_version=spec.runner_compat_version))
 
 
-def _spare(spec: RunnerSpec) -> int:
+def _spare(spec: RunnerSpec) -> RunnerProcess:
     process = spare_pool().wait(spec, 30)
-    assert process is not None and process.alive
-    return process.pid
+    assert process is not None and process.alive and process.runner_pid is not None
+    return process
+
+
+def _all_gone(process: RunnerProcess) -> bool:
+    """The process the host started and the runner it forked (the pid `infer` reports) both ended."""
+    assert process.runner_pid is not None
+    return _wait_gone(process.pid) and _wait_gone(process.runner_pid)
 
 
 def test_the_next_load_takes_the_spare(affine_dir: Path) -> None:
     with load_affine(affine_dir) as first:
         first_pid = _pid(first)  # the first call lets the spare start
-        spare_pid = _spare(_resolved(AFFINE))
+        spare_pid = _spare(_resolved(AFFINE)).runner_pid
         assert spare_pid != first_pid
         with load_affine(affine_dir) as second:
             assert _pid(second) == spare_pid
             assert second.runner == first.runner
         # the second load used the spare, and its first call started the next one
-        assert _spare(_resolved(AFFINE)) not in (first_pid, spare_pid)
+        assert _spare(_resolved(AFFINE)).runner_pid not in (first_pid, spare_pid)
 
 
 def test_the_spare_starts_without_a_call_after_a_delay(affine_dir: Path) -> None:
@@ -87,10 +94,11 @@ def test_a_dead_spare_is_replaced_by_a_fresh_start(affine_dir: Path) -> None:
         _pid(first)
         spare = spare_pool().wait(_resolved(AFFINE), 30)
         assert spare is not None
-        os.kill(spare.pid, 9)
-        assert _wait_gone(spare.pid)
+        assert spare.runner_pid is not None
+        os.kill(spare.runner_pid, 9)  # the runner dies while idle in the pool
+        assert _wait_gone(spare.runner_pid)
         with load_affine(affine_dir) as second:
-            assert _pid(second) != spare.pid
+            assert _pid(second) != spare.runner_pid
 
 
 def test_zero_disables_spares_and_closes_the_ones_kept(affine_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -100,7 +108,7 @@ def test_zero_disables_spares_and_closes_the_ones_kept(affine_dir: Path, monkeyp
     monkeypatch.setenv(SPARE_RUNNERS_ENV, "0")
     with carton.load_unpacked(affine_dir, runner_name="passthrough", required_framework_version="*") as other:
         other.infer({"x": X})
-        assert _wait_gone(kept)
+        assert _all_gone(kept)
         assert spare_pool().wait(_resolved(PASSTHROUGH), 0.5) is None
         assert spare_pool().wait(_resolved(AFFINE), 0.1) is None
 
@@ -113,7 +121,7 @@ def test_the_limit_keeps_the_most_recently_used_runners(affine_dir: Path, monkey
     with carton.load_unpacked(affine_dir, runner_name="passthrough", required_framework_version="*") as other:
         other.infer({"x": X})
         _spare(_resolved(PASSTHROUGH))
-        assert _wait_gone(evicted)
+        assert _all_gone(evicted)
         assert spare_pool().ready(_resolved(AFFINE)) is None
 
 
@@ -145,14 +153,15 @@ def test_spares_end_when_the_interpreter_exits(tmp_path: Path, affine_dir: Path)
         model = load_unpacked({str(affine_dir)!r}, runner_name="affine", required_framework_version="^1")
         pid = int(model.infer({{"x": np.ones((1, 2), np.float32)}})["pid"])
         spare = spare_pool().wait(model.runner, 30)
-        print(pid, spare.pid, flush=True)
+        print(pid, spare.pid, spare.runner_pid, flush=True)
     """)
     env = {**os.environ, SPARE_RUNNERS_ENV: "2"}
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env,
                           check=False)
     assert done.returncode == 0, done.stderr
-    model_pid, spare_pid = (int(value) for value in done.stdout.split())
-    assert _wait_gone(spare_pid) and _wait_gone(model_pid)
+    pids = [int(value) for value in done.stdout.split()]
+    assert len(pids) == 3
+    assert all(_wait_gone(pid) for pid in pids)
 
 
 def test_load_overlaps_the_runner_start_with_extraction(tmp_path: Path, affine_dir: Path,
@@ -208,4 +217,4 @@ def test_a_carton_that_fails_to_open_leaves_no_runner_behind(tmp_path: Path, aff
         process, _ = started[0].result(timeout=30)
     except RunnerStartError:
         return  # it never came up: nothing to leak
-    assert _wait_gone(process.pid)
+    assert _all_gone(process)

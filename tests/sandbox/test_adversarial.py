@@ -41,7 +41,8 @@ pytestmark = pytest.mark.usefixtures("adversarial_plugin")
 BOUND = 20.0
 
 
-def load(model_dir: Path, backend: Backend | None, limits: carton.RunnerLimits | None = None, **options: Any) -> carton.Model:
+def load(model_dir: Path, backend: Backend | None, limits: carton.RunnerLimits | None = None,
+         **options: Any) -> carton.Model:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", SandboxWarning)
         return carton.load_unpacked(model_dir, runner_name="adversary", required_framework_version="1",

@@ -14,6 +14,7 @@ from pathlib import Path
 import carton
 import numpy as np
 import pytest
+from carton._runtime._exits import memory_limit_hit
 from carton._runtime._process import _describe_exit, _exit_signal
 from carton._sandbox import Backend, Layer, SandboxPolicy, _seccomp, _wrap, launch_wrapper, machine_support, plan_setup
 from carton._sandbox._layers import SHIM
@@ -101,6 +102,48 @@ def test_memory_limit_applies_without_a_sandbox(tmp_path: Path) -> None:
                                limits=limits) as model,
           pytest.raises(RunnerMemoryLimit, match=r"memory_bytes=3221225472")):
         model.infer({"action": np.array(["alloc"]), "arg": np.array([str(50 << 30)])})
+
+
+@pytest.mark.usefixtures("adversarial_plugin")
+@pytest.mark.parametrize("policy", ["none", "strict"])
+def test_a_memory_limit_too_low_to_start_names_the_limit(tmp_path: Path, policy: str) -> None:
+    support = machine_support()
+    if policy == "strict" and not all(status.available for status in support.layers(support.backend(None))):
+        pytest.skip("strict is refused on this machine (a layer is missing)")
+    (tmp_path / "note.txt").write_text("n:")
+    limits = carton.RunnerLimits(memory_bytes=50 << 20)  # numpy's libraries cannot even be mapped
+    with pytest.raises(RunnerMemoryLimit, match=r"before completing the handshake: it ran out of memory under its "
+                       r"memory limit \(memory_bytes=52428800\)") as caught:
+        carton.load_unpacked(tmp_path, runner_name="adversary", required_framework_version="1", sandbox=policy,
+                             limits=limits)
+    assert "failed to map segment" in str(caught.value) or "MemoryError" in str(caught.value)  # the log tail
+
+
+@pytest.mark.parametrize(
+    ("text", "limits", "expected"),
+    [
+        ("ImportError: libstdc++.so.6: failed to map segment from shared object", {"memory_bytes": 5e7},
+         "memory_bytes=50000000"),
+        ("MemoryError", {"memory_bytes": 1024.0}, "memory_bytes=1024"),
+        ("OSError: [Errno 12] Cannot allocate memory", {"memory_bytes": 1024.0}, "memory_bytes=1024"),
+        ("mmap failed: ENOMEM", {"memory_bytes": 1024.0}, "memory_bytes=1024"),
+        ("terminate called after throwing an instance of 'std::bad_alloc'", {"memory_bytes": 1024.0},
+         "memory_bytes=1024"),
+        ("ImportError: libstdc++.so.6: failed to map segment from shared object", {}, None),  # no limit: not it
+        ("ModuleNotFoundError: No module named 'x'", {"memory_bytes": 1024.0}, None),
+        ("ENOMEMORIES are not errors", {"memory_bytes": 1024.0}, None),
+    ],
+)
+def test_memory_failures_are_recognised_only_under_a_memory_limit(text: str, limits: dict[str, float],
+                                                                 expected: str | None) -> None:
+    assert memory_limit_hit(limits, "runner x exited with status 1", text) == expected
+
+
+@pytest.mark.usefixtures("adversarial_plugin")
+def test_an_unrelated_start_failure_under_a_memory_limit_stays_a_start_error(tmp_path: Path) -> None:
+    with pytest.raises(RunnerStartError, match=r"failed to load .*FileNotFoundError.*note\.txt"):  # no note.txt
+        carton.load_unpacked(tmp_path, runner_name="adversary", required_framework_version="1",
+                             sandbox="none", limits=carton.RunnerLimits(memory_bytes=3 << 30))
 
 
 def test_machine_support_reports_every_layer() -> None:
@@ -271,7 +314,7 @@ def test_url_loads_default_to_best_effort(monkeypatch: pytest.MonkeyPatch, tmp_p
             self.model_dir = tmp_path
 
     seen: list[object] = []
-    monkeypatch.setattr(carton._format, "open_carton", lambda path_or_url: Opened())
+    monkeypatch.setattr(carton._format, "open_carton", lambda path_or_url, **options: Opened())
     monkeypatch.setattr(_model, "_resolve", lambda request, where: None)
     monkeypatch.setattr(_model, "_open", lambda **kwargs: seen.append(kwargs["sandbox"]))
     _model.load(where, sandbox=given)

@@ -148,7 +148,7 @@ def test_config_parsing() -> None:
             ),
             503,
             "model 'm' version 1 did not answer within the server's request timeout of 2.5 s; the request was "
-            "abandoned and the model restarted",
+            "abandoned and the model is restarted for the next one",
         ),
         (
             ModelClosed("runner a.b:C was closed during infer"),

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +15,13 @@ from carton_protocol._reaper import kill_tree
 from ._connection import Connection
 from ._launch import remove_runtime_dir
 
-__all__ = ["Resources", "describe_exit", "exit_signal"]
+__all__ = ["Resources", "describe_exit", "exit_signal", "memory_limit_hit"]
+
+# What an allocation or mapping failure says: Python, the dynamic loader (a library that cannot be mapped, e.g.
+# "libstdc++.so.6: failed to map segment from shared object"), strerror(ENOMEM), C++ and allocators.
+_MEMORY_FAILURE = re.compile(
+    r"MemoryError|failed to map segment|cannot allocate memory|\bENOMEM\b|std::bad_alloc|out of memory", re.IGNORECASE
+)
 
 
 def exit_signal(returncode: int | None, signal_base: int | None) -> int | None:
@@ -38,6 +46,15 @@ def describe_exit(returncode: int | None, signal_base: int | None = None) -> str
             name = f"signal {signum}"
         return f"was killed by {name}"
     return f"exited with status {returncode}"
+
+
+def memory_limit_hit(limits: Mapping[str, float], *texts: str) -> str | None:
+    """``memory_bytes=N`` when the runner had a memory limit and one of `texts` (its error, its log) shows an
+    allocation or mapping failure: the limit is then the likely reason it could not start or load."""
+    memory = limits.get("memory_bytes")
+    if memory is None or not any(_MEMORY_FAILURE.search(text) for text in texts):
+        return None
+    return f"memory_bytes={memory:.0f}"
 
 
 class Resources:

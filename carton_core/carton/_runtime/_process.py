@@ -59,6 +59,7 @@ from ._connection import AsyncChannel, CallTimeout, Connection, PeerGone, Reply
 from ._exits import Resources as _Resources
 from ._exits import describe_exit as _describe_exit
 from ._exits import exit_signal as _exit_signal
+from ._exits import memory_limit_hit as _memory_limit_hit
 from ._launch import LaunchPlan, build_launch_plan, make_runtime_dir, read_log_tail, spawn
 
 __all__ = ["DEFAULT_SHM_THRESHOLD", "LaunchPlan", "RunnerProcess"]
@@ -170,7 +171,7 @@ class RunnerProcess:
         runner._threshold = shm_threshold if use_shm and shm_threshold is not None else 0
         try:
             runner._handshake(handshake_timeout, use_shm)
-        except (ProtocolMismatch, RunnerStartError):
+        except (ProtocolMismatch, RunnerStartError, RunnerMemoryLimit):
             # The runner answered and is on its way out: let it finish saying why (its log) before cleanup.
             with contextlib.suppress(Exception):
                 process.wait(timeout=2)
@@ -186,9 +187,8 @@ class RunnerProcess:
         try:
             reply, _ = self._connection("handshake").call(header, timeout=timeout)
         except PeerGone:
-            raise RunnerStartError(
-                f"runner {self.spec.entry} {self._exit_text()} before completing the handshake{self._log_text()}"
-            ) from None
+            text = f"runner {self.spec.entry} {self._exit_text()} before completing the handshake"
+            raise self._start_error(text, self._log_text(), read_log_tail(self.plan.log_path, 1 << 16)) from None
         except CallTimeout:
             self._resources.kill()
             raise RunnerTimeout(
@@ -203,9 +203,9 @@ class RunnerProcess:
                 f"host speaks carton protocol {PROTOCOL_VERSION}, runner {self.spec.entry} speaks {remote!r}"
             )
         if reply.get("ok") is not True:
-            raise RunnerStartError(f"runner {self.spec.entry} failed to start: {self._remote_text(reply)}") from (
-                self._remote_error(reply)
-            )
+            error = self._remote_error(reply)
+            text = f"runner {self.spec.entry} failed to start"
+            raise self._start_error(text, f": {error.kind}: {error}", error.traceback) from error
         pid = reply.get("pid")
         self.runner_pid = pid if type(pid) is int else None
         self.concurrent = reply.get("concurrent") is True
@@ -287,6 +287,13 @@ class RunnerProcess:
             return RunnerCPULimit(f"{text}: it went over its CPU-time limit (cpu_seconds={cpu:g}){self._log_text()}")
         return RunnerCrashed(f"{text}{self._log_text()}")
 
+    def _start_error(self, what: str, reason: str, detail: str) -> RunnerError:
+        """`RunnerStartError`, or `RunnerMemoryLimit` naming the limit when the failure shows it was out of memory."""
+        limit = _memory_limit_hit(self.plan.limits, reason, detail)
+        if limit is not None:
+            return RunnerMemoryLimit(f"{what}: it ran out of memory under its memory limit ({limit}){reason}")
+        return RunnerStartError(f"{what}{reason}")
+
     def _kill(self, fate: RunnerError) -> None:
         with self._lock:
             if self._fate is None:
@@ -308,9 +315,9 @@ class RunnerProcess:
         reply, _ = self._request("load", header, [], timeout, "load timeout")
         self._raise_warnings(reply)
         if reply.get("ok") is not True:
-            raise RunnerStartError(
-                f"runner {self.spec.entry} failed to load {model_dir}: {self._remote_text(reply)}"
-            ) from self._remote_error(reply)
+            error = self._remote_error(reply)
+            text = f"runner {self.spec.entry} failed to load {model_dir}"
+            raise self._start_error(text, f": {error.kind}: {error}", error.traceback) from error
 
     def pack(
         self,

@@ -111,7 +111,7 @@ def register(subparsers: Any) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--request-timeout", type=_positive, default=None, metavar="SECONDS",
-        help="wall-time limit of each inference; the runner is killed and restarted (RunnerTimeout)",
+        help="wall-time limit of each inference; the runner is killed and restarted, the request gets 503",
     )  # fmt: skip
     parser.add_argument(
         "--process-limit", type=int, default=None, metavar="N",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -122,7 +122,8 @@ class MCFWriter:
         except OSError as exc:
             raise MCFError(f"{self.path}: cannot write the MCF file: {describe_os_error(exc)}") from exc
         self._file: IO[bytes] = os.fdopen(fd, "w+b")
-        self._write_failed(lambda: self._file.write(bytes(HEADER_SIZE)))
+        with self._writing():
+            self._file.write(bytes(HEADER_SIZE))
 
     # --- adding content -------------------------------------------------------------------------------------
     def set_model_info(self, model_info: ModelInfo) -> None:
@@ -263,21 +264,21 @@ class MCFWriter:
         if name in self._pending:
             raise MCFError(f"tensor {name!r} was already added")
 
-    def _write_failed(self, write: Callable[[], object]) -> None:
-        """Run a write to the temporary file; an OSError (disk full, ...) becomes an `MCFError` naming the target
-        and discards the temporary file."""
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        """Around writes to the temporary file: an OSError (disk full, the target turned into a folder, ...) discards
+        the temporary file and becomes an `MCFError` naming the target."""
         try:
-            write()
+            yield
         except OSError as exc:
             self.abort()
-            code_and_reason = output_problem(self.path)
-            reason = code_and_reason[1] if code_and_reason is not None else describe_os_error(exc)
+            problem = output_problem(self.path)
+            reason = problem[1] if problem is not None else describe_os_error(exc)
             raise MCFError(f"{self.path}: cannot write the MCF file: {reason}") from exc
 
     def _write_data(self, raw: memoryview) -> tuple[int, int]:
-        offset: list[int] = []
-        self._write_failed(lambda: offset.extend(self._append(raw)))
-        return offset[0], offset[1]
+        with self._writing():
+            return self._append(raw)
 
     def _append(self, raw: memoryview) -> tuple[int, int]:
         f = self._file
@@ -300,7 +301,8 @@ class MCFWriter:
 
     def _finish(self) -> None:
         self._check_open()
-        self._write_failed(self._write_index_and_rename)
+        with self._writing():
+            self._write_index_and_rename()
         self._done = True
 
     def _write_index_and_rename(self) -> None:

@@ -6,8 +6,9 @@
         part = f.get_slice("w")[0:16]          # a view of 16 rows, nothing else read
 
 Files written here are byte-identical to the reference's; reading is lazy and zero-copy (memory-mapped) and stricter
-than the reference: every rule failure raises `carton.SafetensorsError` naming the file and the tensor or field. A file that cannot be
-opened or written raises a `SafetensorsOSError`, which is also the matching `OSError` (`FileNotFoundError`, ...).
+than the reference: every rule failure raises `carton.SafetensorsError` naming the file and the tensor or field. A
+file that cannot be opened or written raises a `SafetensorsOSError`, which is also the matching `OSError`
+(`FileNotFoundError`, `IsADirectoryError`, ...), so code written against the reference keeps working.
 """
 
 from ..errors import (

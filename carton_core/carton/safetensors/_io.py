@@ -115,8 +115,8 @@ def _os_error(message: str, path: Path, code: int | None, strerror: str | None =
     """A `SafetensorsOSError` of the subclass matching ``code`` (so it is also a FileNotFoundError, ...), carrying
     ``errno``, ``strerror`` and ``filename`` like the OSError the reference package would raise."""
     exc = _OS_ERRORS.get(code, SafetensorsOSError)(message) if code is not None else SafetensorsOSError(message)
-    exc.errno = code  # type: ignore[assignment]
-    exc.strerror = strerror if strerror is not None else (os.strerror(code) if code is not None else None)  # type: ignore[assignment]
+    exc.errno = code
+    exc.strerror = strerror if strerror is not None else (os.strerror(code) if code is not None else None)
     exc.filename = str(path)
     return exc
 

@@ -169,17 +169,16 @@ def translate_error(exc: BaseException, scrub: Callable[[str], str], served: Ser
         limit = _WITHIN.search(str(exc))
         within = f" within the server's request timeout of {limit.group(1)} s" if limit else " in time"
         _log.warning("%s: %s", model, exc)
-        return ModelUnavailable(f"{model} did not answer{within}; the request was abandoned and the model restarted")
+        return ModelUnavailable(
+            f"{model} did not answer{within}; the request was abandoned and the model is restarted for the next one"
+        )
     if isinstance(exc, ModelClosed):
         return ModelUnavailable(f"{model} was unloaded while it ran; retry the request")
     if isinstance(exc, (RunnerMemoryLimit, RunnerCPULimit, RunnerCrashed)):
         _log.warning("%s: %s", model, exc)
         if isinstance(exc, RunnerMemoryLimit):
-            what = "went over the server's memory limit for a model"
-        elif isinstance(exc, RunnerCPULimit):
-            what = "went over the server's CPU-time limit for a model"
-        else:
-            what = "crashed"
+            return ServerError(f"{model} went over the server's memory limit for a model while running the request")
+        what = "went over the server's CPU-time limit for a model" if isinstance(exc, RunnerCPULimit) else "crashed"
         return ServerError(f"{model} {what} while running the request; it is restarted for the next request")
     if isinstance(exc, (RunnerFailed, InvalidOutput)):
         return ServerError(f"{model} failed: {scrub(_RUNNER_LEAD.sub('', str(exc)))}")
