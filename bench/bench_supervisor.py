@@ -8,7 +8,8 @@ reference, measured in the same run, starts the same runner loop without the sup
 
 1. fork: in a fresh interpreter that has imported only ``carton_protocol._supervisor`` (what the supervisor imports
    before it forks), the time from ``os.fork()`` to the child running, and that import's own time (``-X importtime``).
-2. start: `RunnerProcess.start` to a completed handshake, supervised vs reference (rounds interleaved), median.
+2. start: `RunnerProcess.start` to a completed handshake, supervised vs reference (rounds interleaved, alternating
+   order), median; and the CPU time of the whole tree per start and close (``RUSAGE_CHILDREN``), less noisy.
 3. infer: p50/p99 of a [1,16] float32 echo round trip, supervised vs reference (batches interleaved), and the ratio.
    The supervisor is not on the data path, so the ratio should be 1 within noise.
 """
@@ -77,15 +78,23 @@ def bench_fork(rounds: int) -> tuple[float, float, float]:
     return p50, p90, import_ms
 
 
-def bench_start(rounds: int) -> dict[str, float]:
-    samples: dict[str, list[float]] = {label: [] for label in VARIANTS}
-    for _ in range(rounds):
-        for label, wrap in VARIANTS.items():  # interleaved, so machine noise hits both alike
+def bench_start(rounds: int) -> dict[str, tuple[float, float]]:
+    """Median wall time from start to handshake, and median CPU time of the whole process tree per start+close."""
+    import resource
+
+    wall: dict[str, list[float]] = {label: [] for label in VARIANTS}
+    cpu: dict[str, list[float]] = {label: [] for label in VARIANTS}
+    labels = list(VARIANTS)
+    for round_index in range(rounds):
+        for label in labels if round_index % 2 == 0 else labels[::-1]:  # interleaved, alternating order
+            before = resource.getrusage(resource.RUSAGE_CHILDREN)
             started = time.perf_counter()
-            runner = RunnerProcess.start(SPEC, wrap=wrap)
-            samples[label].append(time.perf_counter() - started)
+            runner = RunnerProcess.start(SPEC, wrap=VARIANTS[label])
+            wall[label].append(time.perf_counter() - started)
             runner.close()
-    return {label: statistics.median(values) * 1e3 for label, values in samples.items()}
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)  # the supervisor's usage includes the runner's
+            cpu[label].append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
+    return {label: (statistics.median(wall[label]) * 1e3, statistics.median(cpu[label]) * 1e3) for label in labels}
 
 
 def bench_infer(calls: int) -> dict[str, tuple[float, float]]:
@@ -128,9 +137,11 @@ def main() -> None:
 
     start = bench_start(args.rounds)
     print(f"## start to handshake, median of {args.rounds} interleaved rounds\n")
-    print("| variant | start -> handshake | vs reference |\n|---|---|---|")
-    for label, value in start.items():
-        print(f"| {label} | {value:.1f} ms | {value - start['reference']:+.1f} ms |")
+    print("| variant | start -> handshake | vs reference | CPU of the tree per start + close | vs reference |")
+    print("|---|---|---|---|---|")
+    wall_ref, cpu_ref = start["reference"]
+    for label, (wall, cpu) in start.items():
+        print(f"| {label} | {wall:.1f} ms | {wall - wall_ref:+.1f} ms | {cpu:.1f} ms | {cpu - cpu_ref:+.1f} ms |")
 
     infer = bench_infer(args.calls)
     print(f"\n## infer [1,16] float32 echo, {args.calls} calls per variant in interleaved batches\n")

@@ -74,16 +74,24 @@ def test_corrupted_payloads_give_typed_errors_or_finite_values(
     for position, value in flips:
         raw[position % len(raw)] = value
     corrupted = bytes(raw[: len(raw) - cut])
-    for attempt in (
-        lambda: dequantize(corrupted, method, (3, 70)),
-        lambda: QuantizedLinear(corrupted, method, 3, 70)(np.ones((2, 70), np.float32)),
-        lambda: QuantizedLinear(corrupted, method, 3, 70, cache="packed")(np.ones((1, 70), np.float32)),
+    for attempt, batch in (
+        (lambda: dequantize(corrupted, method, (3, 70)), 0),
+        (lambda: QuantizedLinear(corrupted, method, 3, 70)(np.ones((2, 70), np.float32)), 2),
+        (lambda: QuantizedLinear(corrupted, method, 3, 70, cache="packed")(np.ones((1, 70), np.float32)), 1),
     ):
         try:
             out = attempt()
         except MCFError:
             continue
-        assert cut == 0 and np.isfinite(out).all()
+        assert cut == 0
+        if not batch:
+            assert np.isfinite(out).all()
+            continue
+        # Corrupt scales can make finite weights near float32's limit, whose products with x legitimately overflow
+        # in the sum: only rows whose sum of |w * x| stays in range must come out finite.
+        bound = np.abs(dequantize(corrupted, method, (3, 70)).astype(np.float64)).sum(axis=1)
+        in_range = np.broadcast_to(bound < 1e38, out.shape)
+        assert np.isfinite(out[in_range]).all()
 
 
 @SETTINGS
