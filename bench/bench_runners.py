@@ -5,7 +5,8 @@
 1. load: `carton.load` to first inference of a ~100 MB ONNX model (six 2048x2048 float32 MatMuls) versus
    `onnxruntime.InferenceSession` on the same file plus its first run, two references: (A) in this benchmark
    process, which has created sessions of this model before (memory already faulted in and reused); (B) the first
-   session of a fresh interpreter that has already started (and, in the "+ import" row, then imports onnxruntime).
+   session of a fresh interpreter that has already started (and, in the "+ import" row, then imports onnxruntime);
+   (C) B with the glibc malloc tunables the onnxruntime runner process gets (transparent huge pages for malloc).
    "cold" loads use an empty cache (the model is extracted from the .carton and verified), "warm" loads reuse the
    cache a previous load filled. "no spare" runs with CARTON_SPARE_RUNNERS=0 (every load starts its runner
    process, overlapped with extraction); "spare ready" loads take the idle runner process the previous load left
@@ -36,6 +37,7 @@ import carton
 import numpy as np
 import onnx
 import onnxruntime as ort
+from carton_runner_onnx.plugin import MALLOC_TUNABLES
 from onnx import TensorProto, helper, numpy_helper
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -93,13 +95,17 @@ print(t1 - t0, t2 - t1, flush=True)
 """
 
 
-def _fresh_process_reference(path: Path) -> tuple[float, float]:
+def _fresh_process_reference(path: Path, tunables: str | None = None) -> tuple[float, float]:
     """(import onnxruntime, first InferenceSession + first run) timed inside a fresh interpreter that has already
-    started and imported numpy, so interpreter start-up is not counted."""
+    started and imported numpy, so interpreter start-up is not counted; ``tunables`` sets its GLIBC_TUNABLES."""
     import subprocess
 
+    env = dict(os.environ)
+    env.pop("GLIBC_TUNABLES", None)
+    if tunables is not None:
+        env["GLIBC_TUNABLES"] = tunables
     child = subprocess.Popen([sys.executable, "-c", _FRESH_CHILD, str(path)], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)
+                             stdout=subprocess.PIPE, text=True, env=env)
     assert child.stdin is not None and child.stdout is not None
     if child.stdout.readline().strip() != "ready":
         raise RuntimeError("reference child did not start")
@@ -167,6 +173,7 @@ def bench_load(work: Path, repeats: int) -> list[tuple[str, float, float]]:
         imported, session = _fresh_process_reference(path)
         record("ref_fresh", session)
         record("ref_fresh_import", imported + session)
+        record("ref_fresh_thp", _fresh_process_reference(path, MALLOC_TUNABLES)[1])
         # No spare runner: every load starts its runner (overlapped with extraction when the cache is cold).
         spares(False)
         os.environ["CARTON_CACHE_DIR"] = str(work / f"cache-{round_index}-a")
@@ -186,11 +193,12 @@ def bench_load(work: Path, repeats: int) -> list[tuple[str, float, float]]:
         spare_ready()
     spares(True)
     med = {name: statistics.median(values) for name, values in rows.items()}
-    base_warm, base_fresh = med["ref_warm"], med["ref_fresh"]
+    base_warm, base_fresh, base_thp = med["ref_warm"], med["ref_fresh"], med["ref_fresh_thp"]
     labels = [
         ("ref_warm", "reference A: InferenceSession + run, warm process", ""),
         ("ref_fresh", "reference B: same, first session of a fresh process", ""),
         ("ref_fresh_import", "reference B + `import onnxruntime`", ""),
+        ("ref_fresh_thp", "reference C: B with the runner's malloc tunables", ""),
         ("open_cold", "open_carton alone, cold cache (extract + verify)", ""),
         ("cold_nospare", "carton.load + infer, cold cache, no spare", "1.30"),
         ("cold_spare", "carton.load + infer, cold cache, spare ready", "1.30"),
@@ -199,10 +207,11 @@ def bench_load(work: Path, repeats: int) -> list[tuple[str, float, float]]:
         ("warm_spare_b2b", "carton.load + infer, warm cache, back to back", "1.10"),
     ]
     print(f"\n## load to first inference: {size_mb:.0f} MB ONNX model, median of {repeats} interleaved rounds")
-    print(f"{'what':<55} {'seconds':>8} {'vs A':>6} {'vs B':>6} {'goal':>6}")
+    print(f"{'what':<55} {'seconds':>8} {'vs A':>6} {'vs B':>6} {'vs C':>6} {'goal':>6}")
     for key, label, goal in labels:
         value = med[key]
-        print(f"{label:<55} {value:8.3f} {value / base_warm:6.2f} {value / base_fresh:6.2f} {goal:>6}")
+        print(f"{label:<55} {value:8.3f} {value / base_warm:6.2f} {value / base_fresh:6.2f} {value / base_thp:6.2f}"
+              f" {goal:>6}")
     return [(key, med[key], med[key] / base_warm) for key, _, _ in labels]
 
 
