@@ -7,6 +7,7 @@ import importlib.metadata
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import carton
 import onnxruntime
@@ -50,3 +51,26 @@ def test_runner_module_does_not_drag_in_scikit_learn() -> None:
               "print('sklearn' in sys.modules, r.xgb.__name__); import sklearn; print('ok')")
     completed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert completed.stdout.split() == ["False", "xgboost", "ok"]
+
+
+def test_onnx_runner_process_gets_huge_page_malloc(monkeypatch) -> None:
+    import carton_runner_onnx.plugin as onnx_plugin
+
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    (spec,) = onnx_plugin.carton_runners()
+    assert dict(spec.env) == {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")  # the host's own choice wins
+    (spec,) = onnx_plugin.carton_runners()
+    assert dict(spec.env) == {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}
+
+
+def test_onnx_runner_process_environment_has_the_tunable(tmp_path, monkeypatch) -> None:
+    from runner_models import write_mlp
+
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    write_mlp(tmp_path)
+    with carton.load_unpacked(tmp_path, runner_name="onnxruntime", required_framework_version="*") as model:
+        process = model._workers[0].process
+        assert process is not None and process.runner_pid is not None
+        environ = Path(f"/proc/{process.runner_pid}/environ").read_bytes().split(b"\0")
+        assert b"GLIBC_TUNABLES=glibc.malloc.hugetlb=1" in environ
