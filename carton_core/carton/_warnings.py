@@ -17,7 +17,7 @@ _OUR_PACKAGES = tuple(
 def warn_user(message: str, category: type[Warning]) -> None:
     """`warnings.warn` with the stack level of the first frame outside carton (Python 3.12's ``skip_file_prefixes``,
     by hand), so the warning names the user's line that called into carton."""
-    level = 1
+    level = 2  # stacklevel 2 is frame(1), warn_user's caller
     frame = sys._getframe(1)
     while frame is not None and frame.f_code.co_filename.startswith(_OUR_PACKAGES):
         frame = frame.f_back  # type: ignore[assignment]
