@@ -30,8 +30,9 @@ from ._inference import (
     from_bytes_elements,
     from_raw,
     output_tensor,
+    request_failed,
+    request_succeeded,
     select_outputs,
-    translate_error,
 )
 from ._proto import SERVICE_NAME, message_class
 from ._repository import ModelRepository, ServedVersion
@@ -255,17 +256,8 @@ class GrpcService:
                 response.outputs.add(name=name, datatype=datatype, shape=array.shape)
                 response.raw_output_contents.append(bytes(data))
         except Exception as exc:
-            served.exit()
-            served.stats.record_failure(total_ns=time.perf_counter_ns() - started)
-            raise translate_error(exc, self.repository.scrub, served) from exc
-        try:
-            served.stats.record_success(
-                total_ns=time.perf_counter_ns() - started,
-                input_ns=decoded_at - started,
-                output_ns=time.perf_counter_ns() - inferred_at,
-            )
-        finally:
-            served.exit()
+            raise request_failed(served, exc, self.repository.scrub, started_ns=started) from exc
+        request_succeeded(served, started_ns=started, decoded_ns=decoded_at, inferred_ns=inferred_at)
         return response
 
     async def model_stream_infer(

@@ -25,7 +25,7 @@ from ._config import ModelConfig
 from ._datatypes import DATATYPE_OF
 from ._handle import metadata_shape
 from ._http_codec import encode_infer_response, parse_infer_request
-from ._inference import select_outputs, translate_error
+from ._inference import request_failed, request_succeeded, select_outputs
 from ._repository import ModelRepository, ServedVersion
 from ._stats import ServerMetrics
 
@@ -264,17 +264,8 @@ class HttpApp:
             requested = [output for output, _ in decoded.outputs] if decoded.outputs is not None else None
             header, parts = encode_infer_response(served, decoded, select_outputs(served, outputs, requested))
         except Exception as exc:
-            served.exit()
-            served.stats.record_failure(total_ns=time.perf_counter_ns() - started)
-            raise translate_error(exc, self.repository.scrub, served) from exc
-        try:
-            served.stats.record_success(
-                total_ns=time.perf_counter_ns() - started,
-                input_ns=decoded_at - started,
-                output_ns=time.perf_counter_ns() - inferred_at,
-            )
-        finally:
-            served.exit()
+            raise request_failed(served, exc, self.repository.scrub, started_ns=started) from exc
+        request_succeeded(served, started_ns=started, decoded_ns=decoded_at, inferred_ns=inferred_at)
         if parts:
             headers = [
                 (b"content-type", b"application/octet-stream"),

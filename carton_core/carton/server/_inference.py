@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -187,6 +188,28 @@ def translate_error(exc: BaseException, scrub: Callable[[str], str], served: Ser
         return ServerError(f"{model} failed while running the request (see the server log)")
     _log.error("inference failed with an unexpected error", exc_info=exc)
     return ServerError("internal error while running the model (see the server log)")
+
+
+def request_failed(
+    served: ServedVersion, exc: BaseException, scrub: Callable[[str], str], *, started_ns: int
+) -> ServerError:
+    """End a failed inference of `served` (HTTP or gRPC): release the version, count the failure, and return the
+    error to answer with."""
+    served.exit()
+    served.stats.record_failure(total_ns=time.perf_counter_ns() - started_ns)
+    return translate_error(exc, scrub, served)
+
+
+def request_succeeded(served: ServedVersion, *, started_ns: int, decoded_ns: int, inferred_ns: int) -> None:
+    """End a successful inference of `served`: record its timings and release the version."""
+    try:
+        served.stats.record_success(
+            total_ns=time.perf_counter_ns() - started_ns,
+            input_ns=decoded_ns - started_ns,
+            output_ns=time.perf_counter_ns() - inferred_ns,
+        )
+    finally:
+        served.exit()
 
 
 def json_elements(array: np.ndarray) -> list[Any]:
