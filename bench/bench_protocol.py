@@ -23,12 +23,12 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import zmq
+from _timing import percentiles, timed
 from carton._runtime._process import RunnerProcess
 from carton_protocol import RunnerSpec
 
@@ -45,21 +45,6 @@ def start(entry: str, **kwargs: object) -> RunnerProcess:
     runner.load(model_dir=ROOT, opts={}, inputs=(), outputs=())
     return runner
 
-
-def percentiles(samples: list[float]) -> tuple[float, float]:
-    ordered = sorted(samples)
-    return ordered[len(ordered) // 2], ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
-
-
-def timed(call: Callable[[], object], repeat: int, warmup: int) -> list[float]:
-    for _ in range(warmup):
-        call()
-    samples = []
-    for _ in range(repeat):
-        begin = time.perf_counter()
-        call()
-        samples.append(time.perf_counter() - begin)
-    return samples
 
 
 # --- references ------------------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from pathlib import Path
 import carton
 import numpy as np
 import zmq
+from _timing import percentiles, timed
 from carton._runtime import RunnerProcess, discover, load_unpacked, plugin_manager
 from carton_protocol import DType, RunnerSpec, TensorSpec, hookimpl
 
@@ -46,21 +47,6 @@ class BenchPlugin:
         return [spec("Passthrough", "bench-passthrough"), spec("Spin", "bench-spin"),
                 spec("Affine", "bench-affine", concurrent=True)]
 
-
-def percentiles(samples: list[float]) -> tuple[float, float]:
-    ordered = sorted(samples)
-    return ordered[len(ordered) // 2], ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
-
-
-def timed(call: Callable[[], object], repeat: int, warmup: int) -> list[float]:
-    for _ in range(warmup):
-        call()
-    samples = []
-    for _ in range(repeat):
-        begin = time.perf_counter()
-        call()
-        samples.append(time.perf_counter() - begin)
-    return samples
 
 
 def _rep_server(endpoint: str, ready: object) -> None:
