@@ -42,6 +42,7 @@
         ├── BadRequest              a request is malformed: body, header, tensor data, names (400)
         │   └── RequestTooLarge     a request body is over the server's size limit (413)
         ├── ModelNotFound           no such model, or no ready version of it (404)
+        ├── ModelUnavailable        the model timed out or went away under a request; retrying may work (503)
         └── RepositoryError         a repository load or unload failed: config, files, carton, timeout (400)
             └── UploadDisabled      a load sent `file:` payloads to a server started with uploads off (403)
 
@@ -68,6 +69,7 @@ __all__ = [
     "ManifestError",
     "ModelClosed",
     "ModelNotFound",
+    "ModelUnavailable",
     "NoCompatibleRunner",
     "PackError",
     "ProtocolMismatch",
@@ -289,6 +291,15 @@ class ModelNotFound(ServerError):
     """The model does not exist, or has no ready version (not loaded, loading, or being unloaded)."""
 
     http_status = 404
+
+
+class ModelUnavailable(ServerError):
+    """The model could not answer this request in time, or went away under it; retrying may succeed.
+
+    Answered like Triton's ``UNAVAILABLE`` errors (its request timeouts among them): HTTP 503, gRPC UNAVAILABLE.
+    """
+
+    http_status = 503
 
 
 class RepositoryError(ServerError):

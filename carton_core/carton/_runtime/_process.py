@@ -509,7 +509,7 @@ class RunnerProcess:
             if channel is None or channel.closed:
                 try:
                     channel = AsyncChannel(connection, loop)
-                except NotImplementedError:  # a loop without add_reader
+                except NotImplementedError:  # loops without add_reader (Windows' proactor): fall back to the pool
                     return None
                 self._channels[loop] = channel
             self._last_channel = (weakref.ref(loop), channel)

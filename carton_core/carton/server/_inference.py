@@ -20,6 +20,7 @@ from ..errors import (
     InvalidInput,
     InvalidOutput,
     ModelClosed,
+    ModelUnavailable,
     RunnerCPULimit,
     RunnerCrashed,
     RunnerFailed,
@@ -50,16 +51,6 @@ _log = logging.getLogger("carton.server")
 # limit it names in a timeout ("within 5 s"): clients get the model's own words without the server's internals.
 _RUNNER_LEAD = re.compile(r"^runner [\w.]+:[\w.]+(?: \(pid \d+\))?(?: failed during infer)?:? *")
 _WITHIN = re.compile(r"within ([0-9]+(?:\.[0-9]+)?(?:e[+-]?[0-9]+)?) s\b")
-
-
-class ModelUnavailable(ServerError):
-    """The model could not answer this request in time, or went away under it; retrying may succeed.
-
-    Answered like Triton's ``UNAVAILABLE`` errors (its request timeouts among them): HTTP 503, gRPC UNAVAILABLE.
-    Server-private: it is only ever turned into a response, never raised to library callers.
-    """
-
-    http_status = 503
 
 
 def element_count(shape: Sequence[int], *, tensor: str) -> int:
