@@ -26,6 +26,9 @@ def generate(source_root: Path) -> Path:
     The module is written to a temporary folder and moved into place, so a concurrent import never reads half a file.
     `RuntimeError` if ``grpcio-tools`` is missing or protoc fails.
     """
+    proto = source_root / PROTO_RELATIVE
+    if not proto.is_file():
+        raise RuntimeError(f"{proto} is missing")
     try:
         from grpc_tools import protoc  # type: ignore[import-untyped]
     except ImportError as exc:
@@ -33,9 +36,6 @@ def generate(source_root: Path) -> Path:
             "generating carton's gRPC stubs needs grpcio-tools (pip install grpcio-tools, or build carton with its "
             "build backend, which requires it)"
         ) from exc
-    proto = source_root / PROTO_RELATIVE
-    if not proto.is_file():
-        raise RuntimeError(f"{proto} is missing")
     target = proto.with_name(proto.stem + "_pb2.py")
     with tempfile.TemporaryDirectory(prefix="carton-protoc-") as scratch:
         status = protoc.main(["protoc", f"-I{source_root}", f"--python_out={scratch}", PROTO_RELATIVE])
