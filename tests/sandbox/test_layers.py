@@ -312,6 +312,7 @@ def test_url_loads_default_to_best_effort(monkeypatch: pytest.MonkeyPatch, tmp_p
                                               runner_name="adversary", required_framework_version="1",
                                               runner_compat_version=1, opts={}), manifest_sha256="")
             self.model_dir = tmp_path
+            self.verification = None
 
     seen: list[object] = []
     monkeypatch.setattr(carton._format, "open_carton", lambda path_or_url, **options: Opened())

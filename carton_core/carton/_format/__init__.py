@@ -6,7 +6,7 @@ before anything is read, and every file is checked against MANIFEST before it is
 
 from ._info import CartonInfo, Example, MiscRef, RunnerInfo, SelfTest, TensorRef
 from ._limits import DEFAULT_LIMITS, ReadLimits
-from ._open import OpenedCarton, open_carton
+from ._open import OpenedCarton, Verification, open_carton
 from ._pack import pack, shrink
 from ._reader import get_model_info
 from ._verify import verify
@@ -21,6 +21,7 @@ __all__ = [
     "RunnerInfo",
     "SelfTest",
     "TensorRef",
+    "Verification",
     "get_model_info",
     "open_carton",
     "pack",

@@ -6,6 +6,12 @@ file. A .carton file (or URL) is materialized once into the cache, keyed by the 
 extracted into a private temporary directory while being hashed, checked against MANIFEST, stamped, and only then
 is the directory renamed into place (atomically). A cache entry is reused after comparing every file with its stamp
 (one ``stat`` per file); an entry that does not match (tampered, partly deleted) is extracted again and swapped in.
+
+``defer_verification=True`` is what `carton.load` uses: the files are copied without hashing (a kernel copy for
+stored entries), published without a stamp, and hashed on a helper thread (`Verification`) while the runner process
+loads them. `carton.load` returns or raises only after `Verification.wait`: a mismatch closes the runner, removes
+the entry and raises `carton.ManifestError`, so nothing computed from unverified bytes reaches the caller. An entry
+without a stamp (a host that died before its verification ended) is never trusted: the next open extracts it again.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ import mmap
 import os
 import shutil
 import tempfile
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +37,7 @@ from ._source import FileSource
 from ._stamp import FileStat, file_stat, hash_stable, read_stamp, stamp_matches, write_stamp
 from ._zipread import METHOD_STORED, ZipEntry
 
-__all__ = ["OpenedCarton", "open_carton"]
+__all__ = ["OpenedCarton", "Verification", "open_carton"]
 
 _COPY_CHUNK = 8 << 20
 #: Buffer of the one-pass stored extraction: 1 MiB measured fastest (stays in cache between read, hash and write).
@@ -38,17 +46,45 @@ _ONE_PASS_CHUNK = 1 << 20
 ENTRY_STAMP = "stamp.json"
 
 
+class Verification:
+    """The MANIFEST check of a model folder, running on a helper thread while a runner process reads the folder.
+
+    `wait` returns once every file matched (and the stamp is written) or raises what the check raised, typically
+    `carton.ManifestError` naming the file; by then a bad cache entry has been removed. hashlib releases the GIL,
+    so the hashing runs on the other core while the host waits for the runner.
+    """
+
+    def __init__(self, check: Callable[[], None]) -> None:
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(check,), name="carton-verify", daemon=True)
+        self._thread.start()
+
+    def _run(self, check: Callable[[], None]) -> None:
+        try:
+            check()
+        except BaseException as exc:  # handed to wait(), on the caller's thread
+            self._error = exc
+
+    def wait(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class OpenedCarton:
-    """A carton ready to load: ``model_dir`` is a local folder holding exactly the verified ``model/`` files.
+    """A carton ready to load: ``model_dir`` is a local folder holding exactly the ``model/`` files.
 
     ``cached`` is True when no model byte was read: ``model_dir`` is a cache entry that already existed, or an
-    unpacked folder whose verification stamp matched.
+    unpacked folder whose verification stamp matched. ``verification`` is None when every file was verified
+    before `open_carton` returned; with ``defer_verification=True`` it may be a `Verification` still running,
+    which the caller must `wait` for before it trusts anything read from ``model_dir``.
     """
 
     info: CartonInfo
     model_dir: Path
     cached: bool = False
+    verification: Verification | None = None
 
 
 def models_dir(cache_dir: Path) -> Path:
@@ -61,11 +97,17 @@ def dir_stamp_path(cache_dir: Path, root: Path) -> Path:
 
 
 def open_carton(
-    path_or_url: str | os.PathLike[str], *, limits: ReadLimits | None = None, cache_dir: Path | None = None
+    path_or_url: str | os.PathLike[str],
+    *,
+    limits: ReadLimits | None = None,
+    cache_dir: Path | None = None,
+    defer_verification: bool = False,
 ) -> OpenedCarton:
     """Open a .carton file, an unpacked carton directory or an http(s) URL for loading.
 
     Raises a `carton.FormatError` subclass naming the file at fault; on failure nothing is left in the cache.
+    With ``defer_verification`` the model files' hashes may still be being checked when this returns
+    (`OpenedCarton.verification`; see the module docstring).
     """
     limits = limits or DEFAULT_LIMITS
     cache = cache_dir or _paths.cache_dir()
@@ -76,43 +118,56 @@ def open_carton(
             model_dir = reader.store.root / "model"
             if not model_dir.is_dir():
                 raise FormatError(f"{reader.location}: has no model/ folder")
-            cached = _verify_folder(reader, reader.store, model_paths, cache)
-            return OpenedCarton(info=info, model_dir=model_dir, cached=cached)
+            check = _folder_check(reader, reader.store, model_paths, cache)
+            if check is None:
+                return OpenedCarton(info=info, model_dir=model_dir, cached=True)
+            if defer_verification:
+                return OpenedCarton(info=info, model_dir=model_dir, verification=Verification(check))
+            check()
+            return OpenedCarton(info=info, model_dir=model_dir)
         final = models_dir(cache) / reader.model_hash
-        if (final / "model").is_dir():
-            if _entry_intact(final, model_paths, reader.model_hash):
-                return OpenedCarton(info=info, model_dir=final / "model", cached=True)
-            # Tampered with or partly deleted: extract again and swap the fresh entry in.
-            _materialize(reader, model_paths, final, replace=True)
-            return OpenedCarton(info=info, model_dir=final / "model")
-        _materialize(reader, model_paths, final)
+        replace = (final / "model").is_dir()
+        if replace and _entry_intact(final, model_paths, reader.model_hash):
+            return OpenedCarton(info=info, model_dir=final / "model", cached=True)
+        # Missing, or tampered with / partly deleted (replace): extract (again) and swap the fresh entry in.
+        if defer_verification:
+            check = _materialize_unverified(reader, model_paths, final, replace=replace)
+            return OpenedCarton(info=info, model_dir=final / "model", verification=Verification(check))
+        _materialize(reader, model_paths, final, replace=replace)
         return OpenedCarton(info=info, model_dir=final / "model")
 
 
-def _verify_folder(reader: CartonReader, store: DirStore, model_paths: list[str], cache: Path) -> bool:
-    """Check an unpacked folder's ``model/`` files against MANIFEST unless its stamp shows them unchanged.
+def _folder_check(
+    reader: CartonReader, store: DirStore, model_paths: list[str], cache: Path
+) -> Callable[[], None] | None:
+    """None when an unpacked folder's stamp shows its ``model/`` files unchanged (no byte is read), else the check
+    that hashes them against MANIFEST and writes the stamp.
 
-    Returns True when the stamp matched (no byte was read). Symlinks were already checked by `DirStore` (they must
-    stay inside the folder); the stamp records the stat of the file a symlink leads to.
+    Symlinks were already checked by `DirStore` (they must stay inside the folder); the stamp records the stat of
+    the file a symlink leads to. The check uses nothing of ``reader`` but plain values: it may run after the
+    reader is closed.
     """
     key = {"model_hash": reader.model_hash, "root": str(store.root)}
     stamp_path = dir_stamp_path(cache, store.root)
     current = {p: file_stat(store.root / p) for p in model_paths}
     if stamp_matches(read_stamp(stamp_path), key=key, files=current):
-        return True
-    verified: list[tuple[str, FileStat]] = []
-    total = sum(s[1] for s in current.values())
-    with Progress(f"verifying {reader.location}", total=total) as bar:
-        for path in model_paths:
-            digest, stat_now = hash_stable(store.root / path, f"{reader.location}: {path}")
-            if digest != reader.manifest[path]:
-                raise ManifestError(
-                    f"{reader.location}: {path} has sha256 {digest} but MANIFEST says {reader.manifest[path]}"
-                )
-            verified.append((path, stat_now))
-            bar.advance(stat_now[1])
-    write_stamp(stamp_path, key=key, files=verified)
-    return False
+        return None
+    location, root = reader.location, store.root
+    expected = {p: reader.manifest[p] for p in model_paths}
+
+    def check() -> None:
+        verified: list[tuple[str, FileStat]] = []
+        total = sum(s[1] for s in current.values())
+        with Progress(f"verifying {location}", total=total) as bar:
+            for path in model_paths:
+                digest, stat_now = hash_stable(root / path, f"{location}: {path}")
+                if digest != expected[path]:
+                    raise ManifestError(f"{location}: {path} has sha256 {digest} but MANIFEST says {expected[path]}")
+                verified.append((path, stat_now))
+                bar.advance(stat_now[1])
+        write_stamp(stamp_path, key=key, files=verified)
+
+    return check
 
 
 def _entry_files(model_dir: Path) -> dict[str, FileStat] | None:
@@ -177,6 +232,85 @@ def _materialize(reader: CartonReader, model_paths: list[str], final: Path, *, r
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
         raise
+
+
+def _materialize_unverified(
+    reader: CartonReader, model_paths: list[str], final: Path, *, replace: bool = False
+) -> Callable[[], None]:
+    """Copy the ``model/`` files into the cache entry ``final`` without hashing them and publish it without a
+    stamp; returns the check that hashes the published files, then stamps the entry (or removes it on a mismatch).
+
+    The check hashes the very files a runner reads (in a directory only we write), so the bytes verified are the
+    bytes loaded. LINKS blobs are verified before this returns (they come from a shared cache).
+    """
+    final.parent.mkdir(parents=True, exist_ok=True)
+    temp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name[:16]}-", suffix=".partial"))
+    pending: list[str] = []
+    try:
+        (temp / "model").mkdir()
+        if isinstance(reader.store, ZipStore):
+            for directory in sorted(reader.store.zip.directories):
+                if directory.startswith("model/"):
+                    (temp / directory).mkdir(parents=True, exist_ok=True)
+        total = sum(reader.store.size(p) for p in model_paths if p in reader.present)
+        with Progress(f"extracting {reader.location}", total=total) as bar:
+            for path in model_paths:
+                destination = temp / path
+                destination.parent.mkdir(parents=True, exist_ok=True)
+                if path not in reader.present:
+                    _link_verified_blob(reader, path, destination)
+                    continue
+                _copy_out(reader, path, destination, bar)
+                destination.chmod(0o444)
+                pending.append(path)
+        if _entry_files(temp / "model") is None:
+            raise UnsafeArchive(f"{temp}: extracted entry holds something other than plain files")
+        _publish(temp, final, replace=replace)
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
+    location, model_hash = reader.location, reader.model_hash
+    expected = {p: reader.manifest[p] for p in pending}
+
+    def check() -> None:
+        try:
+            for path in pending:
+                digest, _stat = hash_stable(final / path, f"{location}: {path}")
+                if digest != expected[path]:
+                    raise ManifestError(
+                        f"{location}: {path} has sha256 {digest} but MANIFEST says {expected[path]}"
+                    )
+            files = _entry_files(final / "model")
+            if files is None or sorted(files) != model_paths:
+                raise UnsafeArchive(f"{location}: its cache entry changed while it was being verified")
+            write_stamp(final / ENTRY_STAMP, key={"model_hash": model_hash}, files=files.items())
+        except BaseException:
+            if read_stamp(final / ENTRY_STAMP) is None:  # not an entry another process verified meanwhile
+                _remove_entry(final)
+            raise
+
+    return check
+
+
+def _publish(temp: Path, final: Path, *, replace: bool) -> None:
+    if replace:
+        _swap_in(temp, final)
+        return
+    try:
+        temp.rename(final)
+    except OSError:
+        # Another process published the same model first: take its entry out of the way and publish ours, whose
+        # bytes are the ones about to be verified (theirs may still be unverified and may be removed).
+        if not (final / "model").is_dir():
+            raise
+        _swap_in(temp, final)
+
+
+def _remove_entry(final: Path) -> None:
+    stale = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name[:16]}-", suffix=".stale"))
+    with contextlib.suppress(FileNotFoundError):
+        final.rename(stale / "entry")
+    shutil.rmtree(stale, ignore_errors=True)
 
 
 def _swap_in(temp: Path, final: Path) -> None:
@@ -271,14 +405,47 @@ def extract_stored(store: ZipStore, entry: ZipEntry, destination: Path, bar: Pro
     return hasher.hexdigest()
 
 
+def _copy_out(reader: CartonReader, path: str, destination: Path, bar: Progress) -> None:
+    """Write one file of the carton to ``destination`` without hashing it (`_materialize_unverified`)."""
+    store = reader.store
+    if isinstance(store, ZipStore) and isinstance(store.source, FileSource):
+        entry = store.entry(path)
+        if entry.method == METHOD_STORED:
+            copy_stored(store, entry, destination, bar)
+            return
+    fd = os.open(destination, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+    try:
+        for chunk in store.iter_file(path):
+            view = memoryview(chunk)
+            while view:
+                view = view[os.write(fd, view) :]
+            bar.advance(len(chunk))
+    finally:
+        os.close(fd)
+
+
 def extract_stored_kernel_copy(
     store: ZipStore, entry: ZipEntry, destination: Path, bar: Progress | None = None
 ) -> str:
     """The previous design, kept for bench/bench_format.py: ``copy_file_range`` in the kernel, then one SHA-256
     over an mmap of the copy (two passes over the bytes)."""
+    length = copy_stored(store, entry, destination, bar)
+    if length == 0:
+        return hashlib.sha256(b"").hexdigest()
+    fd = os.open(destination, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        with mmap.mmap(fd, length, access=mmap.ACCESS_READ) as mapped:
+            return hashlib.sha256(mapped).hexdigest()
+    finally:
+        os.close(fd)
+
+
+def copy_stored(store: ZipStore, entry: ZipEntry, destination: Path, bar: Progress | None = None) -> int:
+    """A stored entry of a local file copied by the kernel (``copy_file_range``; no byte passes through Python);
+    returns its length. Nothing is hashed: `_materialize_unverified` hashes the copy afterwards."""
     offset, length = store.zip.data_span(entry)
     source_fd = store.source.fileno() if isinstance(store.source, FileSource) else -1
-    fd = os.open(destination, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+    fd = os.open(destination, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
     try:
         copied = 0
         while copied < length:
@@ -292,9 +459,6 @@ def extract_stored_kernel_copy(
             copied += n
             if bar is not None:
                 bar.advance(n)
-        if length == 0:
-            return hashlib.sha256(b"").hexdigest()
-        with mmap.mmap(fd, length, access=mmap.ACCESS_READ) as mapped:
-            return hashlib.sha256(mapped).hexdigest()
     finally:
         os.close(fd)
+    return length

@@ -32,7 +32,7 @@ from ._spares import spare_pool
 from ._validate import Signature
 
 if TYPE_CHECKING:
-    from .._format import CartonInfo, ReadLimits
+    from .._format import CartonInfo, ReadLimits, Verification
 
 __all__ = ["Model", "load", "load_unpacked"]
 
@@ -400,7 +400,9 @@ def _open(
     load_timeout: float | None,
     handshake_timeout: float,
     prestarted: Future[tuple[RunnerProcess, bool]] | None = None,
+    verification: Verification | None = None,
 ) -> Model:
+    """Start the model's runners; with a ``verification`` still running, return or raise only after it ends."""
     try:
         wrap = launch_wrapper(sandbox, limits, model_dir=model_dir)
         model = Model(
@@ -415,12 +417,35 @@ def _open(
             handshake_timeout=handshake_timeout,
             prestarted=prestarted,
         )
-    except BaseException:
+    except BaseException as exc:
         if prestarted is not None:
             prestarted.add_done_callback(_close_started)
+        _raise_if_unverified(verification, exc)
         raise
-    model._start_all()
+    try:
+        model._start_all()
+    except BaseException as exc:
+        _raise_if_unverified(verification, exc)
+        raise
+    if verification is not None:
+        try:
+            verification.wait()
+        except BaseException:
+            model.close()
+            raise
     return model
+
+
+def _raise_if_unverified(verification: Verification | None, load_error: BaseException) -> None:
+    """A load that failed on files still being verified: a failed verification is the error to report (the
+    runner read bytes that do not match MANIFEST), with the runner's failure as a note."""
+    if verification is None:
+        return
+    try:
+        verification.wait()
+    except CartonError as bad:
+        bad.add_note(f"while the model's files were being verified, its runner failed: {load_error}")
+        raise bad from None
 
 
 def load(
@@ -472,13 +497,17 @@ def load(
     early: RunnerRequest | None = None
     early_runner: RunnerSpec | None = None
     prestarted: Future[tuple[RunnerProcess, bool]] | None = None
+    verification: Verification | None = None
     if not is_url and _unsandboxed(sandbox, limits):
         with contextlib.suppress(CartonError):  # open_carton below reports a bad carton with its own error
             early = request_for(get_model_info(path_or_url, limits=read_limits))
             early_runner = _resolve(early, where)
             prestarted = _start_in_background(early_runner, handshake_timeout)
     try:
-        opened = open_carton(path_or_url, limits=read_limits)
+        # The runner reads the model folder while its files are hashed; `_open` returns or raises only after
+        # the verification has ended (docs/format.md, "Verification while loading").
+        opened = open_carton(path_or_url, limits=read_limits, defer_verification=True)
+        verification = opened.verification
         info = opened.info
         request = request_for(info)
         if prestarted is not None and early_runner is not None and request == early:
@@ -489,9 +518,11 @@ def load(
                 prestarted = None
             runner = _resolve(request, where)
         opts = _merge_opts(info.runner.opts, runner_opts)
-    except BaseException:
+    except BaseException as exc:
         if prestarted is not None:
             prestarted.add_done_callback(_close_started)
+        if verification is not None:
+            _raise_if_unverified(verification, exc)
         raise
     return _open(
         info=info,
@@ -505,6 +536,7 @@ def load(
         load_timeout=load_timeout,
         handshake_timeout=handshake_timeout,
         prestarted=prestarted,
+        verification=verification,
     )
 
 
