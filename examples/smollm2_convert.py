@@ -23,9 +23,12 @@ import argparse
 import importlib.util
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from carton.mcf import ConvertReport
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 METHODS = ("q8", "k6", "q4", "k4", "k3", "k2")
@@ -170,12 +173,16 @@ def gguf_to_hf(gguf_path: Path, out_dir: Path) -> Path:
 
 def hf_to_mcf(hf_dir: Path, mcf_path: Path, method: str) -> Path:
     """``carton mcf convert`` with ``method`` for every weight class (norms stay float32)."""
+    return convert_mcf(hf_dir, mcf_path, method).path
+
+
+def convert_mcf(hf_dir: Path, mcf_path: Path, method: str) -> ConvertReport:
+    """`hf_to_mcf`, returning carton.mcf's `ConvertReport` (sizes, wall time)."""
     import carton.mcf
 
     mcf_path.parent.mkdir(parents=True, exist_ok=True)
     classes = ("embeddings", "attention", "mlp", "head")
-    carton.mcf.convert(hf_dir, mcf_path, methods=dict.fromkeys(classes, method))
-    return mcf_path
+    return carton.mcf.convert(hf_dir, mcf_path, methods=dict.fromkeys(classes, method))
 
 
 def pack(mcf_dir: Path, carton_path: Path, *, mode: str = "generate") -> Path:
@@ -205,7 +212,9 @@ def main() -> None:
         gguf_to_hf(args.gguf or find_gguf(), hf_dir)
     mcf_dir = args.out / f"mcf-{args.method}"
     print(f"converting -> {mcf_dir / 'model.mcf'} ({args.method})")
-    hf_to_mcf(hf_dir, mcf_dir / "model.mcf", args.method)
+    report = convert_mcf(hf_dir, mcf_dir / "model.mcf", args.method)
+    sizes = f"{report.source_bytes / 1e6:.0f} MB -> {report.output_bytes / 1e6:.0f} MB"
+    print(f"converted {sizes} in {report.seconds:.1f} s")
     carton_path = pack(mcf_dir, args.out / f"smollm2-{args.method}.carton")
     print(f"packed {carton_path}")
 

@@ -67,11 +67,49 @@ roads and schools instead. The council promised to publish a detailed budget and
 the autumn.""",
 )
 
-#: The issue asks for >= 98 %. Measured when this test was written: 97.9 % over the 566 positions of TEXTS (97.2,
-#: 98.9 and 97.6 % per text), every mismatch at a near-tie (top-2 logit margin < 0.09). The runner itself is exact:
-#: 100 % (max relative logit error ~1e-6) with an fp32 MCF, and 100 % (~5e-6) against transformers running the very
-#: q8-dequantized weights, both asserted below; the shortfall is q8 rounding on this small model, not the runner.
-MIN_AGREEMENT = 0.97
+#: Three more paragraphs, written before any measurement: their agreement is printed (a wider estimate over 1027
+#: positions) and asserted as well, but the issue's metric is the one over TEXTS.
+EXTRA_TEXTS = (
+    """\
+Tides are the regular rise and fall of the sea, caused mainly by the pull of the Moon and, to a lesser degree, the \
+Sun. On most coasts there are two high tides and two low tides every day, about twelve hours and twenty-five minutes \
+apart. When the Sun, the Moon and the Earth line up, at new and full moon, their pulls add together and produce the \
+largest tides, called spring tides.
+
+The shape of the coast matters as much as the Moon. In a narrow bay the water can pile up, so the difference between \
+high and low water may reach more than ten metres, while some enclosed seas hardly have tides at all. Sailors, \
+fishermen and harbour masters have always kept tide tables, and today engineers study tidal currents as a steady \
+source of clean electricity.""",
+    """\
+To bake a simple loaf of bread, mix five hundred grams of flour with a teaspoon of salt and a small packet of dried \
+yeast. Add about three hundred millilitres of warm water and stir until the dough comes together. Knead it on a \
+floured table for ten minutes, until it feels smooth and springs back when you press it with a finger.
+
+Put the dough in a bowl, cover it with a clean towel and leave it in a warm place for an hour, or until it has \
+doubled in size. Then shape it into a loaf, place it on a baking tray and let it rise again for half an hour. Bake \
+it in a hot oven for thirty to thirty-five minutes. The bread is ready when it sounds hollow as you tap the bottom.""",
+    """\
+The first electronic computers filled whole rooms and were programmed by setting switches and plugging cables. In \
+the nineteen fifties, programmers began to write instructions as text, and special programs called compilers \
+translated that text into the numbers the machine understood. This made software faster to write and easier to \
+share between different computers.
+
+Over the following decades, computers became smaller, cheaper and far more powerful. Personal computers arrived in \
+homes and offices in the nineteen eighties, and the internet connected them in the nineties. Today a phone in a \
+pocket has more computing power than the machines that guided the first astronauts to the Moon, and millions of \
+people write programs as a hobby or as a job.""",
+)
+
+#: The issue's bound. Measured: 99.3 % over the 566 positions of TEXTS (4 mismatches: 99.1, 98.9 and 100 % per text)
+#: and 99.1 % over the 1027 positions of TEXTS + EXTRA_TEXTS (98.1-100 % per text), every mismatch at a near-tie
+#: (top-2 logit margin of transformers < 0.11). The q8 quantizer's per-block scale search (carton.mcf, "best" mode:
+#: every code from 127 down to 64 for max|x|, least-squares refit, codes against the stored fp16 scale) brought the
+#: weights' relative RMSE from 0.0046 to 0.0019; with the former 20-candidate search it was 97.9 % (12 mismatches;
+#: 97.2, 98.9 and 97.6 % per text). The runner adds no error of its own: against transformers running the very
+#: q8-dequantized weights it agrees on 100 % of positions (max relative logit error ~5e-6, asserted below for every
+#: text); an fp32 MCF of this model gives 100 % (~3e-6) against transformers fp32 (measured; asserted on small
+#: models in test_mcf_runner_logits.py); the int8, packed and fp32 weight caches give the same logits within ~5e-6.
+MIN_AGREEMENT = 0.98
 
 
 def _convert_module() -> Any:
@@ -102,21 +140,27 @@ def test_q8_greedy_predictions_agree_with_transformers(smollm2: tuple[Path, Path
     reference = transformers.LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     runner = load_runner(mcf_dir)
     try:
-        texts = [np.array([tokenizer.encode(text).ids], dtype=np.int64) for text in TEXTS]
+        texts = [np.array([tokenizer.encode(text).ids], dtype=np.int64) for text in TEXTS + EXTRA_TEXTS]
         ours = [runner.infer({"input_ids": ids})["logits"][0] for ids in texts]
     finally:
         runner.close()
     with torch.no_grad():
         expected = [reference(torch.tensor(ids)).logits[0].numpy() for ids in texts]
-    hits = np.concatenate([a.argmax(-1) == e.argmax(-1) for a, e in zip(ours, expected, strict=True)])
-    agreement = float(hits.mean())
-    print(f"SmolLM2-135M q8 vs transformers fp32: greedy agreement {agreement:.4f} over {hits.size} positions")
-    assert hits.size > 500
-    assert agreement >= MIN_AGREEMENT
+    hits = [a.argmax(-1) == e.argmax(-1) for a, e in zip(ours, expected, strict=True)]
+    issue = np.concatenate(hits[: len(TEXTS)])
+    wider = np.concatenate(hits)
+    per_text = " ".join(f"{h.mean():.4f}" for h in hits)
+    print(
+        f"SmolLM2-135M q8 vs transformers fp32: greedy agreement {issue.mean():.4f} over {issue.size} positions "
+        f"(TEXTS), {wider.mean():.4f} over {wider.size} (with EXTRA_TEXTS); per text {per_text}"
+    )
+    assert issue.size > 500
+    assert float(issue.mean()) >= MIN_AGREEMENT
+    assert float(wider.mean()) >= MIN_AGREEMENT
     # The model reads the text sensibly: it predicts a good share of the actual next tokens.
     assert np.mean(ours[0][:-1].argmax(-1) == texts[0][0, 1:]) > 0.3
 
-    # What the runner owns: the same computation as transformers on the q8 weights it was given.
+    # What the runner owns: the same computation as transformers on the q8 weights it was given, on every text.
     with carton.mcf.open(mcf_dir / "model.mcf") as mcf, torch.no_grad():
         state = reference.state_dict()
         for name, entry in mcf.tensors.items():
@@ -126,9 +170,10 @@ def test_q8_greedy_predictions_agree_with_transformers(smollm2: tuple[Path, Path
                 else (np.array(mcf.array(name)))
             )
             state[name].copy_(torch.from_numpy(np.asarray(weights, dtype=np.float32)))
-        dequantized = reference(torch.tensor(texts[0])).logits[0].numpy()
-    assert np.array_equal(ours[0].argmax(-1), dequantized.argmax(-1))
-    assert float(np.abs(ours[0] - dequantized).max() / np.abs(dequantized).max()) < 1e-4
+        dequantized = [reference(torch.tensor(ids)).logits[0].numpy() for ids in texts]
+    for got, want in zip(ours, dequantized, strict=True):
+        assert np.array_equal(got.argmax(-1), want.argmax(-1))
+        assert float(np.abs(got - want).max() / np.abs(want).max()) < 1e-4
 
 
 def test_q8_chat_answers_sensibly(smollm2: tuple[Path, Path]):
