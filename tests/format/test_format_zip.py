@@ -35,6 +35,32 @@ def test_writer_exact_bytes() -> None:
     assert out.getvalue() == local + central + end
 
 
+def test_writer_aligns_large_stored_entries_exact_bytes() -> None:
+    out = io.BytesIO()
+    writer = ZipWriter(out)
+    writer.add_bytes("a", b"hi", STORED)  # small: no padding
+    big = bytes(range(256)) * 256  # 64 KiB: aligned
+    writer.add_bytes("model/w.bin", big, STORED)
+    writer.add_bytes("model/z.bin", big, ZSTD)  # compressed: never padded
+    writer.close()
+    data = out.getvalue()
+    offset = 30 + 1 + 2  # after entry "a"
+    padding = 4096 - (offset + 30 + len("model/w.bin") + 6)
+    extra = struct.pack("<HHH", 0xD935, 2 + padding, 4096) + bytes(padding)
+    local = struct.pack("<4sHHHHHIIIHH", b"PK\x03\x04", 20, 0, 0, 0, 0x21, zlib.crc32(big), len(big), len(big),
+                        len("model/w.bin"), len(extra)) + b"model/w.bin" + extra  # fmt: skip
+    assert data[offset : offset + len(local)] == local
+    assert (offset + len(local)) % 4096 == 0
+    assert data[offset + len(local) : offset + len(local) + len(big)] == big
+    reader = ZipReader(BytesSource(data), ReadLimits())
+    assert reader.data_span(reader.entries["model/w.bin"]) == (4096, len(big))
+    zstd_offset, _ = reader.data_span(reader.entries["model/z.bin"])
+    assert zstd_offset == 4096 + len(big) + 30 + len("model/z.bin")
+    assert read_all(data) == {"a": b"hi", "model/w.bin": big, "model/z.bin": big}
+    with zipfile.ZipFile(io.BytesIO(data)) as stdlib:  # the padding is an ordinary extra field to other readers
+        assert stdlib.read("model/w.bin") == big
+
+
 @pytest.mark.parametrize("method", [STORED, DEFLATE, ZSTD])
 def test_writer_roundtrip_and_determinism(method: int) -> None:
     blobs = {"model/x.bin": bytes(range(256)) * 1000, "ü/é.txt": "ünïcode".encode(), "empty": b""}
