@@ -37,7 +37,7 @@ class Source(Protocol):
     @property
     def size(self) -> int: ...
     def read_at(self, offset: int, length: int) -> bytes: ...
-    def iter_range(self, offset: int, length: int) -> Iterator[bytes]: ...
+    def iter_range(self, offset: int, length: int, chunk_size: int = _CHUNK) -> Iterator[bytes]: ...
     def close(self) -> None: ...
 
 
@@ -67,10 +67,10 @@ class BytesSource:
         _check_range(self, offset, length)
         return bytes(self._data[offset : offset + length])
 
-    def iter_range(self, offset: int, length: int) -> Iterator[bytes]:
+    def iter_range(self, offset: int, length: int, chunk_size: int = _CHUNK) -> Iterator[bytes]:
         _check_range(self, offset, length)
-        for start in range(offset, offset + length, _CHUNK):
-            yield bytes(self._data[start : min(start + _CHUNK, offset + length)])
+        for start in range(offset, offset + length, chunk_size):
+            yield bytes(self._data[start : min(start + chunk_size, offset + length)])
 
     def close(self) -> None:
         self._data.release()
@@ -111,11 +111,11 @@ class FileSource:
             length -= len(part)
         return b"".join(parts)
 
-    def iter_range(self, offset: int, length: int) -> Iterator[bytes]:
+    def iter_range(self, offset: int, length: int, chunk_size: int = _CHUNK * 4) -> Iterator[bytes]:
         _check_range(self, offset, length)
         end = offset + length
         while offset < end:
-            part = self.read_at(offset, min(_CHUNK * 4, end - offset))
+            part = self.read_at(offset, min(chunk_size, end - offset))
             offset += len(part)
             yield part
 
@@ -179,7 +179,7 @@ class HttpSource:
             return self._tail[start : start + length]
         return b"".join(self.iter_range(offset, length))
 
-    def iter_range(self, offset: int, length: int) -> Iterator[bytes]:
+    def iter_range(self, offset: int, length: int, chunk_size: int = _CHUNK) -> Iterator[bytes]:
         _check_range(self, offset, length)
         if length == 0:
             return
@@ -198,7 +198,7 @@ class HttpSource:
                     raise FetchError(f"{self._url}: asked for bytes {offset}-{offset + length - 1}, got {start}-{end}")
                 if r.headers.get("content-encoding", "identity").lower() not in ("identity", ""):
                     raise FetchError(f"{self._url}: server applied a content-encoding to a range response")
-                for chunk in r.iter_raw(_CHUNK):
+                for chunk in r.iter_raw(chunk_size):
                     received += len(chunk)
                     if received > length:
                         raise FetchError(f"{self._url}: range response is longer than the {length} bytes asked for")

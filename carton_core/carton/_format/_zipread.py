@@ -327,8 +327,11 @@ class ZipReader:
             return None
         return self.data_span(entry)
 
-    def iter_entry(self, entry: ZipEntry, *, raw_sink: Callable[[bytes], object] | None = None) -> Iterator[bytes]:
-        """The entry's uncompressed bytes, in chunks. ``raw_sink`` also receives the compressed bytes as read.
+    def iter_entry(
+        self, entry: ZipEntry, *, raw_sink: Callable[[bytes], object] | None = None, chunk_size: int = _CHUNK
+    ) -> Iterator[bytes]:
+        """The entry's uncompressed bytes, in chunks of at most ``chunk_size`` (compressed entries; stored ones come
+        as the source reads them). ``raw_sink`` also receives the compressed bytes as read.
 
         Raises `UnsafeArchive` when the entry produces more or fewer bytes than it declared and
         `ArchiveTooLarge` when the reader's total budget runs out.
@@ -349,7 +352,11 @@ class ZipReader:
                 raise ArchiveTooLarge(f"{where}: reading passes the limit of {self.limits.max_total_size} bytes")
 
         try:
-            for chunk in self.source.iter_range(offset, length):
+            if decoder is None:
+                chunks = self.source.iter_range(offset, length)
+            else:  # compressed input: a few output pieces' worth per read
+                chunks = self.source.iter_range(offset, length, 4 * chunk_size)
+            for chunk in chunks:
                 if raw_sink is not None:
                     raw_sink(chunk)
                 if decoder is None:
@@ -359,7 +366,7 @@ class ZipReader:
                 data = chunk
                 while True:
                     # Ask for one byte more than may remain, so an entry that lies is caught at once.
-                    out = decoder.feed(data, min(_CHUNK, expected - produced + 1))
+                    out = decoder.feed(data, min(chunk_size, expected - produced + 1))
                     data = b""
                     if out:
                         account(len(out))
