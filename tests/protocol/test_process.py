@@ -117,6 +117,8 @@ def test_async_infer(start_runner: Start) -> None:
 
 def test_async_calls_are_not_capped_by_the_default_executor(start_runner: Start) -> None:
     runner = start_runner("ConcurrentEcho", threads=16)
+    # A 10 ms call first: after it the runner hands calls to its pool at once (none runs on its socket thread).
+    runner.infer({"sleep": np.array([0.01])})
 
     async def main() -> float:
         begin = time.monotonic()
@@ -127,6 +129,45 @@ def test_async_calls_are_not_capped_by_the_default_executor(start_runner: Start)
 
     # 16 calls of 0.5 s: all in flight at once takes ~0.5 s; the default executor (6 threads here) would take 1.5 s.
     assert asyncio.run(main()) < 1.2
+
+
+def test_concurrent_runner_runs_short_calls_on_its_socket_thread(start_runner: Start) -> None:
+    # Which thread ran each call: short calls run where the request was read (no pool hand-off); the call after a
+    # long one goes to the pool; short calls come back to the socket thread afterwards.
+    runner = start_runner("ConcurrentEcho", threads=4)
+
+    def thread_of(sleep: float) -> int:
+        return int(runner.infer({"sleep": np.array([sleep]), "x": np.ones(2)})["thread"][0])
+
+    short = thread_of(0.0)
+    assert thread_of(0.0) == short
+    long = thread_of(0.01)  # chosen before its length is known: still inline
+    after_long = thread_of(0.0)
+    again = thread_of(0.0)
+    assert long == short and again == short
+    assert after_long != short
+
+
+def test_concurrent_runner_overlaps_calls_after_a_short_one(start_runner: Start) -> None:
+    # Head-of-line delay is bounded by one call: the first of four overlapping 0.4 s calls, arriving at a runner
+    # whose calls were short, may run inline; the three that arrive meanwhile then run together on the pool.
+    runner = start_runner("ConcurrentEcho", threads=4)
+    runner.infer({"x": np.ones(2)})
+    results: list[float] = []
+
+    def call() -> None:
+        runner.infer({"sleep": np.array([0.4]), "x": np.ones(2)})
+        results.append(time.monotonic())
+
+    begin = time.monotonic()
+    threads = [threading.Thread(target=call) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(results) == 4
+    # Serial would be 1.6 s; one inline call and then the rest together is about 0.8 s.
+    assert max(results) - begin < 1.3
 
 
 # --- shared memory ------------------------------------------------------------------------------------------------

@@ -110,6 +110,9 @@ def test_invalid_output(affine_dir: Path) -> None:
 def test_crash_fails_in_flight_calls_and_the_next_call_restarts(affine_dir: Path) -> None:
     with load_affine(affine_dir) as model:
         first_pid = int(model.infer({"x": special(1.0)})["pid"])
+        # A 10 ms call: the runner then hands the next calls to its pool, so both below are in flight together
+        # (after short calls it would run the slow one on its socket thread and read the crash request afterwards).
+        model.infer({"x": special(SLEEP, 0.01)})
         results: list[BaseException | None] = []
 
         def slow_call() -> None:
