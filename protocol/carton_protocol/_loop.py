@@ -174,23 +174,19 @@ class _Server:
         return self.exit_code
 
     def _run_infer(self, infer: Callable[..., None], *args: Any) -> None:
-        """Run one infer: on this thread when the runner is not concurrent, or when it is but nothing else is
-        running or waiting; on the pool otherwise.
+        """Run one infer: on this thread when the runner is not concurrent, or when it is but the last call was short
+        and none is running on the pool; on the pool otherwise.
 
         The pool costs two thread hand-offs per call (to a pool thread, and the reply back over the inproc socket):
-        about 190 us of a 310 us round trip on two cores (docs/protocol.md, "Concurrent runners"). A request that
-        arrives while an inline one runs waits for it, as every request does with a non-concurrent runner; once
-        requests overlap they go to the pool.
+        about 190 us of a 310 us round trip on two cores (docs/protocol.md, "Concurrent runners"). Requests that
+        arrive while an inline call runs wait for it, as every request does with a non-concurrent runner: short calls
+        are served one after another on this thread, and once a call takes long the next ones go to the pool.
         """
         executor = self.executor
         if executor is None:
             infer(*args)
             return
-        if (
-            self.last_infer_seconds < _INLINE_MAX_SECONDS
-            and self.pooled == 0
-            and not int(self.router.get(zmq.EVENTS)) & zmq.POLLIN
-        ):
+        if self.last_infer_seconds < _INLINE_MAX_SECONDS and self.pooled == 0:
             start = time.perf_counter()
             try:
                 infer(*args)
