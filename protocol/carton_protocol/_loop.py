@@ -2,7 +2,8 @@
 
 The loop binds a ROUTER socket at the endpoint (each host thread talks to it over its own DEALER), imports the
 entry, answers ``hello``, then serves ``load``/``pack``/``infer``/``release``/``close``. A ``concurrent`` runner's
-infers run on a thread pool; their replies come back to the socket-owning thread over an inproc socket.
+infers run on a thread pool, their replies coming back to the socket-owning thread over an inproc socket, except
+short calls while the pool is idle, which run on the socket thread itself (`_Server._run_infer`).
 
 It also guards against orphans: a parent-death signal (SIGTERM; the parent is the supervisor that forked it, see
 `carton_protocol._supervisor`) and a pidfd watch on the host both end the process, and as a child subreaper it

@@ -112,7 +112,7 @@ class Zstd:
 
     def feed(self, data: bytes, max_length: int) -> bytes:
         # The decompressor's own output objects are returned as they are (joined only when a frame boundary splits
-        # a call): extraction is bound by memory bandwidth, and each extra copy cost ~15 % of zstd -d's speed.
+        # a call): extraction is bound by memory bandwidth, and every copy is one more pass over the bytes.
         parts: list[bytes] = []
         produced = 0
         try:

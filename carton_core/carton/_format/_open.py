@@ -43,7 +43,8 @@ _COPY_CHUNK = 8 << 20
 #: Buffer of the one-pass stored extraction: 1 MiB measured fastest (stays in cache between read, hash and write).
 _ONE_PASS_CHUNK = 1 << 20
 #: Output piece of a compressed entry's extraction. 64 KiB pieces stay in L2 between decompression and ``write``:
-#: 1 GiB of zstd extracted in 0.47 s against 0.53 s with 128 KiB and 0.6-1.4 s with 1 MiB (docs/performance.md).
+#: 1 GiB of zstd extracted in 0.51-0.52 s, against 0.53 s with 128 KiB, 0.55 s with 32 KiB and 0.6-1.6 s with 1 MiB
+#: (docs/performance.md).
 _DECOMPRESS_CHUNK = 64 << 10
 #: The stamp of a materialized cache entry, next to its model/ folder.
 ENTRY_STAMP = "stamp.json"
