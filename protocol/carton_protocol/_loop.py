@@ -61,7 +61,23 @@ _EXIT_VERSION_MISMATCH = 3
 #: A concurrent runner's call runs on the socket thread (no pool hand-off) only while calls take less than this: the
 #: hand-off costs about 0.2 ms, which matters to a 50 us call, and an inline call delays requests that arrive
 #: meanwhile by its own length, which matters to a 2 ms one (two clients then got 1.15x instead of 1.99x).
-_INLINE_MAX_SECONDS = 0.0005
+#: The runner's environment variable `INLINE_MAX_ENV` sets another bound in seconds; 0 sends every call to the pool.
+DEFAULT_INLINE_MAX_SECONDS = 0.0005
+INLINE_MAX_ENV = "CARTON_RUNNER_INLINE_MAX_SECONDS"
+
+
+def _inline_max_seconds() -> float:
+    text = os.environ.get(INLINE_MAX_ENV)
+    if text is None:
+        return DEFAULT_INLINE_MAX_SECONDS
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:  # also refuses nan
+        print(f"carton runner: ignoring {INLINE_MAX_ENV}={text!r} (not a number of seconds >= 0)", file=sys.stderr)
+        return DEFAULT_INLINE_MAX_SECONDS
+    return value
 
 
 class InvalidOutput(Exception):
@@ -140,6 +156,7 @@ class _Server:
         self.pooled = 0
         self.pooled_lock = threading.Lock()
         self.last_infer_seconds = 0.0
+        self.inline_max_seconds = _inline_max_seconds()
         self.local = threading.local()
         self.main_thread = threading.get_ident()
         self.running = True
@@ -187,7 +204,7 @@ class _Server:
         if executor is None:
             infer(*args)
             return
-        if self.last_infer_seconds < _INLINE_MAX_SECONDS and self.pooled == 0:
+        if self.last_infer_seconds < self.inline_max_seconds and self.pooled == 0:
             start = time.perf_counter()
             try:
                 infer(*args)
@@ -199,13 +216,22 @@ class _Server:
         executor.submit(self._pooled, infer, *args)
 
     def _pooled(self, infer: Callable[..., None], *args: Any) -> None:
-        start = time.perf_counter()
+        self.local.started = time.perf_counter()
         try:
             infer(*args)
         finally:
-            self.last_infer_seconds = time.perf_counter() - start
-            with self.pooled_lock:
-                self.pooled -= 1
+            self._pooled_done()  # when no reply was sent (`_send_raw` does it otherwise)
+
+    def _pooled_done(self) -> None:
+        """Account for this pool thread's call; done before its reply leaves, since the host may send its next
+        request as soon as it has the reply, and the socket thread must then see the pool idle."""
+        started = getattr(self.local, "started", None)
+        if started is None:
+            return
+        self.local.started = None
+        self.last_infer_seconds = time.perf_counter() - started
+        with self.pooled_lock:
+            self.pooled -= 1
 
     def _send(self, ident: Any, header: dict[str, Any], frames: Sequence[Any] = ()) -> None:
         if self.pool is not None:
@@ -218,6 +244,7 @@ class _Server:
         if self.results is None or threading.get_ident() == self.main_thread:
             send_message(self.router, message)
         else:
+            self._pooled_done()
             sender = getattr(self.local, "sender", None)
             if sender is None:
                 sender = self.local.sender = self.context.socket(zmq.PUSH)

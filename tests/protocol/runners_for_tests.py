@@ -63,6 +63,8 @@ class ConcurrentEcho(Echo):
             time.sleep(float(sleep.reshape(-1)[0]))
         return {
             "thread": np.array([threading.get_ident() % 1_000_000], dtype=np.int64),
+            # The runner's main thread is its socket thread: True when the call was not handed to the pool.
+            "inline": np.array([threading.current_thread() is threading.main_thread()]),
             **{name: value for name, value in inputs.items() if name != "sleep"},
         }
 

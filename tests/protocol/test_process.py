@@ -23,6 +23,7 @@ from carton._runtime import _process
 from carton._runtime._launch import LaunchPlan
 from carton._runtime._process import RunnerProcess
 from carton_protocol import DType, RemoteError, TensorSpec
+from carton_protocol._loop import INLINE_MAX_ENV
 
 from .conftest import HERE, TEST_ENV, make_spec
 
@@ -132,20 +133,23 @@ def test_async_calls_are_not_capped_by_the_default_executor(start_runner: Start)
 
 
 def test_concurrent_runner_runs_short_calls_on_its_socket_thread(start_runner: Start) -> None:
-    # Which thread ran each call: short calls run where the request was read (no pool hand-off); the call after a
-    # long one goes to the pool; short calls come back to the socket thread afterwards.
-    runner = start_runner("ConcurrentEcho", threads=4)
+    # Short calls run where the request was read (no pool hand-off); the call after a long one goes to the pool;
+    # short calls come back to the socket thread afterwards. A 50 ms bound, far from both kinds of call, so that a
+    # loaded machine cannot make a "short" call long.
+    runner = start_runner("ConcurrentEcho", threads=4, extra_env={**TEST_ENV, INLINE_MAX_ENV: "0.05"})
 
-    def thread_of(sleep: float) -> int:
-        return int(runner.infer({"sleep": np.array([sleep]), "x": np.ones(2)})["thread"][0])
+    def inline(sleep: float) -> bool:
+        return bool(runner.infer({"sleep": np.array([sleep]), "x": np.ones(2)})["inline"][0])
 
-    short = thread_of(0.0)
-    assert thread_of(0.0) == short
-    long = thread_of(0.01)  # chosen before its length is known: still inline
-    after_long = thread_of(0.0)
-    again = thread_of(0.0)
-    assert long == short and again == short
-    assert after_long != short
+    assert [inline(0.0), inline(0.0)] == [True, True]
+    assert inline(0.3)  # chosen before its length is known: still inline
+    assert not inline(0.0)  # after a long call: the pool
+    assert [inline(0.0), inline(0.0)] == [True, True]
+
+
+def test_inline_bound_zero_sends_every_call_to_the_pool(start_runner: Start) -> None:
+    runner = start_runner("ConcurrentEcho", threads=4, extra_env={**TEST_ENV, INLINE_MAX_ENV: "0"})
+    assert not any(bool(runner.infer({"x": np.ones(2)})["inline"][0]) for _ in range(5))
 
 
 def test_concurrent_runner_overlaps_calls_after_a_short_one(start_runner: Start) -> None:
