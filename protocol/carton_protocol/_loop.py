@@ -152,9 +152,9 @@ class _Server:
         self.runner: Runner | None = None
         self.executor: ThreadPoolExecutor | None = None
         self.results: zmq.Socket[Any] | None = None
-        # Infers running on the pool. Only the socket thread increments it, so reading 0 there is exact.
+        # Infers on the pool whose reply the socket thread has not forwarded yet; only the socket thread touches it.
         self.pooled = 0
-        self.pooled_lock = threading.Lock()
+        # How long the runner's last `infer` took (any thread; set before its reply is sent).
         self.last_infer_seconds = 0.0
         self.inline_max_seconds = _inline_max_seconds()
         self.local = threading.local()
@@ -188,6 +188,8 @@ class _Server:
                 if sock is self.router:
                     self._handle(recv_message(self.router))
                 else:
+                    # Counted down before the reply leaves: the host's next request then finds the pool idle.
+                    self.pooled -= 1
                     send_message(self.router, recv_message(self.results))
         return self.exit_code
 
@@ -201,37 +203,11 @@ class _Server:
         are served one after another on this thread, and once a call takes long the next ones go to the pool.
         """
         executor = self.executor
-        if executor is None:
+        if executor is None or (self.last_infer_seconds < self.inline_max_seconds and self.pooled == 0):
             infer(*args)
             return
-        if self.last_infer_seconds < self.inline_max_seconds and self.pooled == 0:
-            start = time.perf_counter()
-            try:
-                infer(*args)
-            finally:
-                self.last_infer_seconds = time.perf_counter() - start
-            return
-        with self.pooled_lock:
-            self.pooled += 1
-        executor.submit(self._pooled, infer, *args)
-
-    def _pooled(self, infer: Callable[..., None], *args: Any) -> None:
-        self.local.started = time.perf_counter()
-        try:
-            infer(*args)
-        finally:
-            self._pooled_done()  # when no reply was sent (`_send_raw` does it otherwise)
-
-    def _pooled_done(self) -> None:
-        """Account for this pool thread's call; done before its reply leaves, since the host may send its next
-        request as soon as it has the reply, and the socket thread must then see the pool idle."""
-        started = getattr(self.local, "started", None)
-        if started is None:
-            return
-        self.local.started = None
-        self.last_infer_seconds = time.perf_counter() - started
-        with self.pooled_lock:
-            self.pooled -= 1
+        self.pooled += 1
+        executor.submit(infer, *args)
 
     def _send(self, ident: Any, header: dict[str, Any], frames: Sequence[Any] = ()) -> None:
         if self.pool is not None:
@@ -244,7 +220,6 @@ class _Server:
         if self.results is None or threading.get_ident() == self.main_thread:
             send_message(self.router, message)
         else:
-            self._pooled_done()
             sender = getattr(self.local, "sender", None)
             if sender is None:
                 sender = self.local.sender = self.context.socket(zmq.PUSH)
@@ -418,7 +393,9 @@ class _Server:
         runner = self.runner
         if runner is None:
             raise ProtocolError("the model was closed")
+        start = time.perf_counter()
         outputs = runner.infer(inputs)
+        self.last_infer_seconds = time.perf_counter() - start
         pool = self.pool
         if type(outputs) is dict and (pool is None or not pool.has_dropped):
             template = self.templates.encode(outputs, self.threshold if pool is not None else 1 << 62)
