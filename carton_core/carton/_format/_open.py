@@ -42,10 +42,6 @@ __all__ = ["OpenedCarton", "Verification", "open_carton"]
 _COPY_CHUNK = 8 << 20
 #: Buffer of the one-pass stored extraction: 1 MiB measured fastest (stays in cache between read, hash and write).
 _ONE_PASS_CHUNK = 1 << 20
-#: Output piece of a compressed entry's extraction. 64 KiB pieces stay in L2 between decompression and ``write``:
-#: 1 GiB of zstd extracted in 0.51-0.52 s, against 0.53 s with 128 KiB, 0.55 s with 32 KiB and 0.6-1.6 s with 1 MiB
-#: (docs/performance.md).
-_DECOMPRESS_CHUNK = 64 << 10
 #: The stamp of a materialized cache entry, next to its model/ folder.
 ENTRY_STAMP = "stamp.json"
 
@@ -417,14 +413,9 @@ def _copy_out(reader: CartonReader, path: str, destination: Path, bar: Progress)
         if entry.method == METHOD_STORED:
             copy_stored(store, entry, destination, bar)
             return
-    if isinstance(store, ZipStore):
-        # Small pieces: each is written while it is still in the CPU cache (zstd -d writes 32 KiB at a time).
-        chunks = store.zip.iter_entry(store.entry(path), chunk_size=_DECOMPRESS_CHUNK)
-    else:
-        chunks = store.iter_file(path)
     fd = os.open(destination, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
     try:
-        for chunk in chunks:
+        for chunk in store.iter_file(path):
             view = memoryview(chunk)
             while view:
                 view = view[os.write(fd, view) :]
