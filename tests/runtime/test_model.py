@@ -54,7 +54,7 @@ def gone(pid: int) -> bool:
     # a zombie still answers kill(0); it is gone if its state says so
     try:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # reaped between the two checks
         return True
 
 

@@ -13,6 +13,7 @@ from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
@@ -78,10 +79,22 @@ def lifecycle_server(repository: Path, loader: _Loader) -> Iterator[Server]:
 
 
 def _infer(port: int, model: str, x: np.ndarray) -> np.ndarray:
-    client = httpclient.InferenceServerClient(f"127.0.0.1:{port}", network_timeout=60)
-    tensor = httpclient.InferInput("INPUT0", list(x.shape), "FP32")
-    tensor.set_data_from_numpy(x)
-    return client.infer(model, [tensor]).as_numpy("OUTPUT0")
+    """One JSON inference over plain httpx, safe from any thread.
+
+    tritonclient.http is gevent-based; a client that dies while a worker thread exits can no longer reach that
+    thread's hub and raises from `__del__` (gevent#1961), so worker threads here do not use it.
+    """
+    body = {"inputs": [{"name": "INPUT0", "shape": list(x.shape), "datatype": "FP32", "data": x.ravel().tolist()}]}
+    response = httpx.post(f"http://127.0.0.1:{port}/v2/models/{model}/infer", json=body, timeout=60)
+    if response.status_code != 200:
+        raise InferenceServerException(msg=response.json()["error"], status=str(response.status_code))
+    output = next(o for o in response.json()["outputs"] if o["name"] == "OUTPUT0")
+    return np.array(output["data"], np.float32).reshape(output["shape"])
+
+
+def _load(port: int, model: str) -> None:
+    response = httpx.post(f"http://127.0.0.1:{port}/v2/repository/models/{model}/load", timeout=60)
+    assert response.status_code == 200, response.text
 
 
 def test_unload_lets_in_flight_requests_finish(lifecycle_server: Server, loader: _Loader) -> None:
@@ -123,8 +136,7 @@ def test_readiness_false_while_loading_and_load_timeout(lifecycle_server: Server
     client = httpclient.InferenceServerClient(f"127.0.0.1:{port}")
     loader.load_delay = 1.0
     with ThreadPoolExecutor(1) as pool:
-        # tritonclient.http clients are gevent-based: one per thread.
-        loading = pool.submit(lambda: httpclient.InferenceServerClient(f"127.0.0.1:{port}").load_model("sum"))
+        loading = pool.submit(_load, port, "sum")
         time.sleep(0.4)
         assert not client.is_server_ready()
         assert {"name": "sum", "version": "1", "state": "LOADING"} in client.get_model_repository_index()
