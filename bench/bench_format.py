@@ -101,30 +101,32 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--big-mib", type=int, default=1024, help="size of the large model (MiB)")
     parser.add_argument("--repeat", type=int, default=5, help="runs per measurement (median; goal rows add the best)")
+    parser.add_argument("--only", choices=("info", "stored", "zstd"), help="run one section")
     args = parser.parse_args()
     if shutil.which("zstd") is None:
         sys.exit("the zstd command-line tool is needed for the reference (apt-get install zstd)")
     root = Path(tempfile.mkdtemp(prefix="carton-bench-format-"))
     os.environ["CARTON_CACHE_DIR"] = str(root / "cache")
     try:
-        run(root, args.big_mib << 20, args.repeat)
+        run(root, args.big_mib << 20, args.repeat, args.only)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def run(root: Path, big: int, repeat: int) -> None:
+def run(root: Path, big: int, repeat: int, only: str | None) -> None:
     rows: list[tuple[str, float, float, str]] = []
     cartons: dict[tuple[int, str], Path] = {}
+    compressions = ("stored", "zstd") if only in (None, "info") else (only,)
     for size in (1 << 20, big):
         make_model(root / f"model-{size}", size)
-        for compression in ("stored", "zstd"):
+        for compression in compressions:
             start = time.perf_counter()
             cartons[size, compression] = pack(root / f"model-{size}", root / f"{size}-{compression}.carton",
                                               compression)  # fmt: skip
             print(f"packed {size >> 20} MiB ({compression}) in {time.perf_counter() - start:.2f} s", file=sys.stderr)
 
     # get_model_info: must not depend on the model size.
-    for compression in ("stored", "zstd"):
+    for compression in compressions if only in (None, "info") else ():
         small = timed(lambda c=compression: carton.get_model_info(cartons[1 << 20, c]), 20)  # type: ignore[misc]
         large = timed(lambda c=compression: carton.get_model_info(cartons[big, c]), 20)  # type: ignore[misc]
         rows.append((f"get_model_info {compression}: {big >> 20} MiB vs 1 MiB model", large, small,
@@ -133,90 +135,97 @@ def run(root: Path, big: int, repeat: int) -> None:
     cache = root / "cache"
     clear = lambda: shutil.rmtree(cache / "models", ignore_errors=True)  # noqa: E731
     model_bytes = root / f"model-{big}" / "weights.bin"
-    stored = cartons[big, "stored"]
-    with open_reader(stored, ReadLimits(), cache) as reader:
-        assert isinstance(reader.store, ZipStore)
-        offset, length = reader.store.zip.data_span(reader.store.entry("model/weights.bin"))
     out = root / "copy.bin"
 
     def rm_out() -> None:
         out.unlink(missing_ok=True)
 
-    pair = timed_deferred(stored, repeat, clear, lambda: subprocess.run(["cp", str(model_bytes), str(out)],
-                                                                        check=True), rm_out)  # fmt: skip
-    cp, deferred, verified = pair.reference, pair.opened, pair.verified
-    rows.append(("carton.load's open, stored: kernel copy, then the runner may read", deferred, cp,
-                 "goal >= 80 % of cp (medians)"))  # fmt: skip
-    rows.append((f"  the same, best of {repeat} each", pair.best_opened, pair.best_reference, ""))
-    rows.append(("  + SHA-256 of the copy on a helper thread (overlaps the runner's load)", verified, cp,
-                 "if nothing overlapped it"))  # fmt: skip
-    ours = timed(lambda: open_carton(stored), repeat, clear)
-    rows.append(("open_carton stored, verified on return (one pass: preadv, hash, write) vs cp", ours, cp, ""))
-    with open_reader(stored, ReadLimits(), cache) as reader:
-        assert isinstance(reader.store, ZipStore)
-        store, entry = reader.store, reader.store.entry("model/weights.bin")
-        one = timed(lambda: extract_stored(store, entry, out), repeat, rm_out)
-        rows.append(("  extract_stored alone (the chosen one-pass copy) vs cp", one, cp, ""))
-        kernel = timed(lambda: extract_stored_kernel_copy(store, entry, out), repeat, rm_out)
-        rows.append(("  alternative: copy_file_range + mmap hash vs cp", kernel, cp, "previous design"))
-    sha = timed(lambda: hashlib.sha256(model_bytes.read_bytes()).hexdigest(), repeat)
-    rows.append(("  bound: read + SHA-256 of the bytes, no write, vs cp", sha, cp, "no verifying copy beats this"))
-    loop = timed(lambda: copy_loop(stored, out, offset, length), repeat, rm_out)
-    rows.append(("  alternative: read/hash/write loop vs cp", loop, cp, ""))
-    send = timed(lambda: copy_sendfile(stored, out, offset, length), repeat, rm_out)
-    rows.append(("  alternative: sendfile + mmap hash vs cp", send, cp, ""))
-    in_place = timed(lambda: hash_in_place(stored, offset, length), repeat)
-    rows.append(("  alternative: verify in place (no copy) vs cp", in_place, cp, "runner cannot read a zip range"))
-    cached = timed(lambda: open_carton(stored), 20)
-    rows.append(("open_carton again (stamped cache entry: one stat per file) vs cp", cached, cp,
-                 "every load after the first"))  # fmt: skip
+    summary: list[str] = []
+    if only in (None, "stored"):
+        stored = cartons[big, "stored"]
+        with open_reader(stored, ReadLimits(), cache) as reader:
+            assert isinstance(reader.store, ZipStore)
+            offset, length = reader.store.zip.data_span(reader.store.entry("model/weights.bin"))
+        pair = timed_deferred(stored, repeat, clear, lambda: subprocess.run(["cp", str(model_bytes), str(out)],
+                                                                            check=True), rm_out)  # fmt: skip
+        cp, deferred, verified = pair.reference, pair.opened, pair.verified
+        rows.append(("carton.load's open, stored: kernel copy, then the runner may read", deferred, cp,
+                     "goal >= 80 % of cp (medians)"))  # fmt: skip
+        rows.append((f"  the same, best of {repeat} each", pair.best_opened, pair.best_reference, ""))
+        rows.append(("  + SHA-256 of the copy on a helper thread (overlaps the runner's load)", verified, cp,
+                     "if nothing overlapped it"))  # fmt: skip
+        ours = timed(lambda: open_carton(stored), repeat, clear)
+        rows.append(("open_carton stored, verified on return (one pass: preadv, hash, write) vs cp", ours, cp, ""))
+        with open_reader(stored, ReadLimits(), cache) as reader:
+            assert isinstance(reader.store, ZipStore)
+            store, entry = reader.store, reader.store.entry("model/weights.bin")
+            one = timed(lambda: extract_stored(store, entry, out), repeat, rm_out)
+            rows.append(("  extract_stored alone (the chosen one-pass copy) vs cp", one, cp, ""))
+            kernel = timed(lambda: extract_stored_kernel_copy(store, entry, out), repeat, rm_out)
+            rows.append(("  alternative: copy_file_range + mmap hash vs cp", kernel, cp, "previous design"))
+        sha = timed(lambda: hashlib.sha256(model_bytes.read_bytes()).hexdigest(), repeat)
+        rows.append(("  bound: read + SHA-256 of the bytes, no write, vs cp", sha, cp, "no verifying copy beats this"))
+        loop = timed(lambda: copy_loop(stored, out, offset, length), repeat, rm_out)
+        rows.append(("  alternative: read/hash/write loop vs cp", loop, cp, ""))
+        send = timed(lambda: copy_sendfile(stored, out, offset, length), repeat, rm_out)
+        rows.append(("  alternative: sendfile + mmap hash vs cp", send, cp, ""))
+        in_place = timed(lambda: hash_in_place(stored, offset, length), repeat)
+        rows.append(("  alternative: verify in place (no copy) vs cp", in_place, cp, "runner cannot read a zip range"))
+        cached = timed(lambda: open_carton(stored), 20)
+        rows.append(("open_carton again (stamped cache entry: one stat per file) vs cp", cached, cp,
+                     "every load after the first"))  # fmt: skip
 
-    # An unpacked carton folder: verified in place on the first load, one stat per file afterwards.
-    folder = root / "unpacked"
-    (folder / "model").mkdir(parents=True)
-    with open_reader(stored, ReadLimits(), cache) as reader:
-        for name in reader.manifest:
-            if name != "model/weights.bin":
-                (folder / name).parent.mkdir(parents=True, exist_ok=True)
-                (folder / name).write_bytes(reader.read(name))
-        (folder / "MANIFEST").write_bytes(reader.manifest_bytes)
-    os.link(model_bytes, folder / "model" / "weights.bin")
-    for file in folder.rglob("*"):
-        os.utime(file, (1_600_000_000, 1_600_000_000))  # not "racy" (see _stamp.RACY_NS)
-    unstamp = lambda: shutil.rmtree(cache / "verified", ignore_errors=True)  # noqa: E731
-    first_dir = timed(lambda: open_carton(folder), repeat, unstamp)
-    rows.append(("open_carton folder, first load (hash every model file) vs cp", first_dir, cp, "no copy"))
-    open_carton(folder)
-    later_dir = timed(lambda: open_carton(folder), 20)
-    rows.append(("open_carton folder, later loads (stamp: one stat per file) vs cp", later_dir, cp, ""))
+        # An unpacked carton folder: verified in place on the first load, one stat per file afterwards.
+        folder = root / "unpacked"
+        (folder / "model").mkdir(parents=True)
+        with open_reader(stored, ReadLimits(), cache) as reader:
+            for name in reader.manifest:
+                if name != "model/weights.bin":
+                    (folder / name).parent.mkdir(parents=True, exist_ok=True)
+                    (folder / name).write_bytes(reader.read(name))
+            (folder / "MANIFEST").write_bytes(reader.manifest_bytes)
+        os.link(model_bytes, folder / "model" / "weights.bin")
+        for file in folder.rglob("*"):
+            os.utime(file, (1_600_000_000, 1_600_000_000))  # not "racy" (see _stamp.RACY_NS)
+        unstamp = lambda: shutil.rmtree(cache / "verified", ignore_errors=True)  # noqa: E731
+        first_dir = timed(lambda: open_carton(folder), repeat, unstamp)
+        rows.append(("open_carton folder, first load (hash every model file) vs cp", first_dir, cp, "no copy"))
+        open_carton(folder)
+        later_dir = timed(lambda: open_carton(folder), 20)
+        rows.append(("open_carton folder, later loads (stamp: one stat per file) vs cp", later_dir, cp, ""))
+        mib = big / (1 << 20)
+        summary.append(f"cp {mib / cp:.0f} MiB/s, carton.load's open stored {mib / deferred:.0f} MiB/s "
+                       f"(verified on return: {mib / ours:.0f} MiB/s)")  # fmt: skip
 
-    packed = cartons[big, "zstd"]
-    with open_reader(packed, ReadLimits(), cache) as reader:
-        assert isinstance(reader.store, ZipStore)
-        z_offset, z_length = reader.store.zip.data_span(reader.store.entry("model/weights.bin"))
-    frame = root / "weights.zst"
-    with packed.open("rb") as f, frame.open("wb") as dst:
-        f.seek(z_offset)
-        dst.write(f.read(z_length))
-    unzstd = ["zstd", "-q", "-d", "-f", str(frame), "-o", str(out)]
-    pair_z = timed_deferred(packed, repeat, clear, lambda: subprocess.run(unzstd, check=True), rm_out)
-    zstd_d, deferred_z, verified_z = pair_z.reference, pair_z.opened, pair_z.verified
-    rows.append(("carton.load's open, zstd: streaming decompress + write vs zstd -d", deferred_z, zstd_d,
-                 "goal >= 80 % of zstd -d (medians)"))  # fmt: skip
-    rows.append((f"  the same, best of {repeat} each", pair_z.best_opened, pair_z.best_reference, ""))
-    rows.append(("  + SHA-256 of the output on a helper thread (overlaps the runner's load)", verified_z, zstd_d,
-                 "if nothing overlapped it"))  # fmt: skip
-    ours_z = timed(lambda: open_carton(packed), repeat, clear)
-    rows.append(("open_carton zstd, verified on return (decompress + hash + write) vs zstd -d", ours_z, zstd_d, ""))
+    if only in (None, "zstd"):
+        packed = cartons[big, "zstd"]
+        with open_reader(packed, ReadLimits(), cache) as reader:
+            assert isinstance(reader.store, ZipStore)
+            z_offset, z_length = reader.store.zip.data_span(reader.store.entry("model/weights.bin"))
+        frame = root / "weights.zst"
+        with packed.open("rb") as f, frame.open("wb") as dst:
+            f.seek(z_offset)
+            dst.write(f.read(z_length))
+        unzstd = ["zstd", "-q", "-d", "-f", str(frame), "-o", str(out)]
+        pair_z = timed_deferred(packed, repeat, clear, lambda: subprocess.run(unzstd, check=True), rm_out)
+        zstd_d, deferred_z, verified_z = pair_z.reference, pair_z.opened, pair_z.verified
+        rows.append(("carton.load's open, zstd: streaming decompress + write vs zstd -d", deferred_z, zstd_d,
+                     "goal >= 80 % of zstd -d (medians)"))  # fmt: skip
+        rows.append((f"  the same, best of {repeat} each", pair_z.best_opened, pair_z.best_reference, ""))
+        rows.append(("  + SHA-256 of the output on a helper thread (overlaps the runner's load)", verified_z, zstd_d,
+                     "if nothing overlapped it"))  # fmt: skip
+        ours_z = timed(lambda: open_carton(packed), repeat, clear)
+        rows.append(("open_carton zstd, verified on return (decompress + hash + write) vs zstd -d", ours_z, zstd_d, ""))
+        mib = big / (1 << 20)
+        summary.append(f"zstd -d {mib / zstd_d:.0f} MiB/s, carton.load's open zstd {mib / deferred_z:.0f} MiB/s "
+                       f"(verified on return: {mib / ours_z:.0f} MiB/s)")  # fmt: skip
 
     width = max(len(r[0]) for r in rows)
     print(f"\n{'measurement':<{width}}  {'carton':>10}  {'reference':>10}  {'speed vs ref':>12}  note")
     for name, ours_t, ref_t, note in rows:
         print(f"{name:<{width}}  {ours_t * 1000:>8.1f}ms  {ref_t * 1000:>8.1f}ms  {ref_t / ours_t:>11.0%}  {note}")
-    mib = big / (1 << 20)
-    print(f"\nthroughput: cp {mib / cp:.0f} MiB/s, carton.load's open stored {mib / deferred:.0f} MiB/s "
-          f"(verified on return: {mib / ours:.0f} MiB/s), zstd -d {mib / zstd_d:.0f} MiB/s, carton.load's open zstd "
-          f"{mib / deferred_z:.0f} MiB/s (verified on return: {mib / ours_z:.0f} MiB/s)")  # fmt: skip
+    if summary:
+        print("\nthroughput: " + "; ".join(summary))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -27,7 +27,7 @@ class DecodeError(Exception):
 
 
 class Decoder(Protocol):
-    def feed(self, data: bytes, max_length: int) -> bytes: ...
+    def feed(self, data: bytes | memoryview, max_length: int) -> bytes: ...
     def pending(self) -> bool: ...
     def finish(self) -> None: ...
 
@@ -36,7 +36,7 @@ class _Identity:
     def __init__(self) -> None:
         self._buffer = b""
 
-    def feed(self, data: bytes, max_length: int) -> bytes:
+    def feed(self, data: bytes | memoryview, max_length: int) -> bytes:
         data = self._buffer + data
         self._buffer = data[max_length:]
         return data[:max_length]
@@ -56,7 +56,7 @@ class _Zlib:
         self._obj: zlib._Decompress | None = zlib.decompressobj(31) if gzip else None
         self._head = b""
 
-    def feed(self, data: bytes, max_length: int) -> bytes:
+    def feed(self, data: bytes | memoryview, max_length: int) -> bytes:
         if self._obj is None:
             self._head += data
             if len(self._head) < 2:
@@ -84,13 +84,14 @@ class RawDeflate:
     def __init__(self) -> None:
         self._obj = zlib.decompressobj(-15)
 
-    def feed(self, data: bytes, max_length: int) -> bytes:
+    def feed(self, data: bytes | memoryview, max_length: int) -> bytes:
         if self._obj.eof:
             if data:
                 raise DecodeError("data after the end of the deflate stream")
             return b""
         try:
-            out = self._obj.decompress(self._obj.unconsumed_tail + data, max_length)
+            tail = self._obj.unconsumed_tail
+            out = self._obj.decompress(tail + data if tail else data, max_length)
         except zlib.error as exc:
             raise DecodeError(f"invalid deflate data: {exc}") from exc
         if self._obj.unused_data:
@@ -110,7 +111,7 @@ class Zstd:
         self._obj = zstd.ZstdDecompressor()
         self._started = False
 
-    def feed(self, data: bytes, max_length: int) -> bytes:
+    def feed(self, data: bytes | memoryview, max_length: int) -> bytes:
         # The decompressor's own output objects are returned as they are (joined only when a frame boundary splits
         # a call): extraction is bound by memory bandwidth, and every copy is one more pass over the bytes.
         parts: list[bytes] = []
@@ -153,7 +154,7 @@ class _Brotli:
         self._buffer = b""
         self._more = False
 
-    def feed(self, data: bytes, max_length: int) -> bytes:
+    def feed(self, data: bytes | memoryview, max_length: int) -> bytes:
         try:
             if data and not self._obj.can_accept_more_data():
                 # Output of earlier input is still pending: brotli wants empty input until it is drained.

@@ -23,7 +23,7 @@ import os
 import shutil
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,9 +32,10 @@ from .._progress import Progress
 from ..errors import FormatError, ManifestError, UnsafeArchive
 from ._info import CartonInfo
 from ._limits import DEFAULT_LIMITS, ReadLimits
-from ._reader import CartonReader, DirStore, ZipStore, build_info, open_reader
+from ._reader import CartonReader, DirStore, Store, ZipStore, build_info, open_reader
 from ._source import FileSource
 from ._stamp import FileStat, file_stat, hash_stable, read_stamp, stamp_matches, write_stamp
+from ._writeback import write_pieces
 from ._zipread import METHOD_STORED, ZipEntry
 
 __all__ = ["OpenedCarton", "Verification", "open_carton"]
@@ -42,6 +43,9 @@ __all__ = ["OpenedCarton", "Verification", "open_carton"]
 _COPY_CHUNK = 8 << 20
 #: Buffer of the one-pass stored extraction: 1 MiB measured fastest (stays in cache between read, hash and write).
 _ONE_PASS_CHUNK = 1 << 20
+#: Pieces compressed entries are decoded in when another thread writes them: 256-512 KiB measured fastest for
+#: 1 GiB of zstd; 64 KiB pays more queue hand-offs, 1 MiB leaves the cache (docs/performance.md, "zstd extraction").
+WRITE_BEHIND_PIECE = 256 << 10
 #: The stamp of a materialized cache entry, next to its model/ folder.
 ENTRY_STAMP = "stamp.json"
 
@@ -162,7 +166,9 @@ def _folder_check(
             for path in model_paths:
                 digest, stat_now = hash_stable(root / path, f"{location}: {path}")
                 if digest != expected[path]:
-                    raise ManifestError(f"{location}: {path} has sha256 {digest} but MANIFEST says {expected[path]}")
+                    raise ManifestError(
+                        f"{location}: {path} has sha256 {digest} but MANIFEST says {expected[path]}"
+                    )
                 verified.append((path, stat_now))
                 bar.advance(stat_now[1])
         write_stamp(stamp_path, key=key, files=verified)
@@ -362,15 +368,18 @@ def _extract(reader: CartonReader, path: str, destination: Path, bar: Progress) 
             return extract_stored(store, entry, destination, bar)
     fd = os.open(destination, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
     try:
-        for chunk in store.iter_file(path):
-            hasher.update(chunk)
-            view = memoryview(chunk)
-            while view:
-                view = view[os.write(fd, view) :]
-            bar.advance(len(chunk))
+        write_pieces(fd, _pieces(store, path), size=store.size(path), hasher=hasher, advance=bar.advance)
     finally:
         os.close(fd)
     return hasher.hexdigest()
+
+
+def _pieces(store: Store, path: str) -> Iterator[bytes]:
+    if isinstance(store, ZipStore):
+        # Larger pieces than the default: they are written on the other thread (`write_pieces`), where 256 KiB
+        # measured fastest (docs/performance.md, "zstd extraction").
+        return store.zip.iter_entry(store.entry(path), piece_size=WRITE_BEHIND_PIECE)
+    return store.iter_file(path)
 
 
 def extract_stored(store: ZipStore, entry: ZipEntry, destination: Path, bar: Progress | None = None) -> str:
@@ -415,11 +424,7 @@ def _copy_out(reader: CartonReader, path: str, destination: Path, bar: Progress)
             return
     fd = os.open(destination, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
     try:
-        for chunk in store.iter_file(path):
-            view = memoryview(chunk)
-            while view:
-                view = view[os.write(fd, view) :]
-            bar.advance(len(chunk))
+        write_pieces(fd, _pieces(store, path), size=store.size(path), advance=bar.advance)
     finally:
         os.close(fd)
 

@@ -119,6 +119,22 @@ class FileSource:
             offset += len(part)
             yield part
 
+    def iter_range_reusing(self, offset: int, length: int, chunk_size: int) -> Iterator[memoryview]:
+        """`iter_range` into one reused buffer: each view is valid only until the next one is produced.
+
+        For consumers that copy what they keep (decompressors): no fresh allocation per piece, so the input stays
+        in cache (docs/performance.md, zstd extraction).
+        """
+        _check_range(self, offset, length)
+        buffer = memoryview(bytearray(min(chunk_size, max(length, 1))))
+        end = offset + length
+        while offset < end:
+            n = os.preadv(self._fd, [buffer[: min(len(buffer), end - offset)]], offset)
+            if n <= 0:
+                raise FormatError(f"{self._name}: file shrank while being read (at offset {offset})")
+            offset += n
+            yield buffer[:n]
+
     def close(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)

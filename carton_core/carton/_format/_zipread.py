@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from ..errors import ArchiveTooLarge, FormatError, UnsafeArchive
 from ._codecs import DecodeError, Decoder, RawDeflate, Zstd
 from ._limits import ReadLimits
-from ._source import Source
+from ._source import FileSource, Source
 
 __all__ = ["METHOD_DEFLATE", "METHOD_STORED", "METHOD_ZSTD", "QUIRK_ROOT_NAMES", "ZipEntry", "ZipReader"]
 
@@ -54,12 +54,12 @@ _HOST_UNIX = 3
 _WINDOWS_REPARSE_POINT = 0x400
 _U16 = 0xFFFF
 _U32 = 0xFFFFFFFF
-#: Pieces a compressed entry is decoded in. 64 KiB stays in L2 between decompression and whatever consumes the piece
-#: (a write, a hash): 1 GiB of zstd extracted in 0.51-0.52 s, against 0.53 s with 128 KiB, 0.55 s with 32 KiB and
-#: 0.6-1.6 s with 1 MiB, which came back from RAM (docs/performance.md). Compressed input is read a few pieces at a
-#: time for the same reason.
-_DECODED_CHUNK = 64 << 10
-_COMPRESSED_READ = 4 * _DECODED_CHUNK
+#: Pieces a compressed entry is decoded in by default. 64 KiB stays in L2 between decompression and whatever consumes
+#: the piece on the same thread (a hash): 1 GiB of zstd extracted in 0.51-0.52 s, against 0.53 s with 128 KiB,
+#: 0.55 s with 32 KiB and 0.6-1.6 s with 1 MiB, which came back from RAM (docs/performance.md). Extraction, which
+#: writes on a second thread, asks for larger pieces (`piece_size`). Compressed input is read a few pieces at a time.
+DECODED_PIECE = 64 << 10
+_COMPRESSED_READ = 256 << 10
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -332,8 +332,15 @@ class ZipReader:
             return None
         return self.data_span(entry)
 
-    def iter_entry(self, entry: ZipEntry, *, raw_sink: Callable[[bytes], object] | None = None) -> Iterator[bytes]:
-        """The entry's uncompressed bytes, in chunks. ``raw_sink`` also receives the compressed bytes as read.
+    def iter_entry(
+        self,
+        entry: ZipEntry,
+        *,
+        raw_sink: Callable[[bytes], object] | None = None,
+        piece_size: int = DECODED_PIECE,
+    ) -> Iterator[bytes]:
+        """The entry's uncompressed bytes, in chunks of at most ``piece_size`` for compressed entries. ``raw_sink``
+        also receives the compressed bytes as read.
 
         Raises `UnsafeArchive` when the entry produces more or fewer bytes than it declared and
         `ArchiveTooLarge` when the reader's total budget runs out.
@@ -355,32 +362,40 @@ class ZipReader:
 
         try:
             if decoder is None:
-                chunks = self.source.iter_range(offset, length)
-            else:
-                chunks = self.source.iter_range(offset, length, _COMPRESSED_READ)
-            for chunk in chunks:
-                if raw_sink is not None:
-                    raw_sink(chunk)
-                if decoder is None:
+                for chunk in self.source.iter_range(offset, length):
+                    if raw_sink is not None:
+                        raw_sink(chunk)
                     account(len(chunk))
                     yield chunk
-                    continue
-                data = chunk
-                while True:
-                    # Ask for one byte more than may remain, so an entry that lies is caught at once.
-                    out = decoder.feed(data, min(_DECODED_CHUNK, expected - produced + 1))
-                    data = b""
-                    if out:
-                        account(len(out))
-                        yield out
-                    if not decoder.pending():
-                        break
+            else:
+                for data in self._compressed(offset, length, raw_sink):
+                    while True:
+                        # Ask for one byte more than may remain, so an entry that lies is caught at once.
+                        out = decoder.feed(data, min(piece_size, expected - produced + 1))
+                        data = b""
+                        if out:
+                            account(len(out))
+                            yield out
+                        if not decoder.pending():
+                            break
             if decoder is not None and length:
                 decoder.finish()
         except DecodeError as exc:
             raise FormatError(f"{where}: corrupt {entry.method_name} data: {exc}") from exc
         if produced != expected:
             raise UnsafeArchive(f"{where}: decompresses to {produced} bytes but declares {expected}")
+
+    def _compressed(
+        self, offset: int, length: int, raw_sink: Callable[[bytes], object] | None
+    ) -> Iterator[bytes | memoryview]:
+        if raw_sink is None and isinstance(self.source, FileSource):
+            # Decoders copy any input they keep, so one buffer can take every read.
+            yield from self.source.iter_range_reusing(offset, length, _COMPRESSED_READ)
+            return
+        for chunk in self.source.iter_range(offset, length, _COMPRESSED_READ):
+            if raw_sink is not None:
+                raw_sink(chunk)
+            yield chunk
 
     def read(self, entry: ZipEntry, *, max_size: int, check_crc: bool = True) -> bytes:
         """The whole entry in memory (metadata files), refused if it declares more than ``max_size`` bytes."""
