@@ -65,6 +65,19 @@ def test_default_settings_and_leading_dimensions() -> None:
     assert linear(rng.standard_normal(256).astype(np.float32)).shape == (64,)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_matrix_vector_path_over_more_rows_than_one_piece(threads: int) -> None:
+    """More output rows than the matrix-vector path takes at a time (4096), split unevenly, alone and on two
+    threads (a tied output head is 49152 rows)."""
+    rng = np.random.default_rng(16)
+    rows, cols = 2 * 4096 + 48, 96
+    q = quantize(rng.standard_normal((rows, cols)).astype(np.float32), "q4")
+    linear = QuantizedLinear.from_quantized(q, threads=threads)
+    for batch in (1, 4):
+        x = rng.standard_normal((batch, cols)).astype(np.float32)
+        _assert_close(linear(x), _reference(x, q.dequantize()))
+
+
 def test_gemv_and_gemm_paths_agree_across_the_threshold() -> None:
     rng = np.random.default_rng(14)
     q = quantize(rng.standard_normal((96, 512)).astype(np.float32), "q4")

@@ -23,6 +23,7 @@ multiplies and gathers, BLAS in its calls).
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable
 from typing import Literal
@@ -43,10 +44,15 @@ __all__ = ["CacheMode", "QuantizedLinear", "matmul"]
 CacheMode = Literal["packed", "int8", "fp32"]
 _CACHE_MODES = ("packed", "int8", "fp32")
 
-# Work-buffer budget per call and thread (bytes of fp32 tile): about the L2 cache; chosen by measurement. 1 MiB would
-# lower k4's resident memory from about 2.50x to 2.38x the payload but cost about 20% at batch 1 (4096^2, one
-# thread, same run: 3.56 ms against 2.75 ms), so it stays an option (tile_bytes=1 << 20), not the default.
-DEFAULT_TILE_BYTES = 2 << 20
+# Work-buffer budget per call and thread (bytes of fp32 tile): half the L2 cache of the build machine (2 MiB per
+# core), so the tile, the int8 codes it is cast from and the partial sums stay in L2. Chosen by measurement on
+# 2026-11-25 (q4, batch 1, one thread, medians): 576x1536 157 us with 1 MiB against 217-225 us with 2 MiB;
+# 4096x4096 3.2 ms against 4.7 ms; 11008x4096 14.4 ms against 14.9 ms; only 4096x11008 was faster with 2 MiB
+# (13.5 ms against 14.6). An earlier machine had favoured 2 MiB (4096^2: 2.75 ms against 3.56).
+DEFAULT_TILE_BYTES = 1 << 20
+# The matrix-vector path works through at most this many output rows at a time: with more, even one block of 32
+# columns overflows the tile (the 49152-row tied head of SmolLM2: 7.2-7.8 ms in 4096-row pieces against 11.9 ms).
+_GEMV_ROW_CHUNK = 4096
 # Largest batch served by the block-partial (matrix-vector) path; chosen by bench/bench_mcf.py.
 DEFAULT_GEMV_MAX_BATCH = 4
 # Smallest row range handed to a pool thread: below it the hand-off costs more than it saves.
@@ -229,7 +235,7 @@ class QuantizedLinear:
     # --- paths ---------------------------------------------------------------------------------------------------
     def _buffer(self, name: str, shape: tuple[int, ...]) -> npt.NDArray[np.float32]:
         """A per-thread fp32 work buffer, reallocated only when it must grow."""
-        size = int(np.prod(shape))
+        size = math.prod(shape)  # np.prod costs ~5 us a call, several per matrix-vector product
         buf: npt.NDArray[np.float32] | None = getattr(self._local, name, None)
         if buf is None or buf.size < size:
             buf = np.empty(size, dtype=np.float32)
@@ -245,6 +251,12 @@ class QuantizedLinear:
         return padded
 
     def _blockwise_gemv(self, xb: npt.NDArray[np.float32], out: npt.NDArray[np.float32], r0: int, r1: int) -> None:
+        for c0 in range(r0, r1, _GEMV_ROW_CHUNK):
+            self._blockwise_gemv_rows(xb, out, c0, min(r1, c0 + _GEMV_ROW_CHUNK))
+
+    def _blockwise_gemv_rows(
+        self, xb: npt.NDArray[np.float32], out: npt.NDArray[np.float32], r0: int, r1: int
+    ) -> None:
         codes_t, scales_t = self._codes_t, self._scales_t
         assert codes_t is not None and scales_t is not None
         m, rows, nb = xb.shape[1], r1 - r0, self.layout.blocks_per_row
