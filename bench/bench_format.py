@@ -148,12 +148,8 @@ def run(root: Path, big: int, repeat: int, only: str | None) -> None:
             offset, length = reader.store.zip.data_span(reader.store.entry("model/weights.bin"))
         pair = timed_deferred(stored, repeat, clear, lambda: subprocess.run(["cp", str(model_bytes), str(out)],
                                                                             check=True), rm_out)  # fmt: skip
-        cp, deferred, verified = pair.reference, pair.opened, pair.verified
-        rows.append(("carton.load's open, stored: kernel copy, then the runner may read", deferred, cp,
-                     "goal >= 80 % of cp (medians)"))  # fmt: skip
-        rows.append((f"  the same, best of {repeat} each", pair.best_opened, pair.best_reference, ""))
-        rows.append(("  + SHA-256 of the copy on a helper thread (overlaps the runner's load)", verified, cp,
-                     "if nothing overlapped it"))  # fmt: skip
+        cp, deferred = pair.reference, pair.opened
+        rows += pair.rows("carton.load's open, stored: kernel copy, then the runner may read", "cp", "copy", repeat)
         ours = timed(lambda: open_carton(stored), repeat, clear)
         rows.append(("open_carton stored, verified on return (one pass: preadv, hash, write) vs cp", ours, cp, ""))
         with open_reader(stored, ReadLimits(), cache) as reader:
@@ -208,12 +204,9 @@ def run(root: Path, big: int, repeat: int, only: str | None) -> None:
             dst.write(f.read(z_length))
         unzstd = ["zstd", "-q", "-d", "-f", str(frame), "-o", str(out)]
         pair_z = timed_deferred(packed, repeat, clear, lambda: subprocess.run(unzstd, check=True), rm_out)
-        zstd_d, deferred_z, verified_z = pair_z.reference, pair_z.opened, pair_z.verified
-        rows.append(("carton.load's open, zstd: streaming decompress + write vs zstd -d", deferred_z, zstd_d,
-                     "goal >= 80 % of zstd -d (medians)"))  # fmt: skip
-        rows.append((f"  the same, best of {repeat} each", pair_z.best_opened, pair_z.best_reference, ""))
-        rows.append(("  + SHA-256 of the output on a helper thread (overlaps the runner's load)", verified_z, zstd_d,
-                     "if nothing overlapped it"))  # fmt: skip
+        zstd_d, deferred_z = pair_z.reference, pair_z.opened
+        rows += pair_z.rows("carton.load's open, zstd: streaming decompress + write vs zstd -d", "zstd -d", "output",
+                            repeat)  # fmt: skip
         ours_z = timed(lambda: open_carton(packed), repeat, clear)
         rows.append(("open_carton zstd, verified on return (decompress + hash + write) vs zstd -d", ours_z, zstd_d, ""))
         mib = big / (1 << 20)
@@ -237,6 +230,15 @@ class Paired:
     verified: float
     best_reference: float
     best_opened: float
+
+    def rows(self, title: str, reference: str, what: str, repeat: int) -> list[tuple[str, float, float, str]]:
+        """The goal row (medians), the best runs, and the time until the deferred SHA-256 ended."""
+        return [
+            (title, self.opened, self.reference, f"goal >= 80 % of {reference} (medians)"),
+            (f"  the same, best of {repeat} each", self.best_opened, self.best_reference, ""),
+            (f"  + SHA-256 of the {what} on a helper thread (overlaps the runner's load)", self.verified,
+             self.reference, "if nothing overlapped it"),
+        ]  # fmt: skip
 
 
 def timed_deferred(
