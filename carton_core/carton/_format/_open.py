@@ -44,7 +44,7 @@ _COPY_CHUNK = 8 << 20
 #: Buffer of the one-pass stored extraction: 1 MiB measured fastest (stays in cache between read, hash and write).
 _ONE_PASS_CHUNK = 1 << 20
 #: Pieces compressed entries are decoded in when another thread writes them: 256-512 KiB measured fastest for
-#: 1 GiB of zstd; 64 KiB pays more queue hand-offs, 1 MiB leaves the cache (docs/performance.md, "zstd extraction").
+#: 1 GiB of zstd; 64 KiB pays more queue hand-offs, 1 MiB leaves the cache (docs/performance.md, "Package format").
 WRITE_BEHIND_PIECE = 256 << 10
 #: The stamp of a materialized cache entry, next to its model/ folder.
 ENTRY_STAMP = "stamp.json"
@@ -377,7 +377,7 @@ def _extract(reader: CartonReader, path: str, destination: Path, bar: Progress) 
 def _pieces(store: Store, path: str) -> Iterator[bytes]:
     if isinstance(store, ZipStore):
         # Larger pieces than the default: they are written on the other thread (`write_pieces`), where 256 KiB
-        # measured fastest (docs/performance.md, "zstd extraction").
+        # measured fastest (docs/performance.md, "Package format").
         return store.zip.iter_entry(store.entry(path), piece_size=WRITE_BEHIND_PIECE)
     return store.iter_file(path)
 

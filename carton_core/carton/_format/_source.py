@@ -123,7 +123,7 @@ class FileSource:
         """`iter_range` into one reused buffer: each view is valid only until the next one is produced.
 
         For consumers that copy what they keep (decompressors): no fresh allocation per piece, so the input stays
-        in cache (docs/performance.md, zstd extraction).
+        in cache (docs/performance.md, "Package format").
         """
         _check_range(self, offset, length)
         buffer = memoryview(bytearray(min(chunk_size, max(length, 1))))

@@ -2,7 +2,7 @@
 
 Decompression holds the GIL; ``write`` and SHA-256 release it. With the write (and the hash, when there is one) on
 a second thread, extracting a zstd entry runs at the speed of the slower of the two sides instead of their sum, the
-way ``zstd -d`` overlaps its reads and writes (docs/performance.md, "zstd extraction"). The queue is short so
+way ``zstd -d`` overlaps its reads and writes (docs/performance.md, "Package format"). The queue is short so
 pieces are written while they are still in cache, and it bounds memory at ``_DEPTH`` pieces.
 """
 
