@@ -23,7 +23,7 @@ import os
 import shutil
 import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,10 +32,10 @@ from .._progress import Progress
 from ..errors import FormatError, ManifestError, UnsafeArchive
 from ._info import CartonInfo
 from ._limits import DEFAULT_LIMITS, ReadLimits
-from ._reader import CartonReader, DirStore, Store, ZipStore, build_info, open_reader
+from ._reader import CartonReader, DirStore, ZipStore, build_info, open_reader
 from ._source import FileSource
 from ._stamp import FileStat, file_stat, hash_stable, read_stamp, stamp_matches, write_stamp
-from ._writeback import write_pieces
+from ._writeback import write_all, write_pieces
 from ._zipread import METHOD_STORED, ZipEntry
 
 __all__ = ["OpenedCarton", "Verification", "open_carton"]
@@ -166,9 +166,7 @@ def _folder_check(
             for path in model_paths:
                 digest, stat_now = hash_stable(root / path, f"{location}: {path}")
                 if digest != expected[path]:
-                    raise ManifestError(
-                        f"{location}: {path} has sha256 {digest} but MANIFEST says {expected[path]}"
-                    )
+                    raise ManifestError(f"{location}: {path} has sha256 {digest} but MANIFEST says {expected[path]}")
                 verified.append((path, stat_now))
                 bar.advance(stat_now[1])
         write_stamp(stamp_path, key=key, files=verified)
@@ -368,18 +366,11 @@ def _extract(reader: CartonReader, path: str, destination: Path, bar: Progress) 
             return extract_stored(store, entry, destination, bar)
     fd = os.open(destination, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
     try:
-        write_pieces(fd, _pieces(store, path), size=store.size(path), hasher=hasher, advance=bar.advance)
+        pieces = store.iter_file(path, WRITE_BEHIND_PIECE)
+        write_pieces(fd, pieces, size=store.size(path), hasher=hasher, advance=bar.advance)
     finally:
         os.close(fd)
     return hasher.hexdigest()
-
-
-def _pieces(store: Store, path: str) -> Iterator[bytes]:
-    if isinstance(store, ZipStore):
-        # Larger pieces than the default: they are written on the other thread (`write_pieces`), where 256 KiB
-        # measured fastest (docs/performance.md, "Package format").
-        return store.zip.iter_entry(store.entry(path), piece_size=WRITE_BEHIND_PIECE)
-    return store.iter_file(path)
 
 
 def extract_stored(store: ZipStore, entry: ZipEntry, destination: Path, bar: Progress | None = None) -> str:
@@ -391,24 +382,17 @@ def extract_stored(store: ZipStore, entry: ZipEntry, destination: Path, bar: Pro
     (bench/bench_format.py; docs/performance.md).
     """
     offset, length = store.zip.data_span(entry)
-    source_fd = store.source.fileno() if isinstance(store.source, FileSource) else -1
+    assert isinstance(store.source, FileSource)
     hasher = hashlib.sha256()
-    buffer = bytearray(min(_ONE_PASS_CHUNK, max(length, 1)))
-    view = memoryview(buffer)
     fd = os.open(destination, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
     try:
-        done = 0
-        while done < length:
-            n = os.preadv(source_fd, [view[: min(len(buffer), length - done)]], offset + done)
-            if n <= 0:
-                raise FormatError(f"{store.name}: {entry.name} ends early (file truncated while reading?)")
-            chunk = view[:n]
+        for chunk in store.source.iter_range_reusing(offset, length, _ONE_PASS_CHUNK):
             hasher.update(chunk)
-            while chunk:
-                chunk = chunk[os.write(fd, chunk) :]
-            done += n
+            write_all(fd, chunk)
             if bar is not None:
-                bar.advance(n)
+                bar.advance(len(chunk))
+    except FormatError as exc:
+        raise FormatError(f"{store.name}: {entry.name} ends early (file truncated while reading?)") from exc
     finally:
         os.close(fd)
     return hasher.hexdigest()
@@ -424,7 +408,7 @@ def _copy_out(reader: CartonReader, path: str, destination: Path, bar: Progress)
             return
     fd = os.open(destination, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
     try:
-        write_pieces(fd, _pieces(store, path), size=store.size(path), advance=bar.advance)
+        write_pieces(fd, store.iter_file(path, WRITE_BEHIND_PIECE), size=store.size(path), advance=bar.advance)
     finally:
         os.close(fd)
 

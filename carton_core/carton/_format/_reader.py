@@ -42,7 +42,10 @@ class Store(Protocol):
     def name(self) -> str: ...
     def present(self) -> frozenset[str]: ...
     def read(self, path: str, max_size: int) -> bytes: ...
-    def iter_file(self, path: str) -> Iterator[bytes]: ...
+    def iter_file(self, path: str, piece_size: int | None = None) -> Iterator[bytes]:
+        """The file's bytes in pieces of at most ``piece_size`` (``None``: the store's own default)."""
+        ...
+
     def size(self, path: str) -> int: ...
     def close(self) -> None: ...
 
@@ -66,8 +69,8 @@ class ZipStore:
         # CRC-32 is checked only where no sha256 covers the bytes: MANIFEST and LINKS.
         return self.zip.read(self.zip.entries[path], max_size=max_size, check_crc=path in UNLISTED)
 
-    def iter_file(self, path: str) -> Iterator[bytes]:
-        return self.zip.iter_entry(self.zip.entries[path])
+    def iter_file(self, path: str, piece_size: int | None = None) -> Iterator[bytes]:
+        return self.zip.iter_entry(self.zip.entries[path], piece_size=piece_size)
 
     def size(self, path: str) -> int:
         return self.zip.entries[path].uncompressed_size
@@ -130,9 +133,9 @@ class DirStore:
             raise FormatError(f"{self.root / path}: {size} bytes is over the limit of {max_size} for this file")
         return (self.root / path).read_bytes()
 
-    def iter_file(self, path: str) -> Iterator[bytes]:
+    def iter_file(self, path: str, piece_size: int | None = None) -> Iterator[bytes]:
         with (self.root / path).open("rb") as handle:
-            while chunk := handle.read(_CHUNK):
+            while chunk := handle.read(piece_size or _CHUNK):
                 yield chunk
 
     def size(self, path: str) -> int:

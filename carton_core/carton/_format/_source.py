@@ -38,6 +38,10 @@ class Source(Protocol):
     def size(self) -> int: ...
     def read_at(self, offset: int, length: int) -> bytes: ...
     def iter_range(self, offset: int, length: int, chunk_size: int = _CHUNK) -> Iterator[bytes]: ...
+    def iter_range_reusing(self, offset: int, length: int, chunk_size: int) -> Iterator[bytes | memoryview]:
+        """`iter_range` for consumers that copy what they keep: each piece may be valid only until the next one."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -71,6 +75,9 @@ class BytesSource:
         _check_range(self, offset, length)
         for start in range(offset, offset + length, chunk_size):
             yield bytes(self._data[start : min(start + chunk_size, offset + length)])
+
+    def iter_range_reusing(self, offset: int, length: int, chunk_size: int) -> Iterator[bytes]:
+        return self.iter_range(offset, length, chunk_size)
 
     def close(self) -> None:
         self._data.release()
@@ -223,6 +230,9 @@ class HttpSource:
             raise FetchError(f"{self._url}: {describe_http_error(exc)}") from exc
         if received != length:
             raise FetchError(f"{self._url}: range response ended after {received} of {length} bytes")
+
+    def iter_range_reusing(self, offset: int, length: int, chunk_size: int) -> Iterator[bytes]:
+        return self.iter_range(offset, length, chunk_size)
 
     def close(self) -> None:
         self._client.close()

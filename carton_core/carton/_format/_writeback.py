@@ -86,8 +86,7 @@ class _Writer:
 
     def put(self, piece: bytes) -> None:
         if self._error is not None:
-            self.stop()
-            raise self._error
+            raise self._error  # write_pieces stops the writer on the way out
         if piece:
             self._queue.put(piece)
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from ..errors import ArchiveTooLarge, FormatError, UnsafeArchive
 from ._codecs import DecodeError, Decoder, RawDeflate, Zstd
 from ._limits import ReadLimits
-from ._source import FileSource, Source
+from ._source import Source
 
 __all__ = ["METHOD_DEFLATE", "METHOD_STORED", "METHOD_ZSTD", "QUIRK_ROOT_NAMES", "ZipEntry", "ZipReader"]
 
@@ -58,7 +58,7 @@ _U32 = 0xFFFFFFFF
 #: the piece on the same thread (a hash): 1 GiB of zstd extracted in 0.51-0.52 s, against 0.53 s with 128 KiB,
 #: 0.55 s with 32 KiB and 0.6-1.6 s with 1 MiB, which came back from RAM (docs/performance.md). Extraction, which
 #: writes on a second thread, asks for larger pieces (`piece_size`). Compressed input is read a few pieces at a time.
-DECODED_PIECE = 64 << 10
+_DECODED_PIECE = 64 << 10
 _COMPRESSED_READ = 256 << 10
 
 
@@ -337,10 +337,10 @@ class ZipReader:
         entry: ZipEntry,
         *,
         raw_sink: Callable[[bytes], object] | None = None,
-        piece_size: int = DECODED_PIECE,
+        piece_size: int | None = None,
     ) -> Iterator[bytes]:
-        """The entry's uncompressed bytes, in chunks of at most ``piece_size`` for compressed entries. ``raw_sink``
-        also receives the compressed bytes as read.
+        """The entry's uncompressed bytes, in chunks of at most ``piece_size`` (default 64 KiB) for compressed
+        entries. ``raw_sink`` also receives the compressed bytes as read.
 
         Raises `UnsafeArchive` when the entry produces more or fewer bytes than it declared and
         `ArchiveTooLarge` when the reader's total budget runs out.
@@ -350,6 +350,7 @@ class ZipReader:
         expected = entry.uncompressed_size
         produced = 0
         decoder = None if entry.method == METHOD_STORED else _DECODER_FACTORIES[entry.method]()
+        piece = piece_size or _DECODED_PIECE
 
         def account(n: int) -> None:
             nonlocal produced
@@ -371,7 +372,7 @@ class ZipReader:
                 for data in self._compressed(offset, length, raw_sink):
                     while True:
                         # Ask for one byte more than may remain, so an entry that lies is caught at once.
-                        out = decoder.feed(data, min(piece_size, expected - produced + 1))
+                        out = decoder.feed(data, min(piece, expected - produced + 1))
                         data = b""
                         if out:
                             account(len(out))
@@ -388,7 +389,7 @@ class ZipReader:
     def _compressed(
         self, offset: int, length: int, raw_sink: Callable[[bytes], object] | None
     ) -> Iterator[bytes | memoryview]:
-        if raw_sink is None and isinstance(self.source, FileSource):
+        if raw_sink is None:
             # Decoders copy any input they keep, so one buffer can take every read.
             yield from self.source.iter_range_reusing(offset, length, _COMPRESSED_READ)
             return
