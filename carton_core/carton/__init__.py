@@ -35,6 +35,7 @@ from ._runtime import (
     discover_runners,
     load,
     load_unpacked,
+    prestart,
     target_triple,
 )
 from .errors import (
@@ -140,6 +141,7 @@ __all__ = [
     "load",
     "load_unpacked",
     "pack",
+    "prestart",
     "remove_runner_environment",
     "shrink",
     "target_triple",

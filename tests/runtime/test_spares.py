@@ -15,10 +15,10 @@ from pathlib import Path
 import carton
 import numpy as np
 import pytest
-from carton._runtime import RunnerLimits, RunnerProcess, _model
+from carton._runtime import RunnerLimits, RunnerProcess, _model, plugin_manager
 from carton._runtime._spares import SPARE_RUNNERS_ENV, spare_limit, spare_pool
 from carton.errors import CartonWarning, FormatError, RunnerStartError
-from carton_protocol import RunnerSpec
+from carton_protocol import RunnerSpec, hookimpl
 
 from .conftest import HERE, runner_spec
 from .test_model import INPUTS, OUTPUTS, gone, load_affine
@@ -218,3 +218,71 @@ def test_a_carton_that_fails_to_open_leaves_no_runner_behind(tmp_path: Path, aff
     except RunnerStartError:
         return  # it never came up: nothing to leak
     assert _all_gone(process)
+
+
+# --- carton.prestart ----------------------------------------------------------------------------------------------
+@pytest.fixture
+def affine_carton(tmp_path: Path, affine_dir: Path) -> Path:
+    return carton.pack(affine_dir, tmp_path / "affine.carton", runner_name="affine",
+                       required_framework_version="^1", inputs=INPUTS, outputs=OUTPUTS)
+
+
+def test_prestart_starts_the_runner_the_first_load_takes(affine_carton: Path) -> None:
+    ready = carton.prestart(affine_carton)
+    assert ready.result(timeout=30) is None
+    spare = _spare(_resolved(AFFINE))
+    assert carton.prestart(affine_carton).result(timeout=30) is None  # a second call keeps the same runner
+    assert _spare(_resolved(AFFINE)).runner_pid == spare.runner_pid
+    with carton.load(affine_carton) as model:
+        assert _pid(model) == spare.runner_pid
+        assert model.infer({"x": X})["y"].tolist() == [[1.5, 1.5]]
+
+
+def test_prestart_applies_the_loads_overrides(affine_carton: Path) -> None:
+    overrides = {"override_runner_name": "passthrough", "override_required_framework_version": "*"}
+    carton.prestart(affine_carton, **overrides).result(timeout=30)
+    spare = _spare(_resolved(PASSTHROUGH))
+    assert spare_pool().ready(_resolved(AFFINE)) is None
+    with carton.load(affine_carton, **overrides) as model:
+        assert spare_pool().ready(_resolved(PASSTHROUGH)) is not spare  # taken out of the pool by this load
+        assert model.runner == _resolved(PASSTHROUGH)
+        assert spare.alive
+    assert _all_gone(spare)  # it was the model's runner
+
+
+def test_prestart_reports_a_bad_carton_or_requirement_at_once(tmp_path: Path, affine_carton: Path) -> None:
+    with pytest.raises(FormatError, match="no such file"):
+        carton.prestart(tmp_path / "missing.carton")
+    with pytest.raises(carton.NoCompatibleRunner, match="affine"):
+        carton.prestart(affine_carton, override_required_framework_version="^9")
+    with pytest.raises(carton.InvalidVersionReq, match="the required_framework_version override"):
+        carton.prestart(affine_carton, override_required_framework_version="not a requirement")
+    assert spare_pool().ready(_resolved(AFFINE)) is None
+
+
+def test_prestart_with_spares_disabled_warns_and_starts_nothing(affine_carton: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(SPARE_RUNNERS_ENV, "0")
+    with pytest.warns(CartonWarning, match=f"started nothing: spare runners are disabled \\({SPARE_RUNNERS_ENV}=0\\)"):
+        ready = carton.prestart(affine_carton)
+    assert ready.done() and ready.result() is None
+    assert spare_pool().wait(_resolved(AFFINE), 0.5) is None
+
+
+class _BrokenRunnerPlugin:
+    """A runner whose entry point does not exist: its process exits before the handshake."""
+
+    @hookimpl
+    def carton_runners(self) -> list[RunnerSpec]:
+        return [runner_spec("NoSuchRunner", name="broken")]
+
+
+def test_a_prestarted_runner_that_fails_to_start_fails_the_future(affine_carton: Path) -> None:
+    plugin = _BrokenRunnerPlugin()
+    plugin_manager().register(plugin, name="broken-runner-tests")
+    try:
+        ready = carton.prestart(affine_carton, override_runner_name="broken", override_required_framework_version="*")
+        with pytest.raises(RunnerStartError, match="NoSuchRunner"):
+            ready.result(timeout=60)
+    finally:
+        plugin_manager().unregister(plugin)

@@ -6,6 +6,7 @@ from ._model import Model, load, load_unpacked
 from ._pack import PackOutcome, pack_in_runner, serialize_model
 from ._platform import target_triple
 from ._plugins import Discovery, PluginProblem, discover, discover_runners, plugin_manager, reset_plugins
+from ._prestart import prestart
 from ._process import RunnerProcess
 from ._resolve import Rejection, RunnerRequest, resolve_runner, select_runner
 from ._selftest import SelfTestResult
@@ -32,6 +33,7 @@ __all__ = [
     "load_unpacked",
     "pack_in_runner",
     "plugin_manager",
+    "prestart",
     "reset_plugins",
     "resolve_runner",
     "select_runner",

@@ -485,11 +485,10 @@ def load(
     )
 
     def request_for(info: CartonInfo) -> RunnerRequest:
-        return RunnerRequest(
-            runner_name=override_runner_name or info.runner.runner_name,
-            required_framework_version=override_required_framework_version or info.runner.required_framework_version,
-            runner_compat_version=None if override_runner_name else info.runner.runner_compat_version,
-            required_platforms=tuple(info.required_platforms),
+        return RunnerRequest.for_carton(
+            info,
+            override_runner_name=override_runner_name,
+            override_required_framework_version=override_required_framework_version,
         )
 
     # Overlap: carton.toml names the runner without the model bytes being read, so an unsandboxed runner starts

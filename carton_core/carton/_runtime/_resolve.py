@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import pluggy
 from carton_protocol import RunnerSpec
@@ -24,6 +25,9 @@ from ..errors import CartonError, NoCompatibleRunner
 from ._platform import target_triple
 from ._plugins import PluginProblem, discover
 from ._semver import VersionReq, framework_version
+
+if TYPE_CHECKING:
+    from .._format import CartonInfo
 
 __all__ = ["Rejection", "RunnerRequest", "describe_spec", "resolve_runner", "select_runner"]
 
@@ -39,6 +43,23 @@ class RunnerRequest:
     required_framework_version: str
     runner_compat_version: int | None = None
     required_platforms: tuple[str, ...] = ()
+
+    @classmethod
+    def for_carton(
+        cls,
+        info: CartonInfo,
+        *,
+        override_runner_name: str | None = None,
+        override_required_framework_version: str | None = None,
+    ) -> RunnerRequest:
+        """What a carton's ``[runner]`` asks for, with `carton.load`'s overrides applied (with another runner name
+        the model's ``runner_compat_version`` is not enforced: it belongs to the original runner)."""
+        return cls(
+            runner_name=override_runner_name or info.runner.runner_name,
+            required_framework_version=override_required_framework_version or info.runner.required_framework_version,
+            runner_compat_version=None if override_runner_name else info.runner.runner_compat_version,
+            required_platforms=tuple(info.required_platforms),
+        )
 
     def __str__(self) -> str:
         text = f"runner {self.runner_name!r} with framework version {self.required_framework_version!r}"

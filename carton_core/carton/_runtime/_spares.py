@@ -103,24 +103,28 @@ class SparePool:
                 _close_quietly(process)
         return RunnerProcess.start(spec, handshake_timeout=handshake_timeout), False
 
-    def replenish(self, spec: RunnerSpec) -> None:
+    def replenish(self, spec: RunnerSpec) -> Future[RunnerProcess] | None:
         """Make sure a spare for ``spec`` exists or is starting (in a background thread); evict the least recently
-        used spares beyond the limit. A no-op when the pool is disabled or closed."""
+        used spares beyond the limit. Returns the spare's future (it completes when the process is up, or with the
+        start's error), or ``None`` when the pool is disabled or closed or ``spec`` cannot be a pool key. The future
+        is the pool's: callers may wait on it, never take its process."""
         if not _poolable(spec):
-            return
+            return None
         limit = spare_limit()
         evicted: list[Future[RunnerProcess]] = []
         started: Future[RunnerProcess] | None = None
+        kept: Future[RunnerProcess] | None = None
         with self._lock:
             if self._closed:
-                return
+                return None
             if limit == 0:
                 evicted = list(self._spares.values())
                 self._spares.clear()
             elif spec in self._spares:
                 self._spares.move_to_end(spec)
+                kept = self._spares[spec]
             else:
-                started = Future()
+                kept = started = Future()
                 self._spares[spec] = started
             while len(self._spares) > limit:
                 evicted.append(self._spares.popitem(last=False)[1])
@@ -130,6 +134,7 @@ class SparePool:
             threading.Thread(
                 target=self._start, args=(spec, started), name="carton-spare-runner", daemon=True
             ).start()
+        return kept
 
     def _start(self, spec: RunnerSpec, future: Future[RunnerProcess]) -> None:
         # Whoever holds the future when it completes owns the process: the pool (kept), a `take` (used), or an
