@@ -380,6 +380,13 @@ def _start_in_background(runner: RunnerSpec, handshake_timeout: float) -> Future
     return future
 
 
+def _requirement_source(path_or_url: str | Path, override_required_framework_version: str | None) -> str:
+    """Where a load's framework requirement comes from, for its `InvalidVersionReq` message."""
+    if override_required_framework_version:
+        return "the required_framework_version override"
+    return f"carton.toml [runner] required_framework_version of {path_or_url}"
+
+
 def _resolve(request: RunnerRequest, where: str) -> RunnerSpec:
     try:
         return resolve_runner(request)
@@ -478,11 +485,7 @@ def load(
     is_url = str(path_or_url).startswith(("http://", "https://"))
     if sandbox is None and is_url:
         sandbox = SandboxPolicy.BEST_EFFORT  # a carton from a URL is untrusted unless the caller says otherwise
-    where = (
-        "the required_framework_version override"
-        if override_required_framework_version
-        else f"carton.toml [runner] required_framework_version of {path_or_url}"
-    )
+    where = _requirement_source(path_or_url, override_required_framework_version)
 
     def request_for(info: CartonInfo) -> RunnerRequest:
         return RunnerRequest.for_carton(

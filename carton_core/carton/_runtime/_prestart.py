@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import CartonWarning
-from ._model import _resolve
+from ._model import _requirement_source, _resolve
 from ._process import RunnerProcess
 from ._resolve import RunnerRequest
-from ._spares import SPARE_RUNNERS_ENV, spare_pool
+from ._spares import SPARE_RUNNERS_ENV, spare_limit, spare_pool
 
 if TYPE_CHECKING:
     from .._format import ReadLimits
@@ -47,23 +47,23 @@ def prestart(
     from .._format import get_model_info
 
     info = get_model_info(path_or_url, limits=read_limits)
-    where = (
-        "the required_framework_version override"
-        if override_required_framework_version
-        else f"carton.toml [runner] required_framework_version of {path_or_url}"
-    )
     request = RunnerRequest.for_carton(
         info,
         override_runner_name=override_runner_name,
         override_required_framework_version=override_required_framework_version,
     )
-    spec = _resolve(request, where)
+    spec = _resolve(request, _requirement_source(path_or_url, override_required_framework_version))
     spare = spare_pool().replenish(spec)
     ready: Future[None] = Future()
     if spare is None:
+        reason = (
+            f"spare runners are disabled ({SPARE_RUNNERS_ENV}=0)"
+            if spare_limit() == 0
+            else f"runner {spec.runner_name!r} cannot be kept as a spare (its RunnerSpec is not hashable, or the "
+            "interpreter is exiting)"
+        )
         warnings.warn(
-            f"carton.prestart({str(path_or_url)!r}) started nothing: spare runners are disabled "
-            f"({SPARE_RUNNERS_ENV}=0), so the load will start its own runner",
+            f"carton.prestart({str(path_or_url)!r}) started nothing: {reason}, so the load will start its own runner",
             CartonWarning,
             stacklevel=2,
         )
