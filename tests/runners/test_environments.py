@@ -127,6 +127,19 @@ def test_registered_environment_is_offered_to_discovery(data_dir: Path) -> None:
     assert any(found.environment == spec.environment for found in carton.discover_runners())
 
 
+def test_no_matching_runner_names_the_command_that_would_install_one(tmp_path: Path, data_dir: Path) -> None:
+    write_mlp(tmp_path / "model")
+    packed = carton.pack(tmp_path / "model", tmp_path / "mlp.carton", runner_name="onnxruntime",
+                         required_framework_version="*")
+    with pytest.raises(carton.NoCompatibleRunner) as raised:
+        carton.load(packed, override_required_framework_version="=1.0.99")
+    assert 'To install a matching runner environment: carton runner install onnxruntime --framework-version "=1.0.99"' \
+        in str(raised.value)
+    with pytest.raises(carton.NoCompatibleRunner) as raised:  # no recipe for this runner name: no hint
+        carton.load(packed, override_runner_name="no-such-runner")
+    assert "carton runner install" not in str(raised.value)
+
+
 def test_unfinished_and_broken_environments_are_never_offered(data_dir: Path) -> None:
     environment = _registered()
     runners = runners_dir()
