@@ -316,7 +316,7 @@ def test_url_loads_default_to_best_effort(monkeypatch: pytest.MonkeyPatch, tmp_p
 
     seen: list[object] = []
     monkeypatch.setattr(carton._format, "open_carton", lambda path_or_url, **options: Opened())
-    monkeypatch.setattr(_model, "_resolve", lambda request, where: None)
+    monkeypatch.setattr(_model, "resolve_runner", lambda request, where: None)
     monkeypatch.setattr(_model, "_open", lambda **kwargs: seen.append(kwargs["sandbox"]))
     _model.load(where, sandbox=given)
     assert seen == [expected]

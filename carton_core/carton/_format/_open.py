@@ -382,7 +382,6 @@ def extract_stored(store: ZipStore, entry: ZipEntry, destination: Path, bar: Pro
     (bench/bench_format.py; docs/performance.md).
     """
     offset, length = store.zip.data_span(entry)
-    assert isinstance(store.source, FileSource)
     hasher = hashlib.sha256()
     fd = os.open(destination, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
     try:

@@ -394,8 +394,7 @@ class ZipReader:
             yield from self.source.iter_range_reusing(offset, length, _COMPRESSED_READ)
             return
         for chunk in self.source.iter_range(offset, length, _COMPRESSED_READ):
-            if raw_sink is not None:
-                raw_sink(chunk)
+            raw_sink(chunk)
             yield chunk
 
     def read(self, entry: ZipEntry, *, max_size: int, check_crc: bool = True) -> bytes:

@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING
 
 from carton_protocol import OptValue, RunnerSpec, Tensor, TensorSpec
 
-from ..errors import CartonError, FormatError, InvalidVersionReq, ModelClosed, RunnerCrashed
+from ..errors import CartonError, FormatError, ModelClosed, RunnerCrashed
 from ._isolation import LaunchWrapper, RunnerLimits, SandboxPolicy, launch_wrapper
 from ._process import RunnerProcess
-from ._resolve import RunnerRequest, resolve_runner
+from ._resolve import RunnerRequest, requirement_source, resolve_runner
 from ._selftest import SelfTestResult, run_self_tests
 from ._spares import spare_pool
 from ._validate import Signature
@@ -380,20 +380,6 @@ def _start_in_background(runner: RunnerSpec, handshake_timeout: float) -> Future
     return future
 
 
-def _requirement_source(path_or_url: str | Path, override_required_framework_version: str | None) -> str:
-    """Where a load's framework requirement comes from, for its `InvalidVersionReq` message."""
-    if override_required_framework_version:
-        return "the required_framework_version override"
-    return f"carton.toml [runner] required_framework_version of {path_or_url}"
-
-
-def _resolve(request: RunnerRequest, where: str) -> RunnerSpec:
-    try:
-        return resolve_runner(request)
-    except InvalidVersionReq as exc:
-        raise InvalidVersionReq(f"{where}: {exc}") from exc
-
-
 def _open(
     *,
     info: CartonInfo,
@@ -485,7 +471,7 @@ def load(
     is_url = str(path_or_url).startswith(("http://", "https://"))
     if sandbox is None and is_url:
         sandbox = SandboxPolicy.BEST_EFFORT  # a carton from a URL is untrusted unless the caller says otherwise
-    where = _requirement_source(path_or_url, override_required_framework_version)
+    where = requirement_source(path_or_url, override_required_framework_version)
 
     def request_for(info: CartonInfo) -> RunnerRequest:
         return RunnerRequest.for_carton(
@@ -503,7 +489,7 @@ def load(
     if not is_url and _unsandboxed(sandbox, limits):
         with contextlib.suppress(CartonError):  # open_carton below reports a bad carton with its own error
             early = request_for(get_model_info(path_or_url, limits=read_limits))
-            early_runner = _resolve(early, where)
+            early_runner = resolve_runner(early, where=where)
             prestarted = _start_in_background(early_runner, handshake_timeout)
     try:
         # The runner reads the model folder while its files are hashed; `_open` returns or raises only after
@@ -518,7 +504,7 @@ def load(
             if prestarted is not None:  # the file changed between the two reads
                 prestarted.add_done_callback(_close_started)
                 prestarted = None
-            runner = _resolve(request, where)
+            runner = resolve_runner(request, where=where)
         opts = _merge_opts(info.runner.opts, runner_opts)
     except BaseException as exc:
         if prestarted is not None:
@@ -584,7 +570,7 @@ def load_unpacked(
         required_platforms=tuple(required_platforms),
     )
     opts = _merge_opts({}, runner_opts)
-    runner = _resolve(request, "load_unpacked(required_framework_version=...)")
+    runner = resolve_runner(request, where="load_unpacked(required_framework_version=...)")
     info = CartonInfo(
         spec_version=1,
         model_name=model_name,

@@ -15,9 +15,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import CartonWarning
-from ._model import _requirement_source, _resolve
 from ._process import RunnerProcess
-from ._resolve import RunnerRequest
+from ._resolve import RunnerRequest, requirement_source, resolve_runner
 from ._spares import SPARE_RUNNERS_ENV, spare_limit, spare_pool
 
 if TYPE_CHECKING:
@@ -52,7 +51,7 @@ def prestart(
         override_runner_name=override_runner_name,
         override_required_framework_version=override_required_framework_version,
     )
-    spec = _resolve(request, _requirement_source(path_or_url, override_required_framework_version))
+    spec = resolve_runner(request, where=requirement_source(path_or_url, override_required_framework_version))
     spare = spare_pool().replenish(spec)
     ready: Future[None] = Future()
     if spare is None:

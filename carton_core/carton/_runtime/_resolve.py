@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pluggy
@@ -21,7 +22,7 @@ from carton_protocol import RunnerSpec
 from packaging.version import InvalidVersion as _InvalidPep440
 from packaging.version import Version as _Pep440Version
 
-from ..errors import CartonError, NoCompatibleRunner
+from ..errors import CartonError, InvalidVersionReq, NoCompatibleRunner
 from ._platform import target_triple
 from ._plugins import PluginProblem, discover
 from ._semver import VersionReq, framework_version
@@ -186,7 +187,22 @@ def select_runner(
     return max(matches, key=lambda item: _preference(*item))[1]
 
 
-def resolve_runner(request: RunnerRequest, *, manager: pluggy.PluginManager | None = None) -> RunnerSpec:
-    """Discover the installed runners and select one for ``request``."""
+def resolve_runner(
+    request: RunnerRequest, *, manager: pluggy.PluginManager | None = None, where: str | None = None
+) -> RunnerSpec:
+    """Discover the installed runners and select one for ``request``; ``where`` (e.g. `requirement_source`) names
+    the requirement's origin in an `InvalidVersionReq`."""
     discovery = discover(manager)
-    return select_runner(request, discovery.runners, problems=discovery.problems)
+    try:
+        return select_runner(request, discovery.runners, problems=discovery.problems)
+    except InvalidVersionReq as exc:
+        if where is None:
+            raise
+        raise InvalidVersionReq(f"{where}: {exc}") from exc
+
+
+def requirement_source(path_or_url: str | Path, override_required_framework_version: str | None) -> str:
+    """Where a load's framework requirement comes from: the override, or the carton's carton.toml."""
+    if override_required_framework_version:
+        return "the required_framework_version override"
+    return f"carton.toml [runner] required_framework_version of {path_or_url}"
