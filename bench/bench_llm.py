@@ -13,8 +13,15 @@ count, in alternating rounds (so load from other processes hits every engine ali
 ``--prompt-tokens`` random tokens, then decodes ``--new-tokens`` greedily with a KV cache (the loop of the runner's
 ``generate``, each phase timed on its own), and reports the best of its repeats. transformers runs the same loop
 by hand (``model(..., past_key_values=...)``, no ``generate`` overhead; its prefill computes the last position's
-logits only, as the mcf runner's generate does). Memory is the child's resident set after loading and its peak
-(VmHWM) at the end, imports included. Read the ratios: the machine is shared and noisy.
+logits only, as the mcf runner's generate does). The mcf runner is loaded with an ids-only interface declared
+(``input_ids`` -> ``output_ids``, as a carton packed that way is), so it loads no tokenizer, like transformers here.
+
+``--processes N`` (default: ``--threads``, else 1) runs the mcf engines with runner option ``processes = N``: the
+model split across the runner process and N - 1 forked helpers (each BLAS one thread). Memory sums every process
+of an engine: "peak RSS" adds each process's VmHWM (pages a helper shares with its parent since the fork count in
+both, so this overstates a split model), "PSS" adds the proportional set sizes at the end of the run (each shared
+page divided among the processes that map it: what the engine costs the machine). Imports included. Read the
+ratios: the machine is shared and noisy.
 """
 
 from __future__ import annotations
@@ -43,31 +50,39 @@ def _convert_module() -> Any:
     return module
 
 
-def _memory() -> dict[str, float]:
-    status = Path("/proc/self/status").read_text()
-
-    def field(name: str) -> float:
-        return int(status.split(f"{name}:")[1].split()[0]) / 1024
-
-    return {"rss_mb": field("VmRSS"), "peak_mb": field("VmHWM")}
+def _memory(pids: tuple[int, ...] = ()) -> dict[str, float]:
+    """Resident memory of this process and ``pids``, summed: now, peak, and proportional set size (MB)."""
+    total = {"rss_mb": 0.0, "peak_mb": 0.0, "pss_mb": 0.0}
+    for pid in ("self", *pids):
+        status = Path(f"/proc/{pid}/status").read_text()
+        rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
+        total["rss_mb"] += int(status.split("VmRSS:")[1].split()[0]) / 1024
+        total["peak_mb"] += int(status.split("VmHWM:")[1].split()[0]) / 1024
+        total["pss_mb"] += int(rollup.split("Pss:")[1].split()[0]) / 1024
+    return total
 
 
 # --- children ------------------------------------------------------------------------------------------------------
 def _child_mcf(args: argparse.Namespace) -> dict[str, Any]:
     import numpy as np
-    from carton_protocol import LoadContext
-    from carton_runner_mcf._llama import KVCache, positions_from_mask
+    from carton_protocol import DType, LoadContext, TensorSpec
+    from carton_runner_mcf._llama import positions_from_mask
     from carton_runner_mcf.runner import MCFRunner
 
     started = time.perf_counter()
     runner = MCFRunner()
-    opts: dict[str, Any] = {"mode": "generate"}
+    opts: dict[str, Any] = {"mode": "generate", "processes": args.processes}
     if args.cache:
         opts["weight_cache"] = args.cache
-    runner.load(LoadContext(model_dir=Path(args.model), opts=opts))
+    ids_only = {
+        "inputs": (TensorSpec(name="input_ids", dtype=DType.INT64, shape=("batch", "seq")),),
+        "outputs": (TensorSpec(name="output_ids", dtype=DType.INT64, shape=("batch", "new")),),
+    }
+    runner.load(LoadContext(model_dir=Path(args.model), opts=opts, **ids_only))
     load_s = time.perf_counter() - started
-    after_load = _memory()
     model = runner._loaded.model
+    helpers: tuple[int, ...] = getattr(model, "helper_pids", ())
+    after_load = _memory(helpers)
     ids = np.random.default_rng(0).integers(100, 40000, size=(1, args.prompt_tokens), dtype=np.int64)
     mask = np.ones(ids.shape, dtype=bool)
     one = np.ones((1, 1), dtype=bool)
@@ -75,7 +90,7 @@ def _child_mcf(args: argparse.Namespace) -> dict[str, Any]:
     def run(steps: int) -> tuple[float, float]:
         # The loop of carton_runner_mcf._generate.generate (greedy), timed in its two phases.
         started = time.perf_counter()
-        cache = KVCache(model.config, 1, args.prompt_tokens + steps + 1)
+        cache = model.new_cache(1, args.prompt_tokens + steps + 1)
         hidden = model.forward(ids, positions_from_mask(mask), mask, cache)
         token = model.logits(hidden[:, -1]).argmax(-1)
         prefilled = time.perf_counter()
@@ -85,7 +100,9 @@ def _child_mcf(args: argparse.Namespace) -> dict[str, Any]:
             token = model.logits(hidden[:, 0]).argmax(-1)
         return prefilled - started, time.perf_counter() - prefilled
 
-    return _measure(run, args) | {"load_s": load_s, "after_load_mb": after_load["rss_mb"]}
+    result = _measure(run, args, helpers) | {"load_s": load_s, "after_load_mb": after_load["rss_mb"]}
+    runner.close()
+    return result
 
 
 def _child_transformers(args: argparse.Namespace) -> dict[str, Any]:
@@ -115,7 +132,7 @@ def _child_transformers(args: argparse.Namespace) -> dict[str, Any]:
     return _measure(run, args) | {"load_s": load_s, "after_load_mb": after_load["rss_mb"]}
 
 
-def _measure(run: Any, args: argparse.Namespace) -> dict[str, Any]:
+def _measure(run: Any, args: argparse.Namespace, pids: tuple[int, ...] = ()) -> dict[str, Any]:
     run(2)  # warm up buffers and caches
     prefill_s, decode_s = [], []
     for _ in range(args.repeats):
@@ -125,8 +142,7 @@ def _measure(run: Any, args: argparse.Namespace) -> dict[str, Any]:
     return {
         "prefill_tps": args.prompt_tokens / min(prefill_s),
         "decode_tps": args.new_tokens / min(decode_s),
-        "peak_mb": _memory()["peak_mb"],
-    }
+    } | {key: value for key, value in _memory(pids).items() if key != "rss_mb"}
 
 
 # --- parent --------------------------------------------------------------------------------------------------------
@@ -148,11 +164,13 @@ def _prepare(work: Path, methods: tuple[str, ...]) -> tuple[Path, dict[str, Path
 
 def _run_child(engine: str, model: Path, args: argparse.Namespace, cache: str | None) -> dict[str, Any]:
     env = dict(os.environ)
-    if args.threads:
-        env.update(dict.fromkeys(THREAD_VARS, str(args.threads)))
+    threads = args.threads if engine == "transformers" or args.processes == 1 else 1
+    if threads:
+        env.update(dict.fromkeys(THREAD_VARS, str(threads)))
     command = [
         sys.executable, __file__, "--child", engine, "--model", str(model), "--prompt-tokens", str(args.prompt_tokens),
         "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats), "--threads", str(args.threads or 0),
+        "--processes", str(args.processes),
     ]  # fmt: skip
     if cache:
         command += ["--cache", cache]
@@ -172,12 +190,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="timed repeats per child (best is kept)")
     parser.add_argument("--rounds", type=int, default=2, help="rounds over all engines (best is kept)")
     parser.add_argument("--threads", type=int, default=0, help="BLAS/torch threads (0: library default)")
+    parser.add_argument("--processes", type=int, default=0,
+                        help="mcf runner option processes (0: --threads, else 1)")  # fmt: skip
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated MCF methods")
     parser.add_argument("--packed", action="store_true", help="also run q4 with weight_cache='packed'")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--cache", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.processes = args.processes or args.threads or 1
 
     if args.child:
         child = _child_transformers if args.child == "transformers" else _child_mcf
@@ -200,30 +221,33 @@ def main() -> None:
                 continue
             for key in ("prefill_tps", "decode_tps"):
                 previous[key] = max(previous[key], result[key])
-            for key in ("load_s", "after_load_mb", "peak_mb"):
+            for key in ("load_s", "after_load_mb", "peak_mb", "pss_mb"):
                 previous[key] = min(previous[key], result[key])
 
     reference = best["transformers fp32"]
     threads = args.threads or "default"
     print(f"\nSmolLM2-135M-Instruct, prompt {args.prompt_tokens} tokens, decode {args.new_tokens} tokens, "
-          f"threads {threads}, best of {args.rounds} rounds x {args.repeats} repeats\n")  # fmt: skip
-    header = "| engine | load s | prefill tok/s | x tf | decode tok/s | x tf | RSS after load MB | peak RSS MB | x tf |"
-    print(header)
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+          f"threads {threads}, mcf processes {args.processes}, best of {args.rounds} rounds x {args.repeats} "
+          "repeats\n")  # fmt: skip
+    print("| engine | load s | prefill tok/s | x tf | decode tok/s | x tf | RSS after load MB | peak RSS MB | x tf "
+          "| PSS MB | x tf |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for label, result in best.items():
         print(
             f"| {label} | {result['load_s']:.2f} | {result['prefill_tps']:.0f} | "
             f"{result['prefill_tps'] / reference['prefill_tps']:.2f} | {result['decode_tps']:.1f} | "
             f"{result['decode_tps'] / reference['decode_tps']:.2f} | {result['after_load_mb']:.0f} | "
-            f"{result['peak_mb']:.0f} | {result['peak_mb'] / reference['peak_mb']:.2f} |"
+            f"{result['peak_mb']:.0f} | {result['peak_mb'] / reference['peak_mb']:.2f} | "
+            f"{result['pss_mb']:.0f} | {result['pss_mb'] / reference['pss_mb']:.2f} |"
         )
     q4 = best.get("mcf q4")
     if q4 is not None:
         speed = q4["decode_tps"] / reference["decode_tps"]
         memory = q4["peak_mb"] / reference["peak_mb"]
+        pss = q4["pss_mb"] / reference["pss_mb"]
         verdict = "met" if speed >= 1.0 and memory <= 1 / 3 else "NOT met"
         print(f"\ngoal (q4 decode >= 1.0x transformers fp32 at <= 1/3 of its peak memory): {verdict} "
-              f"({speed:.2f}x speed, {memory:.2f}x memory)")  # fmt: skip
+              f"({speed:.2f}x speed, {memory:.2f}x peak RSS, {pss:.2f}x PSS)")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import NDArray
 
-from ._llama import KVCache, LlamaModel, positions_from_mask
+from ._llama import Decoder, positions_from_mask
 
 __all__ = ["SamplingParams", "generate", "sample_next"]
 
@@ -79,7 +79,7 @@ def _last_real(hidden: F32, token_mask: NDArray[np.bool_]) -> F32:
     return rows
 
 
-def generate(model: LlamaModel, input_ids: I64, token_mask: NDArray[np.bool_], params: SamplingParams) -> I64:
+def generate(model: Decoder, input_ids: I64, token_mask: NDArray[np.bool_], params: SamplingParams) -> I64:
     """New tokens, ``[batch, n]`` with ``n <= max_new_tokens``; rows that stopped early hold ``pad_token_id``.
 
     Generation ends when every row has produced an end-of-sequence token (when ``stop_at_eos``) or after
@@ -90,7 +90,7 @@ def generate(model: LlamaModel, input_ids: I64, token_mask: NDArray[np.bool_], p
     out = np.full((batch, params.max_new_tokens), params.pad_token_id, dtype=np.int64)
     if params.max_new_tokens == 0:
         return out
-    cache = KVCache(model.config, batch, input_ids.shape[1] + params.max_new_tokens)
+    cache = model.new_cache(batch, input_ids.shape[1] + params.max_new_tokens)
     positions = positions_from_mask(token_mask)
     hidden = model.prefill(input_ids, positions, token_mask, cache)
     next_logits = model.logits(_last_real(hidden, token_mask))

@@ -78,6 +78,7 @@ class RunnerOptions:
     seed: int | None = None
     stop_at_eos: bool = True
     chat: bool = False
+    processes: int = 1
 
 
 def _typed(name: str, value: OptValue, kind: type) -> OptValue:
@@ -91,6 +92,8 @@ def _typed(name: str, value: OptValue, kind: type) -> OptValue:
 
 def _in_range(name: str, value: object) -> None:
     """Refuse values the request path would refuse on every call: better at load than at the first request."""
+    if name == "processes" and isinstance(value, int) and value < 1:
+        raise ConfigError(f"runner option 'processes' must be >= 1, got {value!r}")
     if name in ("max_new_tokens", "top_k", "seed") and isinstance(value, int) and value < 0:
         raise ConfigError(f"runner option {name!r} must be >= 0, got {value!r}")
     if name == "temperature" and isinstance(value, float) and not (math.isfinite(value) and value >= 0):
@@ -116,7 +119,7 @@ def parse_options(opts: Mapping[str, OptValue]) -> tuple[RunnerOptions, list[str
             known[name] = value
         elif name == "model_file":
             known[name] = _typed(name, value, str)
-        elif name in ("max_new_tokens", "top_k", "seed"):
+        elif name in ("max_new_tokens", "top_k", "seed", "processes"):
             known[name] = _typed(name, value, int)
         elif name in ("temperature", "top_p"):
             known[name] = float(_typed(name, value, float))  # type: ignore[arg-type]
@@ -126,7 +129,13 @@ def parse_options(opts: Mapping[str, OptValue]) -> tuple[RunnerOptions, list[str
             unknown.append(name)
             continue
         _in_range(name, known[name])
-    return RunnerOptions(**known), unknown  # type: ignore[arg-type]
+    options = RunnerOptions(**known)  # type: ignore[arg-type]
+    if options.processes > 1 and options.weight_cache == "packed":
+        raise ConfigError(
+            f"runner option processes={options.processes} needs weight_cache 'int8' or 'fp32': each process keeps "
+            "its part of every matrix decoded, and 'packed' decodes the whole payload on every call"
+        )
+    return options, unknown
 
 
 def check_room_for_a_prompt(options: RunnerOptions, max_positions: int) -> None:

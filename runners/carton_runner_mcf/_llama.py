@@ -7,8 +7,9 @@ softmax after subtracting the row maximum, cos/sin from fp32 inverse frequencies
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 from numpy.typing import NDArray
@@ -16,7 +17,7 @@ from numpy.typing import NDArray
 from ._config import DecoderConfig
 from ._weights import Embedding, Linear
 
-__all__ = ["DecoderLayer", "KVCache", "LlamaModel", "positions_from_mask"]
+__all__ = ["Decoder", "DecoderLayer", "KVCache", "LlamaModel", "chunked_prefill", "positions_from_mask"]
 
 F32 = NDArray[np.float32]
 I64 = NDArray[np.int64]
@@ -24,7 +25,11 @@ I64 = NDArray[np.int64]
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DecoderLayer:
-    """One transformer block's weights."""
+    """One transformer block's weights (of one shard when the model is split across processes).
+
+    ``o_bias`` and ``down_bias`` are added after the shards' partial sums are added up; a single process may as well
+    fold them into its `Linear` (``BiasedLinear``).
+    """
 
     input_norm: F32
     q_proj: Linear
@@ -35,6 +40,8 @@ class DecoderLayer:
     gate_proj: Linear
     up_proj: Linear
     down_proj: Linear
+    o_bias: F32 | None = None
+    down_bias: F32 | None = None
 
 
 class KVCache:
@@ -44,11 +51,12 @@ class KVCache:
     tokens. Capacity grows geometrically when a step would overflow it.
     """
 
-    def __init__(self, config: DecoderConfig, batch: int, capacity: int) -> None:
+    def __init__(self, config: DecoderConfig, batch: int, capacity: int, *, kv_heads: int | None = None) -> None:
         self._config = config
         self.batch = batch
         self.length = 0
-        shape = (batch, config.num_kv_heads, max(capacity, 1), config.head_dim)
+        heads = config.num_kv_heads if kv_heads is None else kv_heads
+        shape = (batch, heads, max(capacity, 1), config.head_dim)
         self.keys = [np.zeros(shape, np.float32) for _ in range(config.num_layers)]
         self.values = [np.zeros(shape, np.float32) for _ in range(config.num_layers)]
         self.key_mask = np.zeros((batch, shape[2]), dtype=bool)
@@ -80,8 +88,34 @@ def positions_from_mask(attention_mask: NDArray[np.bool_], start: I64 | None = N
     return np.maximum(counts, 0)
 
 
+class Decoder(Protocol):
+    """What generation and the runner use of a model: one process's `LlamaModel` or the split `ShardedModel`."""
+
+    @property
+    def config(self) -> DecoderConfig: ...
+
+    def new_cache(self, batch: int, capacity: int) -> KVCache: ...
+
+    def forward(self, input_ids: I64, positions: I64, token_mask: NDArray[np.bool_], cache: KVCache) -> F32: ...
+
+    def prefill(
+        self, input_ids: I64, positions: I64, token_mask: NDArray[np.bool_], cache: KVCache, *, chunk: int = 256
+    ) -> F32: ...
+
+    def logits(self, hidden: F32) -> F32: ...
+
+
+def _unchanged(partial: F32) -> F32:
+    return partial
+
+
 class LlamaModel:
-    """Forward pass of a llama-family decoder; ``forward`` fills a `KVCache` and returns final hidden states."""
+    """Forward pass of a llama-family decoder; ``forward`` fills a `KVCache` and returns final hidden states.
+
+    A shard of a model split across processes (``_shards``) holds ``kv_heads`` of the kv heads (with their query
+    heads), part of the MLP rows and part of the head's rows; ``reduce`` adds up the shards' partial sums of the
+    attention output and MLP projections, so every shard carries the same hidden states.
+    """
 
     def __init__(
         self,
@@ -91,18 +125,26 @@ class LlamaModel:
         layers: Sequence[DecoderLayer],
         final_norm: F32,
         lm_head: Linear,
+        kv_heads: int | None = None,
+        reduce: Callable[[F32], F32] = _unchanged,
     ) -> None:
         self.config = config
         self.embedding = embedding
         self.layers = tuple(layers)
         self.final_norm = final_norm
         self.lm_head = lm_head
+        self.kv_heads = config.num_kv_heads if kv_heads is None else kv_heads
+        self.heads = self.kv_heads * (config.num_heads // config.num_kv_heads)
+        self.reduce = reduce
         half = config.head_dim // 2
         exponents = np.arange(0, config.head_dim, 2, dtype=np.float32)[:half] / np.float32(config.head_dim)
         self._inv_freq = (1.0 / (np.float32(config.rope_theta) ** exponents)).astype(np.float32)
         if config.rope_scaling_factor != 1.0:
             self._inv_freq = (self._inv_freq / np.float32(config.rope_scaling_factor)).astype(np.float32)
         self._scale = np.float32(1.0 / np.sqrt(config.head_dim))
+
+    def new_cache(self, batch: int, capacity: int) -> KVCache:
+        return KVCache(self.config, batch, capacity, kv_heads=self.kv_heads)
 
     def _rms_norm(self, x: F32, weight: F32) -> F32:
         variance = np.einsum("...i,...i->...", x, x)[..., None] / np.float32(x.shape[-1])
@@ -141,27 +183,31 @@ class LlamaModel:
         bias = np.where(allowed, np.float32(0.0), np.float32(np.finfo(np.float32).min))[:, None, None, :, :]
         cos, sin = self._rotary(positions)
         groups = config.num_heads // config.num_kv_heads
+        heads, kv_heads, head_dim, reduce = self.heads, self.kv_heads, config.head_dim, self.reduce
 
         hidden = self.embedding(input_ids)
         for index, layer in enumerate(self.layers):
             normed = self._rms_norm(hidden, layer.input_norm)
-            q = layer.q_proj(normed).reshape(batch, seq, config.num_heads, config.head_dim).transpose(0, 2, 1, 3)
-            k = layer.k_proj(normed).reshape(batch, seq, config.num_kv_heads, config.head_dim).transpose(0, 2, 1, 3)
-            v = layer.v_proj(normed).reshape(batch, seq, config.num_kv_heads, config.head_dim).transpose(0, 2, 1, 3)
+            q = layer.q_proj(normed).reshape(batch, seq, heads, head_dim).transpose(0, 2, 1, 3)
+            k = layer.k_proj(normed).reshape(batch, seq, kv_heads, head_dim).transpose(0, 2, 1, 3)
+            v = layer.v_proj(normed).reshape(batch, seq, kv_heads, head_dim).transpose(0, 2, 1, 3)
             q = self._apply_rotary(q, cos, sin)
             keys, values = cache.keys[index], cache.values[index]
             keys[:, :, start:end] = self._apply_rotary(k, cos, sin)
             values[:, :, start:end] = v
             # Grouped-query attention: the `groups` query heads sharing a kv head are one batched matmul.
-            grouped = q.reshape(batch, config.num_kv_heads, groups * seq, config.head_dim) * self._scale
+            grouped = q.reshape(batch, kv_heads, groups * seq, head_dim) * self._scale
             scores = np.matmul(grouped, keys[:, :, :end].transpose(0, 1, 3, 2))
-            scores = scores.reshape(batch, config.num_kv_heads, groups, seq, end) + bias
+            scores = scores.reshape(batch, kv_heads, groups, seq, end) + bias
             scores -= scores.max(axis=-1, keepdims=True)
             np.exp(scores, out=scores)
             scores /= scores.sum(axis=-1, keepdims=True)
-            attended = np.matmul(scores.reshape(batch, config.num_kv_heads, groups * seq, end), values[:, :, :end])
-            attended = attended.reshape(batch, config.num_heads, seq, config.head_dim).transpose(0, 2, 1, 3)
-            hidden = hidden + layer.o_proj(attended.reshape(batch, seq, config.num_heads * config.head_dim))
+            attended = np.matmul(scores.reshape(batch, kv_heads, groups * seq, end), values[:, :, :end])
+            attended = attended.reshape(batch, heads, seq, head_dim).transpose(0, 2, 1, 3)
+            attention = reduce(layer.o_proj(attended.reshape(batch, seq, heads * head_dim)))
+            if layer.o_bias is not None:
+                attention += layer.o_bias
+            hidden = hidden + attention
 
             normed = self._rms_norm(hidden, layer.post_attention_norm)
             gate = layer.gate_proj(normed)
@@ -171,25 +217,34 @@ class LlamaModel:
             activated += np.float32(1.0)
             np.divide(gate, activated, out=activated)
             activated *= layer.up_proj(normed)
-            hidden = hidden + layer.down_proj(activated)
+            mlp = reduce(layer.down_proj(activated))
+            if layer.down_bias is not None:
+                mlp += layer.down_bias
+            hidden = hidden + mlp
         cache.length = end
         return self._rms_norm(hidden, self.final_norm)
 
     def prefill(
         self, input_ids: I64, positions: I64, token_mask: NDArray[np.bool_], cache: KVCache, *, chunk: int = 256
     ) -> F32:
-        """`forward` over a long prompt in chunks of ``chunk`` tokens: the attention scores of one chunk are
-        ``[batch, heads, chunk, length]`` instead of ``[batch, heads, seq, seq]``, so memory stays linear in the
-        prompt length. The result equals one `forward` call."""
-        seq = input_ids.shape[1]
-        if seq <= chunk:
-            return self.forward(input_ids, positions, token_mask, cache)
-        cache.reserve(seq)
-        parts = [
-            self.forward(input_ids[:, i : i + chunk], positions[:, i : i + chunk], token_mask[:, i : i + chunk], cache)
-            for i in range(0, seq, chunk)
-        ]
-        return np.concatenate(parts, axis=1)
+        return chunked_prefill(self, input_ids, positions, token_mask, cache, chunk=chunk)
 
     def logits(self, hidden: F32) -> F32:
         return self.lm_head(hidden)
+
+
+def chunked_prefill(
+    model: Decoder, input_ids: I64, positions: I64, token_mask: NDArray[np.bool_], cache: KVCache, *, chunk: int = 256
+) -> F32:
+    """`forward` over a long prompt in chunks of ``chunk`` tokens: the attention scores of one chunk are
+    ``[batch, heads, chunk, length]`` instead of ``[batch, heads, seq, seq]``, so memory stays linear in the prompt
+    length. The result equals one `forward` call."""
+    seq = input_ids.shape[1]
+    if seq <= chunk:
+        return model.forward(input_ids, positions, token_mask, cache)
+    cache.reserve(seq)
+    parts = [
+        model.forward(input_ids[:, i : i + chunk], positions[:, i : i + chunk], token_mask[:, i : i + chunk], cache)
+        for i in range(0, seq, chunk)
+    ]
+    return np.concatenate(parts, axis=1)

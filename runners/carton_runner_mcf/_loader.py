@@ -7,27 +7,41 @@ before anything is computed, so a wrong file fails at load with the tensor's nam
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from carton.errors import MCFError, UnsupportedModel
-from carton.mcf import Architecture, CacheMode, MCFFile, QuantMethod, RopeType, SectionType
+from carton.mcf import (
+    Architecture,
+    CacheMode,
+    MCFFile,
+    QuantMethod,
+    RopeType,
+    SectionType,
+    payload_layout,
+    row_copies,
+)
 from numpy.typing import NDArray
 
 from ._config import DecoderConfig, parse_config
-from ._llama import DecoderLayer, LlamaModel
+from ._llama import Decoder, DecoderLayer, LlamaModel
+from ._shards import ShardPlan
 from ._weights import BiasedLinear, Embedding, FloatEmbedding, FloatLinear, Linear, QuantizedEmbedding
 
-__all__ = ["LoadedDecoder", "load_decoder"]
+__all__ = ["LoadedDecoder", "build_decoder", "load_decoder", "read_config"]
+
+F32 = NDArray[np.float32]
+Range = tuple[int, int]
 
 _SUPPORTED_ARCHS = {Architecture.UNKNOWN: None, Architecture.LLAMA: "llama", Architecture.MISTRAL: "mistral"}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LoadedDecoder:
-    model: LlamaModel
+    model: Decoder
     config: DecoderConfig
     unknown_config_keys: tuple[str, ...]
     quantized: dict[str, str]  # tensor name -> method, for the runner's description
@@ -97,19 +111,30 @@ class _Tensors:
             raise MCFError(f"{self._mcf.name}: tensor {name!r} has shape {list(entry.shape)}, expected {list(shape)}")
         return entry
 
-    def _payload(self, name: str, entry: Any) -> NDArray[np.uint8]:
+    def _payload(self, name: str, entry: Any, rows: Range | None) -> tuple[NDArray[np.uint8], Range | None]:
         """The packed cache keeps the payload: a zero-copy view of the mapped file. The int8 and fp32 caches only
         read it once, so it is read into a temporary buffer instead: the file's pages then never count in this
-        process's resident memory (for a q4 model that is half a byte per weight, on top of the int8 cache)."""
+        process's resident memory (for a q4 model that is half a byte per weight, on top of the int8 cache).
+
+        A shard reads only its ``rows`` when the layout allows; the row range left to apply is returned."""
         if self._cache == "packed" or not Path(self._mcf.name).is_file():
-            return np.frombuffer(self._mcf.tensor_bytes(name), dtype=np.uint8)
+            return np.frombuffer(self._mcf.tensor_bytes(name), dtype=np.uint8), rows
         if self._file is None:
             self._file = open(self._mcf.name, "rb")  # noqa: SIM115 - closed by close()
-        payload = np.empty(entry.data_size, dtype=np.uint8)
-        self._file.seek(entry.data_offset)
-        if self._file.readinto(payload.data) != entry.data_size:
-            raise MCFError(f"{self._mcf.name}: tensor {name!r}: the file ended inside its data")
-        return payload
+        plan = None
+        if rows is not None and rows != (0, entry.shape[0]):
+            layout = payload_layout(entry.method, *entry.shape, domain=entry.domain)
+            plan = row_copies(layout, *rows)
+        if plan is None:
+            copies, size = [(0, entry.data_size, 0)], entry.data_size
+        else:
+            copies, size = plan[1], plan[0].size
+        payload = np.zeros(size, dtype=np.uint8)
+        for source, length, destination in copies:
+            self._file.seek(entry.data_offset + source)
+            if self._file.readinto(payload[destination : destination + length].data) != length:
+                raise MCFError(f"{self._mcf.name}: tensor {name!r}: the file ended inside its data")
+        return payload, (rows if plan is None else None)
 
     def close(self) -> None:
         if self._file is not None:
@@ -131,23 +156,44 @@ class _Tensors:
     def has(self, name: str) -> bool:
         return name in self._mcf.tensors
 
-    def linear(self, name: str, rows: int, cols: int, *, bias: str | None = None) -> Linear:
+    def linear(
+        self,
+        name: str,
+        rows: int,
+        cols: int,
+        *,
+        bias: str | None = None,
+        row_range: Range | None = None,
+        col_range: Range | None = None,
+    ) -> Linear:
+        """The weight ``name`` (``[rows, cols]`` in the file), or the part of it a shard holds."""
         entry = self._entry(name, (rows, cols))
+        (r0, r1), (c0, c1) = row_range or (0, rows), col_range or (0, cols)
         result: Linear
         if entry.method is None:
-            result = FloatLinear(self._float(name, entry))
+            result = FloatLinear(self._float(name, entry)[r0:r1, c0:c1])
         else:
             from carton.mcf import QuantizedLinear
 
             self.quantized[name] = entry.method.value
-            payload = self._payload(name, entry)
+            payload, left = self._payload(name, entry, row_range)
+            payload_rows = r1 - r0 if row_range is not None and left is None else rows
             try:
-                linear = QuantizedLinear(payload, entry.method, rows, cols, domain=entry.domain, cache=self._cache)
+                linear = QuantizedLinear(
+                    payload,
+                    entry.method,
+                    payload_rows,
+                    cols,
+                    domain=entry.domain,
+                    cache=self._cache,
+                    row_range=left,
+                    col_range=col_range,
+                )
             except MCFError as exc:
                 raise MCFError(f"{self._mcf.name}: tensor {name!r}: {exc}") from exc
             result = linear
         if bias is not None:
-            result = BiasedLinear(result, self.vector(bias, rows))
+            result = BiasedLinear(result, self.vector(bias, rows)[r0:r1])
         return result
 
     def embedding(self, name: str, rows: int, cols: int) -> Embedding:
@@ -178,8 +224,8 @@ class _Tensors:
             raise UnsupportedModel(f"{self._mcf.name}: embedding {name!r}: {exc}") from exc
 
 
-def load_decoder(mcf: MCFFile, *, weight_cache: CacheMode = "int8") -> LoadedDecoder:
-    """Read config.json (required) and every tensor of a llama-family decoder from ``mcf``."""
+def read_config(mcf: MCFFile) -> tuple[DecoderConfig, list[str]]:
+    """config.json (required), checked against ModelInfo; also the keys the runner does not know."""
     raw = mcf.resource(SectionType.HF_CONFIG)
     if raw is None:
         raise MCFError(
@@ -187,21 +233,66 @@ def load_decoder(mcf: MCFFile, *, weight_cache: CacheMode = "int8") -> LoadedDec
         )
     config, unknown = parse_config(raw, source=mcf.name)
     _check_model_info(mcf, config)
+    return config, unknown
+
+
+def load_decoder(mcf: MCFFile, *, weight_cache: CacheMode = "int8") -> LoadedDecoder:
+    """Read config.json (required) and every tensor of a llama-family decoder from ``mcf``."""
+    config, unknown = read_config(mcf)
+    return build_decoder(mcf, config, unknown, weight_cache=weight_cache)
+
+
+def build_decoder(
+    mcf: MCFFile,
+    config: DecoderConfig,
+    unknown: list[str],
+    *,
+    weight_cache: CacheMode = "int8",
+    shard: ShardPlan | None = None,
+    reduce: Callable[[F32], F32] | None = None,
+) -> LoadedDecoder:
+    """The whole decoder, or with ``shard`` the part of every weight that shard holds (``reduce`` adds up the
+    shards' partial sums)."""
     tensors = _Tensors(mcf, weight_cache)
     try:
-        return _build(mcf, config, unknown, tensors)
+        model = _build(mcf, config, tensors, shard, reduce)
     finally:
         tensors.close()
+    return LoadedDecoder(
+        model=model, config=config, unknown_config_keys=tuple(unknown), quantized=dict(tensors.quantized)
+    )
 
 
-def _build(mcf: MCFFile, config: DecoderConfig, unknown: list[str], tensors: _Tensors) -> LoadedDecoder:
+def _build(
+    mcf: MCFFile,
+    config: DecoderConfig,
+    tensors: _Tensors,
+    shard: ShardPlan | None,
+    reduce: Callable[[F32], F32] | None,
+) -> LlamaModel:
     h, q_out, kv_out = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     inter = config.intermediate_size
     attn_bias = config.attention_bias
     mlp_bias = config.mlp_bias
+    # What this process holds: query/kv rows of its kv heads (o: those columns), MLP rows, head rows.
+    group_width = config.num_heads // config.num_kv_heads * config.head_dim
+    k0, k1 = shard.kv_heads if shard else (0, config.num_kv_heads)
+    q_rows = (k0 * group_width, k1 * group_width)
+    kv_rows = (k0 * config.head_dim, k1 * config.head_dim)
+    mlp_rows = shard.mlp_rows if shard else (0, inter)
+    vocab_rows = shard.vocab_rows if shard else (0, config.vocab_size)
 
     def bias(name: str, enabled: bool) -> str | None:
         return name.replace(".weight", ".bias") if enabled else None
+
+    def summed_bias(name: str, enabled: bool) -> F32 | None:
+        # A column-split projection's bias is added once, after the partial sums are added up.
+        return tensors.vector(name.replace(".weight", ".bias"), h) if enabled and shard else None
+
+    def summed(name: str, cols: int, col_range: Range, enabled: bool) -> Linear:
+        if shard:
+            return tensors.linear(name, h, cols, col_range=col_range)
+        return tensors.linear(name, h, cols, bias=bias(name, enabled))
 
     layers = []
     for i in range(config.num_layers):
@@ -211,31 +302,33 @@ def _build(mcf: MCFFile, config: DecoderConfig, unknown: list[str], tensors: _Te
         layers.append(
             DecoderLayer(
                 input_norm=tensors.vector(f"{p}input_layernorm.weight", h),
-                q_proj=tensors.linear(q, q_out, h, bias=bias(q, attn_bias)),
-                k_proj=tensors.linear(k, kv_out, h, bias=bias(k, attn_bias)),
-                v_proj=tensors.linear(v, kv_out, h, bias=bias(v, attn_bias)),
-                o_proj=tensors.linear(o, h, q_out, bias=bias(o, attn_bias)),
+                q_proj=tensors.linear(q, q_out, h, bias=bias(q, attn_bias), row_range=q_rows),
+                k_proj=tensors.linear(k, kv_out, h, bias=bias(k, attn_bias), row_range=kv_rows),
+                v_proj=tensors.linear(v, kv_out, h, bias=bias(v, attn_bias), row_range=kv_rows),
+                o_proj=summed(o, q_out, q_rows, attn_bias),
                 post_attention_norm=tensors.vector(f"{p}post_attention_layernorm.weight", h),
-                gate_proj=tensors.linear(gate, inter, h, bias=bias(gate, mlp_bias)),
-                up_proj=tensors.linear(up, inter, h, bias=bias(up, mlp_bias)),
-                down_proj=tensors.linear(down, h, inter, bias=bias(down, mlp_bias)),
+                gate_proj=tensors.linear(gate, inter, h, bias=bias(gate, mlp_bias), row_range=mlp_rows),
+                up_proj=tensors.linear(up, inter, h, bias=bias(up, mlp_bias), row_range=mlp_rows),
+                down_proj=summed(down, inter, mlp_rows, mlp_bias),
+                o_bias=summed_bias(o, attn_bias),
+                down_bias=summed_bias(down, mlp_bias),
             )
         )
     embed_name = "model.embed_tokens.weight"
     embedding = tensors.embedding(embed_name, config.vocab_size, h)
     if config.tie_word_embeddings:
-        head = tensors.linear(embed_name, config.vocab_size, h)
+        head = tensors.linear(embed_name, config.vocab_size, h, row_range=vocab_rows)
     elif tensors.has("lm_head.weight"):
-        head = tensors.linear("lm_head.weight", config.vocab_size, h)
+        head = tensors.linear("lm_head.weight", config.vocab_size, h, row_range=vocab_rows)
     else:
         raise MCFError(f"{mcf.name}: tensor 'lm_head.weight' is missing and config.json does not tie the embeddings")
-    model = LlamaModel(
+    options = {} if reduce is None else {"reduce": reduce}
+    return LlamaModel(
         config,
         embedding=embedding,
         layers=layers,
         final_norm=tensors.vector("model.norm.weight", h),
         lm_head=head,
-    )
-    return LoadedDecoder(
-        model=model, config=config, unknown_config_keys=tuple(unknown), quantized=dict(tensors.quantized)
+        kv_heads=k1 - k0,
+        **options,
     )

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -25,11 +26,15 @@ from ._interface import (
     scalar_float,
     scalar_int,
 )
-from ._llama import KVCache, positions_from_mask
-from ._loader import LoadedDecoder, load_decoder
+from ._llama import LlamaModel, positions_from_mask
+from ._loader import LoadedDecoder, build_decoder, load_decoder, read_config
+from ._sharded import ShardedModel, start_sharded
+from ._shards import ShardPlan, check_processes_supported, plan_shards
 from ._tokenizer import TextCodec, load_codec
 
 __all__ = ["MCFRunner", "find_model_file"]
+
+_M_MMAP_THRESHOLD = -3  # mallopt parameter (glibc malloc.h)
 
 
 def find_model_file(model_dir: Path, model_file: str | None) -> Path:
@@ -68,6 +73,17 @@ def _generation_ids(mcf: MCFFile, loaded: LoadedDecoder) -> tuple[tuple[int, ...
     return eos, pad
 
 
+def _return_freed_memory() -> None:
+    """Have glibc unmap large freed blocks instead of keeping them: loading makes a temporary per matrix, and with
+    glibc's adaptive threshold the freed ones stay in the heap (SmolLM2 q4: 17 MB of resident memory for nothing).
+    Elsewhere (musl, macOS) there is nothing to do."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (AttributeError, OSError):
+        return
+    mallopt(_M_MMAP_THRESHOLD, 256 << 10)
+
+
 class MCFRunner(Runner):
     """Loads the MCF once (memory-mapped), then answers ``logits`` or ``generate`` requests."""
 
@@ -76,21 +92,31 @@ class MCFRunner(Runner):
         if unknown:
             context.warn(f"mcf runner: unknown runner options ignored: {', '.join(sorted(unknown))}")
         path = find_model_file(context.model_dir, self._options.model_file)
+        check_processes_supported(self._options.processes)
         self._mcf = MCFFile.open(path)
         try:
-            self._loaded = load_decoder(self._mcf, weight_cache=self._options.weight_cache)
-            check_room_for_a_prompt(self._options, self._loaded.config.max_position_embeddings)
+            self._loaded = self._load_decoder()
+            if self._loaded.unknown_config_keys:
+                keys = ", ".join(self._loaded.unknown_config_keys)
+                context.warn(f"mcf runner: {path.name}: config.json keys not known to the runner, ignored: {keys}")
+            self._eos, self._pad = _generation_ids(self._mcf, self._loaded)
+            self._load_codec(context)
         except BaseException:
-            self._mcf.close()
+            self.close()  # the helper processes too, when there are some
             raise
-        if self._loaded.unknown_config_keys:
-            keys = ", ".join(self._loaded.unknown_config_keys)
-            context.warn(f"mcf runner: {path.name}: config.json keys not known to the runner, ignored: {keys}")
-        self._eos, self._pad = _generation_ids(self._mcf, self._loaded)
+        self._declared = {spec.name for spec in context.outputs}
+
+    def _load_codec(self, context: LoadContext) -> None:
+        path = Path(self._mcf.name)
         self._codec: TextCodec | None = None
-        self._codec_error: MCFError | None = None
+        self._codec_error: MCFError | InvalidInput | None = None
         tokenizer_json = self._mcf.resource(SectionType.HF_TOKENIZER)
-        if tokenizer_json is not None:
+        # A tokenizer costs tens of MB (SmolLM2's: 45); an interface declared without prompt and text never uses it.
+        declared = {spec.name for spec in (*context.inputs, *context.outputs)}
+        takes_text = self._options.chat or not declared or bool(declared & {"prompt", "text"})
+        if tokenizer_json is not None and not takes_text:
+            self._codec_error = InvalidInput("this model's declared interface takes input_ids, not a prompt")
+        elif tokenizer_json is not None:
             try:
                 self._codec = load_codec(
                     tokenizer_json,
@@ -106,7 +132,28 @@ class MCFRunner(Runner):
                 context.warn(str(exc))
         elif self._options.chat:
             raise MCFError(f"{path.name}: runner option chat needs a tokenizer.json section")
-        self._declared = {spec.name for spec in context.outputs}
+
+    def _load_decoder(self) -> LoadedDecoder:
+        options, mcf = self._options, self._mcf
+        _return_freed_memory()
+        config, unknown = read_config(mcf)
+        check_room_for_a_prompt(options, config.max_position_embeddings)
+        if options.processes == 1:
+            return build_decoder(mcf, config, unknown, weight_cache=options.weight_cache)
+        # Helpers are forked before any weight exists (and before the tokenizer loads), so each holds only its part.
+        plans = plan_shards(config, options.processes)
+        loaded: list[LoadedDecoder] = []
+
+        def build_shard(plan: ShardPlan, reduce: Callable[[np.ndarray], np.ndarray]) -> LlamaModel:
+            shard = build_decoder(mcf, config, unknown, weight_cache=options.weight_cache, shard=plan, reduce=reduce)
+            loaded.append(shard)
+            assert isinstance(shard.model, LlamaModel)
+            return shard.model
+
+        model = start_sharded(plans, config, build_shard)
+        return LoadedDecoder(
+            model=model, config=config, unknown_config_keys=tuple(unknown), quantized=loaded[0].quantized
+        )
 
     def infer(self, inputs: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
         mode = self._options.mode
@@ -121,7 +168,7 @@ class MCFRunner(Runner):
         model = self._loaded.model
         ids, mask = ids_and_mask(inputs, model.config.vocab_size)
         check_positions(ids.shape[1], None, model.config.max_position_embeddings, "input_ids")
-        cache = KVCache(model.config, ids.shape[0], ids.shape[1])
+        cache = model.new_cache(ids.shape[0], ids.shape[1])
         hidden = model.prefill(ids, positions_from_mask(mask), mask, cache)
         return model.logits(hidden)
 
@@ -179,6 +226,9 @@ class MCFRunner(Runner):
         return self._loaded.config.vocab_size
 
     def close(self) -> None:
+        loaded = getattr(self, "_loaded", None)
+        if loaded is not None and isinstance(loaded.model, ShardedModel):
+            loaded.model.close()
         mcf = getattr(self, "_mcf", None)
         if mcf is not None:
             mcf.close()

@@ -24,6 +24,7 @@ multiplies and gathers, BLAS in its calls).
 from __future__ import annotations
 
 import math
+import operator
 import threading
 from collections.abc import Callable
 from typing import Literal
@@ -74,6 +75,11 @@ class QuantizedLinear:
     ``[..., rows]``. A call reuses per-thread work buffers of about ``tile_bytes``. ``threads`` (default 1; ``None``:
     one per CPU) splits the output features of each call across a small thread pool; results do not depend on it
     beyond float32 summation order.
+
+    ``row_range`` and ``col_range`` (half-open, in the full tensor's coordinates) keep only that part of ``W``, as
+    tensor parallelism splits a layer: the object then behaves as the ``[r1 - r0, c1 - c0]`` matrix and holds
+    nothing of the rest. A part needs the ``int8`` or ``fp32`` cache, and for q*/k* its columns must start on a
+    32-value block (and end on one or at the last column).
     """
 
     def __init__(
@@ -88,6 +94,8 @@ class QuantizedLinear:
         tile_bytes: int = DEFAULT_TILE_BYTES,
         gemv_max_batch: int = DEFAULT_GEMV_MAX_BATCH,
         threads: int | None = 1,
+        row_range: tuple[int, int] | None = None,
+        col_range: tuple[int, int] | None = None,
     ) -> None:
         if cache not in _CACHE_MODES:
             raise MCFError(f"unknown weight cache {cache!r} (expected one of: {', '.join(_CACHE_MODES)})")
@@ -95,8 +103,19 @@ class QuantizedLinear:
             raise MCFError(f"tile_bytes must be at least {4 * BLOCK}, got {tile_bytes}")
         self.method: QuantMethod = coerce_method(method)
         self.domain: QuantDomain = coerce_domain(domain)
-        self.layout: PayloadLayout = payload_layout(self.method, rows, cols, domain=self.domain)
-        self.rows, self.cols = rows, cols
+        full = payload_layout(self.method, rows, cols, domain=self.domain)
+        r0, r1 = _checked_range("row_range", row_range, rows)
+        c0, c1 = _checked_range("col_range", col_range, cols)
+        part = (r0, r1, c0, c1) != (0, rows, 0, cols)
+        if part and cache == "packed":
+            raise MCFError("a part of a quantized matrix (row_range/col_range) needs the int8 or fp32 cache")
+        if part and self.method.family != "int" and (c0 % BLOCK or (c1 % BLOCK and c1 != cols)):
+            raise MCFError(
+                f"col_range ({c0}, {c1}) of a {self.method.value} matrix must start on a {BLOCK}-value block and end "
+                f"on one or at column {cols}"
+            )
+        self.layout: PayloadLayout = payload_layout(self.method, r1 - r0, c1 - c0, domain=self.domain) if part else full
+        self.rows, self.cols = r1 - r0, c1 - c0
         self.cache: CacheMode = cache
         self.tile_bytes = tile_bytes
         self.gemv_max_batch = gemv_max_batch
@@ -104,7 +123,7 @@ class QuantizedLinear:
             raise MCFError(f"threads must be a positive integer or None, got {threads!r}")
         self.threads = resolve_threads(threads)
         self._local = _WORK_BUFFERS
-        flat = as_payload_array(payload, self.layout)
+        flat = as_payload_array(payload, full)
         self._flat: npt.NDArray[np.uint8] | None = None
         self._fp32: npt.NDArray[np.float32] | None = None
         self._codes_t: npt.NDArray[np.int8] | None = None
@@ -114,20 +133,21 @@ class QuantizedLinear:
         self._int_scale = np.float32(1.0)
         self._int_zero = np.float32(0.0)
         if cache == "fp32":
-            self._fp32 = dequantize(flat, self.method, (rows, cols), domain=self.domain)
+            whole = dequantize(flat, self.method, (rows, cols), domain=self.domain)
+            self._fp32 = np.ascontiguousarray(whole[r0:r1, c0:c1]) if part else whole
         elif self.method.family == "int":
-            self._int_scale, self._int_zero = int_parameters(flat, self.layout)
+            self._int_scale, self._int_zero = int_parameters(flat, full)
             if cache == "packed" and self.method is QuantMethod.INT8:
                 self._flat = flat
             else:  # int4 has no packed fast path: its codes are expanded to int8 once
-                codes = int_codes(flat, self.layout)
-                self._codes_t = np.ascontiguousarray(codes.reshape(rows, cols).T)
+                codes = int_codes(flat, full)
+                self._codes_t = np.ascontiguousarray(codes.reshape(rows, cols)[r0:r1, c0:c1].T)
         elif cache == "packed":
             self._flat = flat
             self._scales = block_scales(flat, self.layout)
             self._decoder = BlockDecoder(flat, self.layout, self._scales)
         else:
-            self._build_int8_cache(flat)
+            self._build_int8_cache(flat, full, (r0, r1), (c0 // BLOCK, -(-c1 // BLOCK)))
 
     @classmethod
     def from_quantized(cls, tensor: QuantizedTensor, **options: object) -> QuantizedLinear:
@@ -136,15 +156,22 @@ class QuantizedLinear:
         return cls(tensor.payload, tensor.method, rows, cols, domain=tensor.domain, **options)  # type: ignore[arg-type]
 
     # --- construction --------------------------------------------------------------------------------------------
-    def _build_int8_cache(self, flat: npt.NDArray[np.uint8]) -> None:
-        layout = self.layout
-        rows, nb = layout.rows, layout.blocks_per_row
-        self._scales_t = np.ascontiguousarray(block_scales(flat, layout).T)
-        codes_t = np.empty((nb * BLOCK, rows), dtype=np.int8)
-        step = max(1, (4 << 20) // (nb * BLOCK))
-        for r0 in range(0, rows, step):
-            r1 = min(rows, r0 + step)
-            codes_t[:, r0:r1] = block_codes(flat, layout, r0, r1).reshape(r1 - r0, nb * BLOCK).T
+    def _build_int8_cache(
+        self, flat: npt.NDArray[np.uint8], full: PayloadLayout, rows: tuple[int, int], blocks: tuple[int, int]
+    ) -> None:
+        """Codes and folded scales of rows ``rows`` and blocks ``blocks`` of the ``full`` payload."""
+        (r0, r1), (b0, b1) = rows, blocks
+        nb = b1 - b0
+        self._scales_t = np.ascontiguousarray(block_scales(flat, full)[r0:r1, b0:b1].T)
+        codes_t = np.empty((nb * BLOCK, r1 - r0), dtype=np.int8)
+        # 1 MiB of codes at a time: unpacking makes a few temporaries of that size, which add to the peak.
+        step = max(1, (1 << 20) // (full.blocks_per_row * BLOCK))
+        for a in range(r0, r1, step):
+            b = min(r1, a + step)
+            codes = block_codes(flat, full, a, b)
+            codes_t[:, a - r0 : b - r0] = (codes[:, b0:b1] if nb != full.blocks_per_row else codes).reshape(
+                b - a, nb * BLOCK
+            ).T
         # Values beyond cols in the last block are defined as zero whatever a writer stored there.
         codes_t[self.cols :] = 0
         self._codes_t = codes_t
@@ -347,6 +374,18 @@ class QuantizedLinear:
         for t0 in range(r0, r1, rt):
             t1 = min(r1, t0 + rt)
             np.matmul(self._decode_rows(t0, t1), xp_t, out=out_t[t0:t1])
+
+
+def _checked_range(name: str, value: tuple[int, int] | None, size: int) -> tuple[int, int]:
+    if value is None:
+        return 0, size
+    try:
+        start, stop = (operator.index(v) for v in value)
+    except (TypeError, ValueError):
+        raise MCFError(f"{name} must be two integers (start, stop), got {value!r}") from None
+    if not 0 <= start < stop <= size:
+        raise MCFError(f"{name} ({start}, {stop}) is not a non-empty range within 0..{size}")
+    return start, stop
 
 
 def matmul(
