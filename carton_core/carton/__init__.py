@@ -5,39 +5,11 @@
         outputs = model.infer({"x": x})
 """
 
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
 from carton_protocol import DType, Runner, RunnerSpec, TensorSpec
 
-from ._environments import (
-    RunnerEnvironment,
-    install_runner,
-    list_runner_environments,
-    remove_runner_environment,
-)
-from ._format import (
-    CartonInfo,
-    Example,
-    MiscRef,
-    ReadLimits,
-    RunnerInfo,
-    SelfTest,
-    TensorRef,
-    get_model_info,
-    pack,
-    shrink,
-    verify,
-)
-from ._runtime import (
-    Model,
-    RunnerLimits,
-    SandboxPolicy,
-    SelfTestResult,
-    VersionReq,
-    discover_runners,
-    load,
-    load_unpacked,
-    prestart,
-    target_triple,
-)
 from .errors import (
     ArchiveTooLarge,
     CartonError,
@@ -76,6 +48,69 @@ from .errors import (
     UnsafeArchive,
     UnsupportedModel,
 )
+
+# The host's modules load on first use (PEP 562): a runner process imports `carton.errors` or `carton.mcf`,
+# which runs this file, and must not pay for the host's HTTP, format and process code (26 MB, 190 ms).
+_LAZY = {
+    "RunnerEnvironment": "._environments",
+    "install_runner": "._environments",
+    "list_runner_environments": "._environments",
+    "remove_runner_environment": "._environments",
+    "CartonInfo": "._format",
+    "Example": "._format",
+    "MiscRef": "._format",
+    "ReadLimits": "._format",
+    "RunnerInfo": "._format",
+    "SelfTest": "._format",
+    "TensorRef": "._format",
+    "get_model_info": "._format",
+    "pack": "._format",
+    "shrink": "._format",
+    "verify": "._format",
+    "Model": "._runtime",
+    "RunnerLimits": "._runtime",
+    "SandboxPolicy": "._runtime",
+    "SelfTestResult": "._runtime",
+    "VersionReq": "._runtime",
+    "discover_runners": "._runtime",
+    "load": "._runtime",
+    "load_unpacked": "._runtime",
+    "prestart": "._runtime",
+    "target_triple": "._runtime",
+}
+
+if TYPE_CHECKING:
+    from ._environments import (
+        RunnerEnvironment,
+        install_runner,
+        list_runner_environments,
+        remove_runner_environment,
+    )
+    from ._format import (
+        CartonInfo,
+        Example,
+        MiscRef,
+        ReadLimits,
+        RunnerInfo,
+        SelfTest,
+        TensorRef,
+        get_model_info,
+        pack,
+        shrink,
+        verify,
+    )
+    from ._runtime import (
+        Model,
+        RunnerLimits,
+        SandboxPolicy,
+        SelfTestResult,
+        VersionReq,
+        discover_runners,
+        load,
+        load_unpacked,
+        prestart,
+        target_triple,
+    )
 
 __version__ = "0.1.0"
 
@@ -147,3 +182,16 @@ __all__ = [
     "target_triple",
     "verify",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'carton' has no attribute {name!r}")
+    value = getattr(import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

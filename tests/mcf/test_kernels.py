@@ -202,3 +202,75 @@ def test_bad_construction_and_inputs_are_typed_errors() -> None:
     bad[0:2] = (0x7E00).to_bytes(2, "little")  # NaN block scale
     with pytest.raises(MCFError, match="block scale #0 is not finite"):
         QuantizedLinear(bytes(bad), "q4", 4, 64)
+
+
+# --- parts of a matrix (what a process of a split model holds) ----------------------------------------------------
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("cache", ["int8", "fp32"])
+def test_a_part_equals_the_same_part_of_the_dequantized_matrix(method: str, cache: str) -> None:
+    rng = np.random.default_rng(5)
+    rows, cols = 70, 600  # the last block of a row is partial
+    q = quantize(rng.standard_normal((rows, cols)).astype(np.float32), method)
+    dense = q.dequantize()
+    for row_range, col_range in (((3, 57), (32, cols)), ((0, rows), (0, 64)), ((50, 51), (64, 128)), (None, None)):
+        linear = QuantizedLinear.from_quantized(q, cache=cache, row_range=row_range, col_range=col_range)
+        (r0, r1), (c0, c1) = row_range or (0, rows), col_range or (0, cols)
+        assert linear.shape == (r1 - r0, c1 - c0)
+        part = dense[r0:r1, c0:c1]
+        np.testing.assert_array_equal(linear.take_rows(np.arange(r1 - r0)), part)
+        for batch in (1, 6):
+            x = rng.standard_normal((batch, c1 - c0)).astype(np.float32)
+            _assert_close(linear(x), _reference(x, part))
+
+
+def test_an_int8_part_holds_only_its_share() -> None:
+    q = quantize(np.random.default_rng(0).standard_normal((256, 512)).astype(np.float32), "q4")
+    whole = QuantizedLinear.from_quantized(q).nbytes
+    quarter = QuantizedLinear.from_quantized(q, row_range=(0, 128), col_range=(0, 256)).nbytes
+    assert quarter == whole // 4
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"row_range": (5, 5)}, r"row_range \(5, 5\) is not a non-empty range within 0..70"),
+        ({"row_range": (0, 71)}, r"row_range \(0, 71\) is not a non-empty range within 0..70"),
+        ({"col_range": (1,)}, r"col_range must be two integers \(start, stop\), got \(1,\)"),
+        ({"col_range": (16, 64)}, r"col_range \(16, 64\) of a q4 matrix must start on a 32-value block"),
+        ({"col_range": (0, 40)}, r"must start on a 32-value block and end on one or at column 600"),
+        ({"row_range": (0, 8), "cache": "packed"}, r"needs the int8 or fp32 cache"),
+    ],
+)
+def test_bad_parts_are_refused(options: dict[str, object], message: str) -> None:
+    q = quantize(np.ones((70, 600), np.float32), "q4")
+    with pytest.raises(MCFError, match=message):
+        QuantizedLinear.from_quantized(q, **options)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_row_copies_cut_a_payload_that_decodes_to_those_rows(method: str) -> None:
+    from carton.mcf import payload_layout, row_copies
+
+    rows, cols = 70, 600
+    q = quantize(np.random.default_rng(2).standard_normal((rows, cols)).astype(np.float32), method)
+    flat = np.frombuffer(q.payload, dtype=np.uint8)
+    cut = row_copies(payload_layout(method, rows, cols), 9, 41)
+    assert cut is not None
+    layout, copies = cut
+    part = np.zeros(layout.size, dtype=np.uint8)
+    for source, size, destination in copies:
+        part[destination : destination + size] = flat[source : source + size]
+    np.testing.assert_array_equal(dequantize(part, method, (32, cols)), q.dequantize()[9:41])
+
+
+def test_row_copies_exact_offsets_and_the_int4_odd_column_case() -> None:
+    from carton.mcf import payload_layout, row_copies
+
+    # q4 [4, 64]: 2 blocks a row; fp16 scales (4 bytes a row) at 0, codes (2 x 16 bytes a row) at 64.
+    layout, copies = row_copies(payload_layout("q4", 4, 64), 1, 3) or (None, None)
+    assert layout is not None and (layout.scales.offset, layout.data.offset, layout.size) == (0, 64, 128)
+    assert copies == [(4, 8, 0), (64 + 32, 64, 64)]
+    # int4 with 3 columns: row 1 starts in the middle of a byte.
+    assert row_copies(payload_layout("int4", 4, 3), 1, 3) is None
+    with pytest.raises(MCFError, match=r"rows \(3, 3\) are not a non-empty range within 0..4"):
+        row_copies(payload_layout("q4", 4, 64), 3, 3)
