@@ -111,18 +111,20 @@ class _Tensors:
             raise MCFError(f"{self._mcf.name}: tensor {name!r} has shape {list(entry.shape)}, expected {list(shape)}")
         return entry
 
-    def _payload(self, name: str, entry: Any, rows: Range | None) -> tuple[NDArray[np.uint8], Range | None]:
+    def _payload(self, name: str, entry: Any, rows: Range | None) -> tuple[NDArray[np.uint8], int, Range | None]:
         """The packed cache keeps the payload: a zero-copy view of the mapped file. The int8 and fp32 caches only
         read it once, so it is read into a temporary buffer instead: the file's pages then never count in this
         process's resident memory (for a q4 model that is half a byte per weight, on top of the int8 cache).
 
-        A shard reads only its ``rows`` when the layout allows; the row range left to apply is returned."""
+        A shard reads only its ``rows`` when the layout allows. Returns the payload, how many rows it holds, and the
+        row range still to be cut from it (None when it holds exactly ``rows``)."""
+        whole = entry.shape[0]
         if self._cache == "packed" or not Path(self._mcf.name).is_file():
-            return np.frombuffer(self._mcf.tensor_bytes(name), dtype=np.uint8), rows
+            return np.frombuffer(self._mcf.tensor_bytes(name), dtype=np.uint8), whole, rows
         if self._file is None:
             self._file = open(self._mcf.name, "rb")  # noqa: SIM115 - closed by close()
         plan = None
-        if rows is not None and rows != (0, entry.shape[0]):
+        if rows is not None and rows != (0, whole):
             layout = payload_layout(entry.method, *entry.shape, domain=entry.domain)
             plan = row_copies(layout, *rows)
         if plan is None:
@@ -134,7 +136,9 @@ class _Tensors:
             self._file.seek(entry.data_offset + source)
             if self._file.readinto(payload[destination : destination + length].data) != length:
                 raise MCFError(f"{self._mcf.name}: tensor {name!r}: the file ended inside its data")
-        return payload, (rows if plan is None else None)
+        if plan is None or rows is None:
+            return payload, whole, rows
+        return payload, rows[1] - rows[0], None
 
     def close(self) -> None:
         if self._file is not None:
@@ -176,8 +180,7 @@ class _Tensors:
             from carton.mcf import QuantizedLinear
 
             self.quantized[name] = entry.method.value
-            payload, left = self._payload(name, entry, row_range)
-            payload_rows = r1 - r0 if row_range is not None and left is None else rows
+            payload, payload_rows, left = self._payload(name, entry, row_range)
             try:
                 linear = QuantizedLinear(
                     payload,
@@ -210,16 +213,9 @@ class _Tensors:
             return dequantize(sub, method, (count, cols), domain=domain)
 
         payload = np.frombuffer(self._mcf.tensor_bytes(name), dtype=np.uint8)
+        layout = payload_layout(method, rows, cols, domain=domain)
         try:
-            return QuantizedEmbedding(
-                payload,
-                rows=rows,
-                cols=cols,
-                bits=method.bits,
-                family=method.family,
-                activations=bool(int(domain)),
-                dequantize=decode,
-            )
+            return QuantizedEmbedding(payload, layout=layout, dequantize=decode)
         except ValueError as exc:
             raise UnsupportedModel(f"{self._mcf.name}: embedding {name!r}: {exc}") from exc
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
+import mmap
 import os
+import select
 import signal
 import struct
 import threading
@@ -138,9 +140,9 @@ class _Group:
             if done:
                 self.exits[pid] = status
                 self._fail(f"shard process {number} (pid {pid}) {describe_exit(status)}{self._report(number)}")
-        if self.exchange.failed_peers():
-            number = self.exchange.failed_peers()[0]
-            self._fail(f"shard process {number} failed{self._report(number)}")
+        failed = self.exchange.failed_peers()
+        if failed:
+            self._fail(f"shard process {failed[0]} failed{self._report(failed[0])}")
 
     def _report(self, number: int) -> str:
         message = _poll_message(self.reports[number - 1])
@@ -213,8 +215,6 @@ class _Group:
 
 def _poll_message(fd: int) -> str:
     """A helper's failure report, if it wrote one before exiting (never blocks on a live helper)."""
-    import select
-
     try:
         if not select.select([fd], [], [], 0)[0]:
             return ""
@@ -275,7 +275,7 @@ def _helper_main(
     plan: ShardPlan,
     widths: list[int],
     build: BuildShard,
-    block: object,
+    block: mmap.mmap,
     slot_floats: int,
     parent: int,
     commands: int,
@@ -289,7 +289,7 @@ def _helper_main(
             if os.getppid() != parent or exchange.failed_peers():
                 os._exit(1)
 
-        exchange = Exchange(block, count=plan.count, index=plan.index, slot_floats=slot_floats, alive=parent_alive)  # type: ignore[arg-type]
+        exchange = Exchange(block, count=plan.count, index=plan.index, slot_floats=slot_floats, alive=parent_alive)
         try:
             model = build(plan, exchange.allreduce)
         except BaseException as exc:

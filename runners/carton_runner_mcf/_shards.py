@@ -273,12 +273,11 @@ def become_helper(parent: int, keep: Sequence[int]) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     # The runner's sockets (and every other descriptor) stay the parent's: a helper holding a copy would keep a
     # connection open after the parent closed it.
-    highest = os.sysconf("SC_OPEN_MAX") if hasattr(os, "sysconf") else 1 << 16
     previous = 2
     for fd in sorted(keep):
         os.closerange(previous + 1, fd)
         previous = fd
-    os.closerange(previous + 1, highest)
+    os.closerange(previous + 1, os.sysconf("SC_OPEN_MAX"))
 
 
 def describe_exit(status: int) -> str:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
+from carton.mcf import PayloadLayout, payload_layout, row_regions
 from numpy.typing import NDArray
 
 __all__ = [
@@ -77,10 +78,6 @@ class FloatEmbedding:
         return np.asarray(self._weight[ids], dtype=np.float32)
 
 
-def _align64(value: int) -> int:
-    return (value + 63) & ~63
-
-
 class QuantizedEmbedding:
     """Row lookups in a quantized ``[vocab, hidden]`` payload without decoding the whole table.
 
@@ -93,41 +90,28 @@ class QuantizedEmbedding:
         self,
         payload: NDArray[np.uint8],
         *,
-        rows: int,
-        cols: int,
-        bits: int,
-        family: str,
-        activations: bool,
+        layout: PayloadLayout,
         dequantize: Callable[[NDArray[np.uint8], int], F32],
     ) -> None:
-        blocks = -(-cols // 32)
-        supers = -(-blocks // 8)
-        code_bytes = blocks * 32 * bits // 8
-        # (bytes per row, or None for a region shared by all rows, and its size when shared)
-        layout: list[tuple[int | None, int]]
-        if family == "q":
-            layout = [(2 * blocks, 0), (code_bytes, 0)]
-        elif family == "k":
-            layout = [(2 * supers, 0), (blocks, 0), (code_bytes, 0)]
-        elif family == "int" and cols * bits % 8 == 0:
-            layout = [(None, 4)] + ([(None, 4)] if activations else []) + [(cols * bits // 8, 0)]
-        else:
-            raise ValueError(f"rows of a {bits}-bit {family} table with {cols} columns do not start on a byte")
+        regions = row_regions(layout)
+        if regions is None:
+            raise ValueError(
+                f"rows of a {layout.bits}-bit {layout.method.family} table with {layout.cols} columns do not start "
+                "on a byte"
+            )
+        rows, cols = layout.rows, layout.cols
+        if layout.size > len(payload):
+            raise ValueError(f"a payload of {len(payload)} bytes is too short for a [{rows}, {cols}] table")
         self._rows = rows
         self._cols = cols
-        self._dequantize = dequantize
         self._layout = layout
-        self._regions: list[NDArray[np.uint8]] = []
-        offset = 0
-        for index, (per_row, shared) in enumerate(layout):
-            if index:
-                offset = _align64(offset)
-            end = offset + (rows * per_row if per_row is not None else shared)
-            if end > len(payload):
-                raise ValueError(f"a payload of {len(payload)} bytes is too short for a [{rows}, {cols}] table")
-            region = payload[offset:end]
-            self._regions.append(region.reshape(rows, per_row) if per_row is not None else region)
-            offset = end
+        self._dequantize = dequantize
+        self._regions = [
+            payload[region.offset : region.end].reshape(rows, per_row)
+            if per_row is not None
+            else payload[region.offset : region.end]
+            for region, per_row in regions
+        ]
 
     @property
     def num_embeddings(self) -> int:
@@ -136,16 +120,12 @@ class QuantizedEmbedding:
     def __call__(self, ids: NDArray[np.int64]) -> F32:
         unique, inverse = np.unique(ids.reshape(-1), return_inverse=True)
         count = len(unique)
-        starts = []
-        offset = 0
-        for index, (per_row, shared) in enumerate(self._layout):
-            if index:
-                offset = _align64(offset)
-            starts.append(offset)
-            offset += count * per_row if per_row is not None else shared
-        sub = np.zeros(offset, dtype=np.uint8)
-        for region, start, (per_row, _) in zip(self._regions, starts, self._layout, strict=True):
-            picked = region[unique].reshape(-1) if per_row is not None else region
-            sub[start : start + picked.size] = picked
+        part = payload_layout(self._layout.method, count, self._cols, domain=self._layout.domain)
+        cut = row_regions(part)
+        assert cut is not None  # same columns as the table
+        sub = np.zeros(part.size, dtype=np.uint8)
+        for source, (region, per_row) in zip(self._regions, cut, strict=True):
+            picked = source[unique].reshape(-1) if per_row is not None else source
+            sub[region.offset : region.offset + picked.size] = picked
         decoded = self._dequantize(sub, count)
         return decoded[inverse].reshape(*ids.shape, self._cols)

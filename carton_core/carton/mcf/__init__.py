@@ -14,7 +14,7 @@ from ._container import MCFHeader, QuantRecord, SectionEntry, TensorEntry
 from ._convert import ConvertReport, TensorClass, classify_tensor, convert, model_info_from_config
 from ._decode import dequantize
 from ._kernels import CacheMode, QuantizedLinear, matmul
-from ._layout import PayloadLayout, Region, payload_layout, payload_size, row_copies
+from ._layout import PayloadLayout, Region, payload_layout, payload_size, row_copies, row_regions
 from ._modelinfo import KVValue, ModelInfo
 from ._quant import QuantizedTensor, QuantMode, quantize
 from ._reader import MCFFile, open_mcf
@@ -58,5 +58,6 @@ __all__ = [
     "payload_size",
     "quantize",
     "row_copies",
+    "row_regions",
     "write_mcf",
 ]

@@ -25,6 +25,7 @@ __all__ = [
     "payload_layout",
     "payload_size",
     "row_copies",
+    "row_regions",
 ]
 
 SUPER_BLOCKS = 8  # blocks of 32 per k* super-block (256 values)
@@ -174,29 +175,37 @@ def as_payload_array(
     return flat
 
 
-def row_copies(layout: PayloadLayout, start: int, stop: int) -> tuple[PayloadLayout, list[tuple[int, int, int]]] | None:
-    """How to cut rows ``start..stop`` out of a payload: the part's layout and ``(source offset, size, destination
-    offset)`` byte copies that fill it (the gaps between regions stay as the caller made them).
-
-    Every per-block region is stored row-major, so a row range is one contiguous run of each; the int* tensor scale
-    and zero point are copied whole. None when rows do not start on a byte (int4 with an odd number of columns).
-    """
-    if not 0 <= start < stop <= layout.rows:
-        raise MCFError(f"rows ({start}, {stop}) are not a non-empty range within 0..{layout.rows}")
-    part = payload_layout(layout.method, stop - start, layout.cols, domain=layout.domain)
-    copies: list[tuple[int, int, int]] = []
+def row_regions(layout: PayloadLayout) -> list[tuple[Region, int | None]] | None:
+    """The payload's regions in order, each with its bytes per row, or None for a region that holds one value for the
+    whole tensor (the int* scale and zero point). Every per-block region is stored row-major, so rows ``a..b`` of a
+    region are one contiguous run. None when rows do not start on a byte (int4 with an odd number of columns)."""
     if layout.method.family == "int":
         if layout.cols * layout.bits % 8:
             return None
-        copies.append((layout.scales.offset, layout.scales.size, part.scales.offset))
-        if layout.zero is not None and part.zero is not None:
-            copies.append((layout.zero.offset, layout.zero.size, part.zero.offset))
-        regions = [(layout.data, part.data)]
-    else:
-        regions = [(layout.scales, part.scales), (layout.data, part.data)]
-        if layout.sub_scales is not None and part.sub_scales is not None:
-            regions.insert(1, (layout.sub_scales, part.sub_scales))
-    for whole, cut in regions:
-        per_row = whole.size // layout.rows
-        copies.append((whole.offset + start * per_row, (stop - start) * per_row, cut.offset))
+        shared: list[tuple[Region, int | None]] = [(layout.scales, None)]
+        if layout.zero is not None:
+            shared.append((layout.zero, None))
+        return [*shared, (layout.data, layout.cols * layout.bits // 8)]
+    regions = [layout.scales, *([layout.sub_scales] if layout.sub_scales is not None else []), layout.data]
+    return [(region, region.size // layout.rows) for region in regions]
+
+
+def row_copies(layout: PayloadLayout, start: int, stop: int) -> tuple[PayloadLayout, list[tuple[int, int, int]]] | None:
+    """How to cut rows ``start..stop`` out of a payload: the part's layout and ``(source offset, size, destination
+    offset)`` byte copies that fill it (the gaps between regions stay as the caller made them). None when rows do
+    not start on a byte (`row_regions`)."""
+    if not 0 <= start < stop <= layout.rows:
+        raise MCFError(f"rows ({start}, {stop}) are not a non-empty range within 0..{layout.rows}")
+    whole = row_regions(layout)
+    if whole is None:
+        return None
+    part = payload_layout(layout.method, stop - start, layout.cols, domain=layout.domain)
+    cut = row_regions(part)
+    assert cut is not None  # same columns, so the same byte alignment
+    copies = [
+        (region.offset, region.size, into.offset)
+        if per_row is None
+        else (region.offset + start * per_row, (stop - start) * per_row, into.offset)
+        for (region, per_row), (into, _) in zip(whole, cut, strict=True)
+    ]
     return part, copies
