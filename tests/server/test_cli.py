@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -68,3 +70,44 @@ def test_serve_missing_repository(tmp_path: Path, missing: str) -> None:
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert result.returncode == 1 and "is not a directory" in result.stderr
+
+
+def _status(url: str) -> int:
+    try:
+        return int(urllib.request.urlopen(url).status)
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return 0
+
+
+def _states(port: int) -> dict[str, str]:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v2/repository/index", data=b"{}", method="POST")
+    try:
+        with urllib.request.urlopen(request) as response:
+            return {entry["name"]: entry.get("state", "") for entry in json.loads(response.read())}
+    except OSError:
+        return {}
+
+
+@pytest.mark.parametrize("strict, ready", [(True, 400), (False, 200)])
+def test_serve_strict_readiness(repository: Path, strict: bool, ready: int) -> None:
+    """The repository's `broken` model fails to load at start: with --strict-readiness the server is not ready."""
+    port = _free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "carton", "serve", str(repository), "--http-port", str(port), "--no-grpc",
+         *(["--strict-readiness"] if strict else [])],
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        # Every model of the repository loads at start; `broken` fails.
+        while set(_states(port).values()) != {"READY", "UNAVAILABLE"}:
+            assert process.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        assert _status(f"http://127.0.0.1:{port}/v2/health/ready") == ready
+        process.send_signal(signal.SIGINT)
+        assert process.wait(30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()

@@ -121,6 +121,11 @@ def register(subparsers: Any) -> None:
         "--load-timeout", type=float, default=300.0, metavar="SECONDS",
         help="a model load taking longer fails and is reported UNAVAILABLE (default: 300)",
     )  # fmt: skip
+    parser.add_argument(
+        "--strict-readiness", action="store_true",
+        help="as Triton's --strict-readiness: /v2/health/ready is false while a model that was asked for failed to "
+        "load (until it loads or is unloaded); by default readiness only waits for loads and unloads in progress",
+    )  # fmt: skip
     parser.set_defaults(func=_serve)
 
 
@@ -165,6 +170,7 @@ def _serve(args: argparse.Namespace) -> int:
             sandbox=args.sandbox,
             upload_sandbox=args.upload_sandbox,
             load_timeout=args.load_timeout,
+            strict_readiness=args.strict_readiness,
         ),
     )
     return 0

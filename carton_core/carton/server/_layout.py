@@ -5,6 +5,7 @@ Layout (like Triton's)::
     REPO/<model>/config.json            optional serving config (see `carton.server._config`)
     REPO/<model>/<version>/model.carton a packed carton, or an unpacked carton folder of that name
     REPO/<model>/<version>/carton.toml  ... or the version folder itself is an unpacked carton
+    REPO/<model>/<version>/<file>       ... or the version folder's only file is a packed carton (any name)
     REPO/<model>.carton                 shorthand for version 1 of <model>
 """
 
@@ -25,6 +26,7 @@ __all__ = [
     "Scrubber",
     "list_models",
     "make_upload_root",
+    "scan_model_folder",
     "scan_versions",
     "sweep_stale_upload_roots",
     "validate_model_name",
@@ -52,16 +54,22 @@ def validate_model_name(name: str) -> str:
 
 
 def _version_path(folder: Path) -> Path | None:
+    """What a version folder serves: ``model.carton``, the folder itself when it is an unpacked carton, or its one
+    file whatever that file is called (``file:1/model.bin``: Triton clients name uploads after their backends)."""
     packed = folder / "model.carton"
     if packed.exists():
         return packed
     if (folder / "carton.toml").is_file():
         return folder
+    entries = list(folder.iterdir())
+    if len(entries) == 1 and entries[0].is_file():
+        return entries[0]
     return None
 
 
 def scan_versions(root: Path, name: str) -> tuple[dict[int, Path], Path | None]:
-    """The versions of model `name` under `root` and its ``config.json`` (if any); `RepositoryError` if none."""
+    """The versions of model `name` in the repository `root` and its ``config.json`` (if any); `RepositoryError` if
+    none."""
     folder = root / name
     packed = root / f"{name}.carton"
     if folder.is_dir() and packed.exists():
@@ -70,21 +78,30 @@ def scan_versions(root: Path, name: str) -> tuple[dict[int, Path], Path | None]:
         return {1: packed}, None
     if not folder.is_dir():
         raise RepositoryError(f"failed to load {name!r}: no such model in the repository")
+    config = folder / "config.json"
+    return scan_model_folder(folder, name), config if config.is_file() else None
+
+
+def scan_model_folder(folder: Path, name: str) -> dict[int, Path]:
+    """The version folders of model `name` in `folder` (the repository's or an upload's); `RepositoryError` naming
+    the model, never the folder, if there is none."""
     versions: dict[int, Path] = {}
     problems: list[str] = []
-    for child in folder.iterdir():
+    for child in sorted(folder.iterdir()):
         if not child.is_dir() or not child.name.isdigit() or child.name != str(int(child.name)) or child.name == "0":
             continue
         path = _version_path(child)
         if path is None:
-            problems.append(f"version {child.name} holds neither model.carton nor an unpacked carton (carton.toml)")
+            problems.append(
+                f"version {child.name} holds neither model.carton, an unpacked carton (carton.toml), nor a single "
+                "carton file"
+            )
         else:
             versions[int(child.name)] = path
     if not versions:
         detail = "; ".join(problems) if problems else "it has no version folders (REPO/<model>/<version>/model.carton)"
         raise RepositoryError(f"failed to load {name!r}: {detail}")
-    config = folder / "config.json"
-    return versions, config if config.is_file() else None
+    return versions
 
 
 def list_models(root: Path) -> list[str]:

@@ -10,7 +10,10 @@ a reason such as ``unloaded`` or the load error). Concurrency rules:
   model under a running request; after an unload, lookups fail with `ModelNotFound` (404).
 - A load never hangs: the loader runs in a thread under ``load_timeout``; on timeout the version is reported
   ``UNAVAILABLE`` with the reason, and whatever the loader eventually returns is closed.
-- Server readiness is false while any load or unload is in progress.
+- Server readiness is false while any load or unload is in progress; with ``strict_readiness`` (Triton's
+  ``--strict-readiness``) also while any model that was asked for is not ``READY``, unless it was unloaded.
+- A load that fails before any version is chosen (a bad ``config.json``, no version folder) is reported for the
+  model as a whole: ``UNAVAILABLE`` with the reason, and no version.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from ..errors import BadRequest, CartonError, ModelNotFound, RepositoryError, Se
 from ._batcher import DynamicBatcher
 from ._config import ModelConfig, parse_config
 from ._handle import LoadSpec, ModelHandle, ModelLoader
-from ._layout import Scrubber, list_models, scan_versions, validate_model_name, write_upload
+from ._layout import Scrubber, list_models, scan_model_folder, scan_versions, validate_model_name, write_upload
 from ._stats import ServerMetrics, VersionStats
 
 __all__ = ["ModelRepository", "ModelState", "RepositoryOptions", "ServedVersion"]
@@ -57,6 +60,12 @@ class RepositoryOptions:
     explicit: bool = True
     load_timeout: float = 300.0
     unload_timeout: float = 60.0
+    #: Triton's ``--strict-readiness``: the server is not ready while a model that was asked for failed to load.
+    strict_readiness: bool = False
+
+
+#: The reason of a version (or model) that is unavailable because it was unloaded, as Triton words it.
+UNLOADED = "unloaded"
 
 
 class ServedVersion:
@@ -155,7 +164,7 @@ def _close_quietly(handle: ModelHandle) -> None:
 
 
 class _Model:
-    __slots__ = ("lock", "name", "serving", "statuses", "upload_dir", "users")
+    __slots__ = ("failure", "lock", "name", "serving", "statuses", "upload_dir", "users")
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -165,7 +174,16 @@ class _Model:
         self.serving: dict[int, ServedVersion] = {}
         # What the index reports per version, including versions that are not serving (failed, unloaded).
         self.statuses: dict[int, tuple[ModelState, str]] = {}
+        # Why the last load failed before any version was chosen (a bad config.json, no version folder), or
+        # `UNLOADED` once an unload has cleared that; None when the model's versions say it all.
+        self.failure: str | None = None
         self.upload_dir: Path | None = None
+
+    def failed(self) -> bool:
+        """Whether a load of this model failed and no later load or unload settled it (strict readiness)."""
+        if self.failure not in (None, UNLOADED):
+            return True
+        return any(state is not ModelState.READY and reason != UNLOADED for state, reason in self.statuses.values())
 
 
 class ModelRepository:
@@ -221,7 +239,12 @@ class ModelRepository:
         return served
 
     def is_ready(self) -> bool:
-        return self._transitions == 0
+        """No load or unload in progress; under ``strict_readiness`` also no model asked for that is not ready."""
+        if self._transitions:
+            return False
+        if not self.options.strict_readiness:
+            return True
+        return not any(model.failed() for model in self._models.values())
 
     def model_ready(self, name: str, version: str = "") -> bool:
         try:
@@ -240,13 +263,15 @@ class ModelRepository:
     def index(self, *, ready_only: bool = False) -> list[dict[str, str]]:
         """Every model of the repository folder or loaded by upload, one entry per version it has a state for."""
         entries: list[dict[str, str]] = []
-        known = {name for name, model in self._models.items() if model.statuses}
+        known = {name for name, model in self._models.items() if model.statuses or model.failure}
         for name in sorted(set(list_models(self.root)) | known):
             model = self._models.get(name)
-            if model is None or not model.statuses:
+            if model is None or not (model.statuses or model.failure):
                 if not ready_only:
                     entries.append({"name": name})
                 continue
+            if model.failure is not None and not model.serving and not ready_only:
+                entries.append({"name": name, "state": ModelState.UNAVAILABLE.value, "reason": model.failure})
             for version, (state, reason) in sorted(model.statuses.items()):
                 if ready_only and state is not ModelState.READY:
                     continue
@@ -294,7 +319,7 @@ class ModelRepository:
         model.users -= 1
         if model.users or model.serving or self._models.get(model.name) is not model:
             return
-        if not model.statuses or not self._exists(model.name):
+        if not (model.statuses or model.failure) or not self._exists(model.name):
             # A name that resolved nowhere, or an upload that is not serving (failed or unloaded; the load answer
             # carried the reason): nothing is kept for it, so a client cannot grow the index with names.
             del self._models[model.name]
@@ -304,34 +329,44 @@ class ModelRepository:
         async with model.lock:
             self._transitions += 1
             upload_dir: Path | None = None
+            versions_chosen = False
             try:
+                source = "the 'config' parameter"
                 if files:
                     upload_dir = await asyncio.get_running_loop().run_in_executor(
                         None, write_upload, self._upload_root, name, dict(files)
                     )
-                    available, _ = scan_versions(upload_dir.parent, upload_dir.name)
+                    available = scan_model_folder(upload_dir, name)
                     sandbox = self.options.upload_sandbox
                 else:
                     available, config_file = scan_versions(self.root, name)
                     sandbox = self.options.sandbox
                     if config is None and config_file is not None:
                         config = config_file.read_text(encoding="utf-8", errors="replace")
-                source = "the 'config' parameter" if files or config is not None else "config.json"
+                        source = "config.json"
                 parsed = parse_config(config, model=name, source=source) if config is not None else ModelConfig()
                 chosen = parsed.version_policy.select(list(available))
                 if not chosen:
                     raise RepositoryError(
                         f"failed to load {name!r}: its version_policy selects none of versions {sorted(available)}"
                     )
+                versions_chosen = True
                 loaded = await self._load_versions(model, parsed, {v: available[v] for v in chosen}, sandbox)
             except CartonError as exc:
                 if upload_dir is not None:
                     shutil.rmtree(upload_dir, ignore_errors=True)
                 if isinstance(exc, ServerError):
-                    raise  # composed by the server from names: nothing to scrub, client names stay verbatim
-                raise RepositoryError(f"failed to load {name!r}: {self.scrub(str(exc))}") from exc
+                    failure: ServerError = exc  # composed by the server from names: client names stay verbatim
+                else:
+                    failure = RepositoryError(f"failed to load {name!r}: {self.scrub(str(exc))}")
+                if not versions_chosen and not files:
+                    model.failure = str(failure)
+                if failure is exc:
+                    raise
+                raise failure from exc
             finally:
                 self._transitions -= 1
+            model.failure = None
             previous, old_upload = model.serving, model.upload_dir
             model.serving = loaded
             model.upload_dir = upload_dir
@@ -425,6 +460,13 @@ class ModelRepository:
             old_upload = model.upload_dir
             model.serving = {}
             model.upload_dir = None
+            # Failed loads are settled too: the model is no longer asked for (Triton keeps their reasons, so its
+            # strict readiness stays false until the server restarts).
+            if model.failure is not None:
+                model.failure = UNLOADED
+            for version, (state, _) in model.statuses.items():
+                if state is ModelState.UNAVAILABLE:
+                    model.statuses[version] = (ModelState.UNAVAILABLE, UNLOADED)
             for old in retiring:
                 model.statuses[old.version] = (ModelState.UNLOADING, "")
             self._transitions += 1
@@ -459,7 +501,7 @@ class ModelRepository:
                     continue
                 self._metrics.forget(model.name, served.version_str)
                 if model.statuses.get(served.version, (None,))[0] is not ModelState.READY:
-                    model.statuses[served.version] = (ModelState.UNAVAILABLE, "unloaded")
+                    model.statuses[served.version] = (ModelState.UNAVAILABLE, UNLOADED)
             if upload_dir is not None:
                 shutil.rmtree(upload_dir, ignore_errors=True)
         finally:

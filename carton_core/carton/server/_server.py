@@ -54,6 +54,8 @@ class ServerOptions:
     upload_sandbox: str | None = "best_effort"
     load_timeout: float = 300.0
     unload_timeout: float = 60.0
+    #: Triton's ``--strict-readiness``: not ready while a model that was asked for failed to load.
+    strict_readiness: bool = False
     loader: ModelLoader = field(default=load_carton)
 
 
@@ -89,6 +91,7 @@ class Server:
                 explicit=explicit,
                 load_timeout=options.load_timeout,
                 unload_timeout=options.unload_timeout,
+                strict_readiness=options.strict_readiness,
             ),
         )
         self.app = HttpApp(
