@@ -10,6 +10,7 @@ import os
 import signal
 import time
 from collections.abc import Mapping
+from pathlib import Path
 
 import numpy as np
 from carton_protocol import DType, LoadContext, PackContext, PackResult, Runner, Tensor, TensorSpec
@@ -17,6 +18,8 @@ from carton_protocol import DType, LoadContext, PackContext, PackResult, Runner,
 CRASH = 666.0  # x[0] == CRASH: the runner dies of SIGSEGV mid-request
 SLEEP = 777.0  # x[0] == SLEEP: sleep x[1] seconds first (GIL released)
 WRONG = 888.0  # x[0] == WRONG: return y as float64 (an output that breaks its declared dtype)
+#: An environment variable naming a file that a SLEEP request touches before it sleeps.
+STARTED_MARKER = "CARTON_TEST_SLEEP_STARTED"
 
 KNOWN_OPTS = ("scale", "fail_load")
 
@@ -42,6 +45,9 @@ class Affine(Runner):
         if first == CRASH:
             os.kill(os.getpid(), signal.SIGSEGV)
         if first == SLEEP:
+            started = os.environ.get(STARTED_MARKER)
+            if started:
+                Path(started).touch()  # tells a test watching from outside that the request is in the runner
             time.sleep(float(x.flat[1]))
         y = x * self.scale + self.offset
         if first == WRONG:

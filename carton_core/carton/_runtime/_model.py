@@ -262,7 +262,8 @@ class Model:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
     ) -> None:
-        self.close()
+        # Ctrl-C means now: a runner busy with the interrupted request would only answer close when done with it.
+        self.close(timeout=0.0 if exc_type is not None and issubclass(exc_type, KeyboardInterrupt) else 5.0)
 
     def __repr__(self) -> str:
         name = self._info.model_name or self._model_dir.name

@@ -20,10 +20,13 @@ _COMMAND_MODULES: tuple[str, ...] = ("_format", "_mcf", "_environments", "_serve
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .. import __version__
+
     parser = argparse.ArgumentParser(
         prog="carton",
         description="Package ML models as .carton files and run them in isolated runner processes.",
     )
+    parser.add_argument("--version", action="version", version=f"carton {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _COMMAND_MODULES:
         importlib.import_module(f"{__name__}.{name}").register(subparsers)
@@ -56,6 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"carton: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        print("carton: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
         # The reader went away (`carton info ... | head`): not an error of ours. Point stdout at /dev/null so the

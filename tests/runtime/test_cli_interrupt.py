@@ -1,0 +1,84 @@
+"""Ctrl-C during a long `carton infer`: the command stops at once, kills the runner, says so, and exits 130."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import carton
+import numpy as np
+import pytest
+
+from .runtime_test_runners import SLEEP, STARTED_MARKER
+
+pytestmark = pytest.mark.usefixtures("runtime_plugin")
+
+DRIVER = Path(__file__).with_name("cli_with_test_runners.py")
+#: How long `Model.close` lets a runner finish before killing it: an interrupted command must not wait for it.
+GRACEFUL_CLOSE_SECONDS = 5.0
+
+
+def _descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(parent, []).append(int(entry))
+    found: set[int] = set()
+    pending = [pid]
+    while pending:
+        for child in children.get(pending.pop(), []):
+            if child not in found:
+                found.add(child)
+                pending.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process tree from /proc")
+def test_ctrl_c_during_a_long_infer_stops_promptly_and_says_so(affine_dir: Path, tmp_path: Path) -> None:
+    packed = carton.pack(affine_dir, tmp_path / "affine.carton", runner_name="affine",
+                         required_framework_version="^1")  # fmt: skip
+    np.save(tmp_path / "x.npy", np.array([[SLEEP, 600.0]], dtype=np.float32))
+    started = tmp_path / "started"
+    process = subprocess.Popen(
+        [sys.executable, str(DRIVER), "infer", str(packed), "-i", f"x={tmp_path / 'x.npy'}"],
+        env={**os.environ, STARTED_MARKER: str(started)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not started.exists():
+            assert process.poll() is None, process.communicate()
+            assert time.monotonic() < deadline, "the request never reached the runner"
+            time.sleep(0.05)
+        runners = _descendants(process.pid)
+        assert runners
+        process.send_signal(signal.SIGINT)
+        interrupted = time.monotonic()
+        stdout, stderr = process.communicate(timeout=60)
+        waited = time.monotonic() - interrupted
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 130
+    assert stdout == b""
+    assert stderr.decode().strip() == "carton: interrupted", stderr
+    # It did not give the runner its graceful close: the request it was running will never be read.
+    assert waited < GRACEFUL_CLOSE_SECONDS, waited
+    assert not [pid for pid in runners if _alive(pid)]
