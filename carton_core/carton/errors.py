@@ -46,7 +46,8 @@
         └── RepositoryError         a repository load or unload failed: config, files, carton, timeout (400)
             └── UploadDisabled      a load sent `file:` payloads to a server started with uploads off (403)
 
-Warnings: `CartonWarning` (root), `RunnerWarning` (a runner's warning, e.g. unknown options), `SandboxWarning`.
+Warnings: `CartonWarning` (root), `RunnerWarning` (a runner's warning, e.g. unknown options), `SandboxWarning`,
+`PlatformWarning` (a carton packed for platforms of which this machine is none).
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ __all__ = [
     "ModelUnavailable",
     "NoCompatibleRunner",
     "PackError",
+    "PlatformWarning",
     "ProtocolMismatch",
     "RepositoryError",
     "RequestTooLarge",
@@ -325,3 +327,7 @@ class RunnerWarning(CartonWarning):
 
 class SandboxWarning(CartonWarning):
     """A sandbox layer is missing under the best_effort policy."""
+
+
+class PlatformWarning(CartonWarning):
+    """A carton is packed with ``required_platforms`` that leave out this machine: it will not load here."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import warnings
 from pathlib import Path
 
 import carton
@@ -152,16 +153,53 @@ def test_cli_infer(affine_carton: Path, tmp_path: Path, capsys: pytest.CaptureFi
     assert main(["infer", str(affine_carton), "-i", str(tmp_path / "x.npy")]) == 0
     capsys.readouterr()
     # bad inputs: typed errors, exit status 1, a message naming the file or tensor
-    (tmp_path / "junk.npy").write_bytes(b"not numpy")
-    assert main(["infer", str(affine_carton), "-i", f"x={tmp_path / 'junk.npy'}"]) == 1
-    assert "is not a readable numpy .npy/.npz file" in capsys.readouterr().err
+    # Files that are not .npy/.npz are named as such; numpy's advice to unpickle is never passed on.
+    for name, data, expected in (
+        ("junk.npy", b"not numpy", "junk.npy is not a valid .npy file"),
+        ("text.npy", b"x,y\n1,2\n", "text.npy is not a valid .npy file"),
+        ("junk.npz", b"not a zip", "junk.npz is not a valid .npz file"),
+        ("empty.npy", b"", "empty.npy is not a valid .npy file"),
+    ):
+        (tmp_path / name).write_bytes(data)
+        assert main(["infer", str(affine_carton), "-i", f"x={tmp_path / name}"]) == 1
+        err = capsys.readouterr().err
+        assert expected in err and "pickle" not in err.lower(), err
     np.save(tmp_path / "objects.npy", np.array([1, "a"], dtype=object), allow_pickle=True)
     assert main(["infer", str(affine_carton), "-i", f"x={tmp_path / 'objects.npy'}"]) == 1
-    assert "objects.npy is not a readable numpy" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "objects.npy holds Python objects (dtype object)" in err and "pickle" not in err.lower(), err
+    np.savez(tmp_path / "objects.npz", a=np.array([1, "a"], dtype=object), allow_pickle=True)
+    assert main(["infer", str(affine_carton), "-i", f"x={tmp_path / 'objects.npz'}"]) == 1
+    err = capsys.readouterr().err
+    assert "objects.npz holds Python objects (dtype object)" in err and "pickle" not in err.lower(), err
     assert main(["infer", str(affine_carton), "-i", f"x={tmp_path / 'x.npy'}", "-i", str(tmp_path / "x.npy")]) == 1
     assert "not a mix" in capsys.readouterr().err
     assert main(["infer", str(affine_carton), "-i", f"z={tmp_path / 'x.npy'}"]) == 1
     assert "unknown input 'z'" in capsys.readouterr().err
+
+
+def test_pack_warns_when_no_required_platform_is_this_machine(affine_dir: Path, tmp_path: Path) -> None:
+    host = carton.target_triple()
+    foreign = ["aarch64-apple-darwin", "x86_64-pc-windows-msvc"]
+    foreign = [triple for triple in foreign if triple != host]
+    with pytest.warns(carton.PlatformWarning, match=rf"this machine is {host}") as caught:
+        packed = carton.pack(affine_dir, tmp_path / "foreign.carton", runner_name="affine",
+                             required_framework_version="^1", required_platforms=foreign)
+    assert all(triple in str(caught[0].message) for triple in foreign)
+    assert issubclass(carton.PlatformWarning, carton.CartonWarning)
+    assert list(carton.get_model_info(packed).required_platforms) == foreign
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", carton.PlatformWarning)
+        carton.pack(affine_dir, tmp_path / "here.carton", runner_name="affine", required_framework_version="^1",
+                    required_platforms=[*foreign, host])
+        carton.pack(affine_dir, tmp_path / "any.carton", runner_name="affine", required_framework_version="^1")
+
+
+def test_cli_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out.strip() == f"carton {carton.__version__}"
 
 
 def test_cli_output_names_cannot_escape(tmp_path: Path) -> None:

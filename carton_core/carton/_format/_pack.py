@@ -22,7 +22,8 @@ from carton_protocol import OptValue, TensorSpec
 
 from .. import _paths
 from .._progress import Progress
-from ..errors import ConfigError, PackError, UnsafeArchive
+from .._warnings import warn_user
+from ..errors import ConfigError, PackError, PlatformWarning, UnsafeArchive
 from ._config import RawExample, RawSelfTest, serialize_carton_toml
 from ._config import _tensor_spec as tensor_spec_from_table
 from ._info import MiscRef, RunnerInfo, SelfTest, TensorRef
@@ -264,6 +265,7 @@ def pack(
     method = COMPRESSION_METHODS.get(compression)
     if method is None:
         raise PackError(f"compression {compression!r} is not one of {', '.join(COMPRESSION_METHODS)}")
+    _warn_if_foreign(required_platforms)
     inputs_t, outputs_t = _check_specs("inputs", inputs), _check_specs("outputs", outputs)
     is_folder = isinstance(model_dir_or_object, str | os.PathLike)
     if output is None and not is_folder:
@@ -337,6 +339,21 @@ def pack(
             raise PackError(f"carton.toml cannot hold these values: {exc}") from exc
         _write(destination, _model_files(model_dir), contents.files, dict(linked_files or {}), method)
     return destination
+
+
+def _warn_if_foreign(required_platforms: Sequence[str]) -> None:
+    """Packing for other machines is legitimate, but a carton this machine cannot load is worth saying at once."""
+    if not required_platforms:
+        return
+    from .._runtime import target_triple
+
+    host = target_triple()
+    if host not in required_platforms:
+        warn_user(
+            f"required_platforms allows only {', '.join(required_platforms)} and this machine is {host}: the carton "
+            f"will not load here (add {host} to required_platforms to load it on this machine too)",
+            PlatformWarning,
+        )
 
 
 def _write(

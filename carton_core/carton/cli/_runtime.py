@@ -186,17 +186,37 @@ def _selftest(args: argparse.Namespace) -> int:
 # --- carton infer ----------------------------------------------------------------------------------------------------
 
 
+_NPY_MAGIC = b"\x93NUMPY"
+_ZIP_MAGIC = b"PK\x03\x04"
+
+
 def _read_tensor(argument: str, path: Path) -> Tensor:
+    # numpy takes a file that is neither .npy nor .npz for a pickle and suggests allow_pickle=True: the format is
+    # checked here first, and pickles are never read.
     try:
-        if path.suffix == ".npz":
+        with path.open("rb") as stream:
+            magic = stream.read(len(_NPY_MAGIC))
+    except FileNotFoundError:
+        raise InvalidInput(f"--input {argument}: {path} does not exist") from None
+    except OSError as exc:
+        raise InvalidInput(f"--input {argument}: {path} cannot be read: {exc.strerror}") from exc
+    kind = ".npz" if path.suffix == ".npz" or magic.startswith(_ZIP_MAGIC) else ".npy"
+    if not magic.startswith(_ZIP_MAGIC if kind == ".npz" else _NPY_MAGIC):
+        expected = "a zip archive of .npy files" if kind == ".npz" else "it does not start with the .npy header"
+        raise InvalidInput(f"--input {argument}: {path} is not a valid {kind} file ({expected})")
+    try:
+        if kind == ".npz":
             with np.load(path, allow_pickle=False) as archive:
                 keys = sorted(archive.files, key=lambda k: (not k.isdigit(), int(k) if k.isdigit() else 0, k))
                 return [np.asarray(archive[key]) for key in keys]
         value = np.load(path, allow_pickle=False)
-    except FileNotFoundError:
-        raise InvalidInput(f"--input {argument}: {path} does not exist") from None
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
-        raise InvalidInput(f"--input {argument}: {path} is not a readable numpy .npy/.npz file: {exc}") from exc
+        if "allow_pickle" in str(exc):
+            raise InvalidInput(
+                f"--input {argument}: {path} holds Python objects (dtype object); carton reads numeric, bool and "
+                "string arrays only"
+            ) from None
+        raise InvalidInput(f"--input {argument}: {path} is not a valid {kind} file: {exc}") from exc
     if not isinstance(value, np.ndarray):
         raise InvalidInput(f"--input {argument}: {path} holds several arrays; use .npz for a nested tensor")
     return value
