@@ -58,3 +58,34 @@ def test_help_is_complete(command: str) -> None:
     assert sub.description
     for action in sub._actions:
         assert action.help, f"{command} {action.dest} has no help"
+
+
+def test_verify_a_folder_that_is_no_carton_reports_nothing_ok(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "file.txt").write_text("hello")
+    assert main(["verify", str(tmp_path / "notes")]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "", captured.out
+    assert "carton.toml is missing" in captured.err
+
+
+def test_verify_says_linked_files_were_not_checked(
+    model_dir: Path, tmp_path: Path, cache: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    digest = hashlib.sha256((model_dir / "weights.bin").read_bytes()).hexdigest()
+    out = tmp_path / "linked.carton"
+    link = f"{digest}=http://127.0.0.1:9/w"
+    assert main(["pack", str(model_dir), "-o", str(out), "--runner", "r", "--framework-version", "*",
+                 "--compat-version", "1", "--no-validate", "--link", link]) == 0  # fmt: skip
+    capsys.readouterr()
+    assert main(["verify", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert "linked model/weights.bin" in captured.out
+    assert "valid carton" not in captured.out, captured.out
+    assert "1 linked file (model/weights.bin) was not checked" in captured.err
+    assert "--fetch-links" in captured.err
+    assert main(["verify", "-q", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == "" and "was not checked" in captured.err

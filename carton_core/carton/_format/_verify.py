@@ -25,10 +25,12 @@ def verify(
 
     Every file in the zip (or directory) is streamed and hashed. Files only reachable through LINKS are fetched
     and checked when ``fetch_links`` is true and skipped otherwise. ``on_file(path, status)`` reports progress
-    (status ``"ok"`` or ``"linked"``).
+    (status ``"ok"``, or ``"linked"`` for a file that was not checked), once carton.toml has been read.
     """
     limits = limits or DEFAULT_LIMITS
     with open_reader(path_or_url, limits, _paths.cache_dir()) as reader:
+        # carton.toml first: a folder that is not a carton is refused before any of its files is reported "ok".
+        info = build_info(reader, read=lambda p: reader.read(p, limits.max_total_size))
         for path in sorted(reader.manifest):
             if path in reader.present or fetch_links:
                 reader.verify_file(path)
@@ -37,7 +39,6 @@ def verify(
                 status = "linked"
             if on_file is not None:
                 on_file(path, status)
-        info = build_info(reader, read=lambda p: reader.read(p, limits.max_total_size))
         if INDEX_PATH in reader.manifest:
             with located(reader.location):
                 index = parse_index(reader.read(INDEX_PATH), limits.max_toml_depth)

@@ -36,7 +36,9 @@ def register(subparsers: Any) -> None:
         "verify",
         help="check every file of a carton against its MANIFEST",
         description="Read every file of a carton, check each against MANIFEST, parse carton.toml and "
-        "tensor_data, and load every tensor. Exits 0 when the carton is valid, 1 naming the first bad file.",
+        "tensor_data, and load every tensor. Exits 0 when the carton is valid, 1 naming the first bad file. Files "
+        "listed in LINKS are checked only with --fetch-links; without it they are listed as 'linked' and said to be "
+        "unchecked.",
     )
     check.add_argument("path", metavar="PATH|URL", help=".carton file, unpacked carton directory, or http(s) URL")
     check.add_argument("--fetch-links", action="store_true", help="also download and check files listed in LINKS")
@@ -171,12 +173,28 @@ def _info(args: argparse.Namespace) -> int:
 
 # --- verify ---------------------------------------------------------------------------------------------------
 def _verify(args: argparse.Namespace) -> int:
+    unchecked: list[str] = []
+
     def report(path: str, status: str) -> None:
+        if status == "linked":
+            unchecked.append(path)
         if not args.quiet:
             print(f"{status:<6} {path}")
 
     info = verify(args.path, fetch_links=args.fetch_links, on_file=report)
-    if not args.quiet:
+    if unchecked:
+        # Not "valid": what LINKS points at was neither downloaded nor hashed.
+        files = f"{len(unchecked)} linked file{'s' if len(unchecked) > 1 else ''} ({', '.join(unchecked[:3])}"
+        files += ", ...)" if len(unchecked) > 3 else ")"
+        verb = "were" if len(unchecked) > 1 else "was"
+        print(
+            f"carton: {files} {verb} not checked; give --fetch-links to download and check "
+            f"{'them' if len(unchecked) > 1 else 'it'}",
+            file=sys.stderr,
+        )
+        if not args.quiet:
+            print(f"every file in the carton is valid, model hash {info.manifest_sha256}")
+    elif not args.quiet:
         print(f"valid carton, model hash {info.manifest_sha256}")
     return 0
 
