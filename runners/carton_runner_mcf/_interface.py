@@ -24,6 +24,7 @@ __all__ = [
     "WEIGHT_CACHES",
     "Mode",
     "RunnerOptions",
+    "check_declared_mode",
     "check_positions",
     "check_room_for_a_prompt",
     "default_specs",
@@ -136,6 +137,29 @@ def parse_options(opts: Mapping[str, OptValue]) -> tuple[RunnerOptions, list[str
             "its part of every matrix decoded, and 'packed' decodes the whole payload on every call"
         )
     return options, unknown
+
+
+def check_declared_mode(mode: Mode, inputs: tuple[TensorSpec, ...], outputs: tuple[TensorSpec, ...]) -> None:
+    """At load: the carton's declared tensors were chosen for the mode it was packed with. A load-time ``mode``
+    override that disagrees would fail only at the first request ("did not return output 'logits'"): refuse it now,
+    saying where the mode is chosen."""
+    names = {spec.name for spec in inputs} | {spec.name for spec in outputs}
+
+    def serves(candidate: Mode) -> bool:
+        return {spec.name for spec in inputs} <= set(INPUT_DTYPES[candidate]) and {
+            spec.name for spec in outputs
+        } <= set(OUTPUT_DTYPES[candidate])
+
+    if not names or serves(mode):
+        return
+    packed = next((candidate for candidate in Mode if serves(candidate)), None)
+    declared = ", ".join(sorted(spec.name for spec in outputs)) or "none"
+    packed_text = f"packed in {packed.value!r} mode" if packed is not None else "packed for another interface"
+    raise ConfigError(
+        f"runner option mode = {mode.value!r} does not match this carton, which was {packed_text} (its outputs: "
+        f"{declared}): the mode is chosen at pack time, with the interface it declares; pack the model again with "
+        f"mode = {mode.value!r} to serve it that way"
+    )
 
 
 def check_room_for_a_prompt(options: RunnerOptions, max_positions: int) -> None:

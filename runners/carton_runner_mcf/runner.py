@@ -18,6 +18,7 @@ from ._interface import (
     OUTPUT_DTYPES,
     Mode,
     RunnerOptions,
+    check_declared_mode,
     check_positions,
     check_room_for_a_prompt,
     default_specs,
@@ -90,6 +91,7 @@ class MCFRunner(Runner):
         self._options, unknown = parse_options(context.opts)
         if unknown:
             context.warn(f"mcf runner: unknown runner options ignored: {', '.join(sorted(unknown))}")
+        check_declared_mode(self._options.mode, context.inputs, context.outputs)
         path = find_model_file(context.model_dir, self._options.model_file)
         check_processes_supported(self._options.processes)
         self._mcf = MCFFile.open(path)

@@ -106,3 +106,21 @@ def test_bad_runner_option_fails_the_load_out_of_process(mcf_model: Callable[...
             required_framework_version=">=0.1",
             runner_opts={"mode": "generate", "max_new_tokens": -1},
         )
+
+
+@pytest.mark.parametrize("packed_mode, asked_mode", [("logits", "generate"), ("generate", "logits")])
+def test_overriding_the_mode_at_load_says_it_is_chosen_at_pack_time(
+    mcf_model: Callable[..., Path], tmp_path: Path, packed_mode: str, asked_mode: str
+):
+    """The declared interface follows the packed mode, so a load-time override fails at load, saying why."""
+    folder = mcf_model("base")
+    path = carton.pack(folder, tmp_path / f"{packed_mode}.carton", runner_name="mcf", required_framework_version="*",
+                       runner_opts={"mode": packed_mode})  # fmt: skip
+    with pytest.raises(carton.RunnerStartError) as caught:
+        carton.load(path, runner_opts={"mode": asked_mode})
+    message = str(caught.value)
+    assert f"runner option mode = {asked_mode!r}" in message and "chosen at pack time" in message, message
+    assert f"packed in {packed_mode!r} mode" in message, message
+    assert "did not return output" not in message
+    with carton.load(path, runner_opts={"mode": packed_mode}) as model:  # the packed mode itself is fine
+        assert model.info.runner.opts["mode"] == packed_mode
