@@ -1,4 +1,4 @@
-"""``python -m carton.server._proto``: generate ``kserve_v2_pb2.py`` in place (what the build backend does)."""
+"""``python -m carton.server._proto``: regenerate the committed ``kserve_v2_pb2.py`` after editing the .proto."""
 
 from pathlib import Path
 
