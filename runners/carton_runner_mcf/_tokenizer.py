@@ -86,7 +86,7 @@ def _compile_chat_template(template: object, special: dict[str, Any], source: st
         from jinja2 import TemplateError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError as exc:
-        raise MCFError("runner option chat needs the 'jinja2' package (pip install 'carton[mcf]')") from exc
+        raise MCFError("runner option chat needs the 'jinja2' package (pip install 'carton-runtime[mcf]')") from exc
 
     def raise_exception(message: str) -> None:
         raise TemplateError(message)
@@ -115,7 +115,7 @@ def load_codec(
     except ImportError as exc:
         raise MCFError(
             f"{source} carries tokenizer.json but the 'tokenizers' package is not installed "
-            "(pip install 'carton[mcf]'); string prompts need it"
+            "(pip install 'carton-runtime[mcf]'); string prompts need it"
         ) from exc
     try:
         tokenizer = Tokenizer.from_str(tokenizer_json.decode("utf-8"))

@@ -1,7 +1,7 @@
 """Entry point of the ``mcf`` runner (``carton`` entry-point group).
 
-The "framework" is carton's own `carton.mcf` library, so the framework version is the carton distribution's version,
-read from package metadata (discovery imports nothing heavy).
+The "framework" is carton's own `carton.mcf` library, so the framework version is the version of the distribution
+carton is installed from (``carton-runtime``), read from package metadata (discovery imports nothing heavy).
 """
 
 from __future__ import annotations
@@ -10,19 +10,22 @@ import importlib.metadata
 
 from carton_protocol import RunnerSpec, hookimpl
 
-__all__ = ["RUNNER_COMPAT_VERSION", "RUNNER_NAME", "carton_runners"]
+__all__ = ["CARTON_DISTRIBUTION", "RUNNER_COMPAT_VERSION", "RUNNER_NAME", "carton_runners"]
 
 RUNNER_NAME = "mcf"
 
 #: Version of the layout of ``model/`` this runner reads: one ``.mcf`` file with a config.json section.
 RUNNER_COMPAT_VERSION = 1
 
+#: The distribution that ships carton (and this runner). The index's "carton" is another project: never read it.
+CARTON_DISTRIBUTION = "carton-runtime"
+
 
 @hookimpl
 def carton_runners() -> list[RunnerSpec]:
     """Offer the runner whenever carton itself is installed (it always is when this plugin is found)."""
     try:
-        framework_version = importlib.metadata.version("carton")
+        framework_version = importlib.metadata.version(CARTON_DISTRIBUTION)
     except importlib.metadata.PackageNotFoundError:
         return []
     return [

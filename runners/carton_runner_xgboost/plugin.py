@@ -15,7 +15,14 @@ from carton_protocol import OptValue, RunnerSpec, hookimpl
 
 from ._options import ModelType
 
-__all__ = ["MODEL_FILE_NAME", "RUNNER_COMPAT_VERSION", "RUNNER_NAME", "carton_runners", "carton_serialize_model"]
+__all__ = [
+    "FRAMEWORK_DISTRIBUTIONS",
+    "MODEL_FILE_NAME",
+    "RUNNER_COMPAT_VERSION",
+    "RUNNER_NAME",
+    "carton_runners",
+    "carton_serialize_model",
+]
 
 RUNNER_NAME = "xgboost"
 
@@ -26,12 +33,21 @@ RUNNER_COMPAT_VERSION = 1
 MODEL_FILE_NAME = "model.ubj"
 
 
+#: Distributions that provide the ``xgboost`` module: the CPU-only build (carton's ``xgboost`` extra) and the full
+#: one with its GPU libraries (the ``xgboost-gpu`` extra). Both carry the same version numbers.
+FRAMEWORK_DISTRIBUTIONS = ("xgboost-cpu", "xgboost")
+
+
 @hookimpl
 def carton_runners() -> list[RunnerSpec]:
-    """Offer the runner when xgboost is installed in this environment; offer nothing otherwise."""
-    try:
-        framework_version = importlib.metadata.version("xgboost")
-    except importlib.metadata.PackageNotFoundError:
+    """Offer the runner when xgboost is installed in this environment (either build); offer nothing otherwise."""
+    for distribution in FRAMEWORK_DISTRIBUTIONS:
+        try:
+            framework_version = importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        break
+    else:
         return []
     return [
         RunnerSpec(

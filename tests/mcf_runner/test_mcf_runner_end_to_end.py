@@ -25,7 +25,7 @@ from mcf_runner_models import (
 def test_plugin_offers_the_runner_at_carton_version():
     (spec,) = plugin.carton_runners()
     assert spec.runner_name == "mcf"
-    assert spec.framework_version == importlib.metadata.version("carton")
+    assert spec.framework_version == importlib.metadata.version("carton-runtime") == carton.__version__
     assert spec.runner_compat_version == 1
     assert spec.entry == "carton_runner_mcf.runner:MCFRunner"
     assert any(s.runner_name == "mcf" for s in carton.discover_runners())

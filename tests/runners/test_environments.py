@@ -19,8 +19,14 @@ import carton
 import numpy as np
 import onnxruntime as ort
 import pytest
+from carton._environments import _install as install_module
 from carton._environments import plugin as environments_plugin
-from carton._environments._frameworks import FRAMEWORKS, carton_install_args, runner_requirements
+from carton._environments._frameworks import (
+    FRAMEWORKS,
+    carton_install_args,
+    framework_distributions,
+    runner_requirements,
+)
 from carton._environments._install import available_versions, choose_version
 from carton._environments._registry import (
     ENTRY_FILE,
@@ -90,7 +96,31 @@ def test_requirements_pin_the_framework_and_take_only_what_the_runner_needs() ->
     assert names == {"onnxruntime", "onnx", "numpy", "pluggy", "pyzmq", "msgpack"}
     assert not any("extra" in requirement for requirement in onnx_requirements)
     xgboost_requirements = runner_requirements(FRAMEWORKS["xgboost"], "2.1.4")
-    assert xgboost_requirements[0] == "xgboost==2.1.4" and not any("onnx" in r for r in xgboost_requirements)
+    build = "xgboost" if sys.platform == "darwin" else "xgboost-cpu"  # the build the [xgboost] extra installs
+    assert xgboost_requirements[0] == f"{build}==2.1.4" and not any("onnx" in r for r in xgboost_requirements)
+    # Exactly one build of the framework, pinned: never the extra's unpinned one beside it.
+    assert [r for r in xgboost_requirements if r.startswith("xgboost")] == [f"{build}==2.1.4"]
+    assert runner_requirements(FRAMEWORKS["xgboost"], "2.0.3", "xgboost")[0] == "xgboost==2.0.3"
+    assert not any(r.startswith("xgboost-cpu") for r in runner_requirements(FRAMEWORKS["xgboost"], "2.0.3", "xgboost"))
+
+
+def test_xgboost_environments_prefer_the_cpu_build_and_fall_back_for_older_versions() -> None:
+    preferred = framework_distributions(FRAMEWORKS["xgboost"])
+    assert preferred == (["xgboost", "xgboost-cpu"] if sys.platform == "darwin" else ["xgboost-cpu", "xgboost"])
+    assert framework_distributions(FRAMEWORKS["onnxruntime"]) == ["onnxruntime"]
+
+
+def test_a_version_the_cpu_build_lacks_comes_from_the_full_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    offered = {"xgboost-cpu": ["3.2.0", "2.1.4", "2.1.1"], "xgboost": ["3.2.0", "2.1.4", "2.0.3", "1.7.6"]}
+    monkeypatch.setattr(install_module, "available_versions", lambda distribution: offered[distribution])
+    lines: list[str] = []
+    preferred = framework_distributions(FRAMEWORKS["xgboost"])[0]
+    choose = functools.partial(install_module._choose_build, FRAMEWORKS["xgboost"], report=lines.append)
+    assert choose(VersionReq.parse("^2.1"), "^2.1") == (preferred, "2.1.4")
+    assert choose(VersionReq.parse("=2.0.3"), "=2.0.3") == ("xgboost", "2.0.3")
+    assert lines[-1] == "[1/5] looking up xgboost versions matching '=2.0.3'"
+    with pytest.raises(carton.EnvironmentInstallError, match=rf"no {preferred} release matches '=1\.0\.0'"):
+        choose(VersionReq.parse("=1.0.0"), "=1.0.0")
 
 
 def test_carton_is_installed_from_where_it_is_installed() -> None:
@@ -100,7 +130,7 @@ def test_carton_is_installed_from_where_it_is_installed() -> None:
         assert arguments[0] == "-e" and (Path(arguments[1]) / "pyproject.toml").is_file()
         assert Path(arguments[1], "runners", "carton_runner_onnx").is_dir()
     else:  # installed from a local wheel or a URL: that same file is installed again
-        assert arguments and (Path(arguments[-1]).exists() or arguments[-1].startswith("carton @ "))
+        assert arguments and (Path(arguments[-1]).exists() or arguments[-1].startswith("carton-runtime @ "))
 
 
 # --- the registry ------------------------------------------------------------------------------------------------

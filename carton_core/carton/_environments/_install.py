@@ -25,7 +25,7 @@ from packaging.version import Version
 
 from .._runtime._semver import VersionReq, framework_version
 from ..errors import EnvironmentInstallError, InvalidVersion
-from ._frameworks import Framework, carton_install_args, framework_for, runner_requirements
+from ._frameworks import Framework, carton_install_args, framework_distributions, framework_for, runner_requirements
 from ._registry import (
     RunnerEnvironment,
     discard,
@@ -68,11 +68,8 @@ def install_runner(
     report = progress if progress is not None else _default_progress()
     framework = framework_for(runner_name)
     requirement = VersionReq.parse(framework_version)
-    report(f"[1/{_STEPS}] looking up {framework.distribution} versions matching {framework_version!r}")
-    available = available_versions(framework.distribution)
-    version = choose_version(available, requirement, requirement_text=framework_version,
-                             distribution=framework.distribution)
-    report(f"        chose {framework.distribution} {version}")
+    distribution, version = _choose_build(framework, requirement, framework_version, report)
+    report(f"        chose {distribution} {version}")
     with install_lock(on_wait=report):
         sweep_leftovers()
         target = environment_dir(runner_name, version)
@@ -85,7 +82,7 @@ def install_runner(
             report(f"[2/{_STEPS}] creating a virtual environment in {build}")
             venv.EnvBuilder(symlinks=True, with_pip=False, clear=True).create(build)
             python = build / "bin" / "python"
-            requirements = runner_requirements(framework, version)
+            requirements = runner_requirements(framework, version, distribution)
             report(f"[3/{_STEPS}] installing {', '.join(requirements)}")
             _pip(python, ["install", *requirements], report)
             carton_args = carton_install_args()
@@ -103,8 +100,28 @@ def install_runner(
         except BaseException:
             shutil.rmtree(target, ignore_errors=True)
             raise
-    report(f"installed {runner_name} runner with {framework.distribution} {version} in {target}")
+    report(f"installed {runner_name} runner with {distribution} {version} in {target}")
     return environment
+
+
+def _choose_build(
+    framework: Framework, requirement: VersionReq, requirement_text: str, report: Progress
+) -> tuple[str, str]:
+    """The distribution and version to install: the preferred build (the one carton's extra installs here) when
+    it has a matching release, else the next build that does (xgboost-cpu starts at 2.1.1; older versions come
+    from xgboost)."""
+    first_failure: EnvironmentInstallError | None = None
+    for distribution in framework_distributions(framework):
+        report(f"[1/{_STEPS}] looking up {distribution} versions matching {requirement_text!r}")
+        try:
+            available = available_versions(distribution)
+            return distribution, choose_version(
+                available, requirement, requirement_text=requirement_text, distribution=distribution
+            )
+        except EnvironmentInstallError as exc:
+            first_failure = first_failure or exc
+    assert first_failure is not None
+    raise first_failure
 
 
 def remove_runner_environment(runner_name: str, framework_version: str | None = None) -> list[RunnerEnvironment]:
