@@ -152,6 +152,10 @@ def test_bad_binary_tensors(server: Server, header: dict, data: bytes, message: 
         (b"[1]", "must be a JSON object"),
         (b'{"inputs": 5}', "'inputs' must be a JSON array"),
         (b'{"inputs": [{"name": "INPUT0", "shape": [1, 3], "datatype": "FP32", "data": [1, 2]}]}', "holds 2 elements"),
+        (
+            b'{"inputs": [{"name": "INPUT0", "shape": [1, 2], "datatype": "FP32", "data": [1]}]}',
+            "'data' holds 1 element but shape [1, 2] needs 2",
+        ),
         (b'{"inputs": [{"name": "INPUT0", "shape": [1, 2], "datatype": "FP32", "data": ["a", 2]}]}', "must be numbers"),
         (b'{"inputs": [{"name": "INPUT0", "shape": [1, 2], "datatype": "INT32", "data": [1, 2]}]}', "expects 'FP32'"),
         (

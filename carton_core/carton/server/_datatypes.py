@@ -18,6 +18,7 @@ __all__ = [
     "DATATYPE_OF",
     "DTYPE_OF",
     "NUMPY_OF",
+    "counted",
     "datatype_of_array",
     "decode_bytes_elements",
     "encode_bytes_elements",
@@ -60,6 +61,11 @@ NUMPY_OF: dict[str, np.dtype[Any]] = {
 _BY_KIND: dict[tuple[str, int], str] = {(dtype.kind, dtype.itemsize): name for name, dtype in NUMPY_OF.items()}
 
 
+def counted(count: int, noun: str) -> str:
+    """``1 element``, ``2 elements``: messages quote counts a client sent, which are often 1."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
 def datatype_of_array(array: np.ndarray, *, tensor: str) -> str:
     """The KServe datatype that carries `array`; `TypeError` for a numpy dtype KServe v2 has no name for."""
     if array.dtype.kind in "USO":
@@ -89,7 +95,7 @@ def decode_bytes_elements(buffer: memoryview, count: int, *, tensor: str) -> lis
         if offset + 4 > end:
             raise BadRequest(
                 f"input {tensor!r}: BYTES element {index} length prefix runs past the end of the tensor data "
-                f"({end} bytes for {count} elements)"
+                f"({end} bytes for {counted(count, 'element')})"
             )
         length = int.from_bytes(buffer[offset : offset + 4], "little")
         offset += 4
@@ -102,6 +108,7 @@ def decode_bytes_elements(buffer: memoryview, count: int, *, tensor: str) -> lis
         offset += length
     if offset != end:
         raise BadRequest(
-            f"input {tensor!r}: {end - offset} bytes left over after the {count} BYTES elements its shape holds"
+            f"input {tensor!r}: {counted(end - offset, 'byte')} left over after the {counted(count, 'BYTES element')} "
+            "its shape holds"
         )
     return elements

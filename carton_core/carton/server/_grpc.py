@@ -19,7 +19,7 @@ from carton_protocol import DType
 from grpc import aio
 
 from ..errors import BadRequest, ServerError
-from ._datatypes import DATATYPE_OF, NUMPY_OF
+from ._datatypes import DATATYPE_OF, NUMPY_OF, counted
 from ._handle import metadata_shape
 from ._http import EXTENSIONS
 from ._inference import (
@@ -78,13 +78,16 @@ def _decode_input(served: ServedVersion, tensor: Any, raw: bytes | None) -> np.n
     if dtype is DType.STRING:
         elements = list(tensor.contents.bytes_contents)
         if len(elements) != count:
-            raise BadRequest(f"input {name!r}: {len(elements)} bytes_contents elements but shape {shape} needs {count}")
+            raise BadRequest(
+                f"input {name!r}: {counted(len(elements), 'bytes_contents element')} but shape {shape} needs {count}"
+            )
         return from_bytes_elements(elements, shape, tensor=name)
     datatype = DATATYPE_OF[dtype]
     values = getattr(tensor.contents, _CONTENTS_FIELD[datatype])
     if len(values) != count:
         raise BadRequest(
-            f"input {name!r}: {len(values)} {_CONTENTS_FIELD[datatype]} elements but shape {shape} needs {count}"
+            f"input {name!r}: {counted(len(values), _CONTENTS_FIELD[datatype] + ' element')} but shape {shape} "
+            f"needs {count}"
         )
     try:
         return np.array(values, dtype=NUMPY_OF[datatype]).reshape(shape)

@@ -18,7 +18,7 @@ import orjson
 from carton_protocol import DType, Tensor
 
 from ..errors import BadRequest
-from ._datatypes import DATATYPE_OF, NUMPY_OF
+from ._datatypes import DATATYPE_OF, NUMPY_OF, counted
 from ._inference import (
     check_complete,
     check_requested,
@@ -73,7 +73,9 @@ def _json_tensor(data: object, dtype: DType, shape: Sequence[int], *, tensor: st
         else:
             flat.append(item)
     if len(flat) != count:
-        raise BadRequest(f"input {tensor!r}: 'data' holds {len(flat)} elements but shape {list(shape)} needs {count}")
+        raise BadRequest(
+            f"input {tensor!r}: 'data' holds {counted(len(flat), 'element')} but shape {list(shape)} needs {count}"
+        )
     if dtype is DType.STRING:
         if not all(isinstance(element, str) for element in flat):
             raise BadRequest(f"input {tensor!r}: BYTES 'data' elements must be strings")
