@@ -69,3 +69,13 @@ def test_serve_limit_flags() -> None:
     for bad in (["--cpu-limit", "-1"], ["--memory-limit", "lots"], ["--sandbox", "paranoid"]):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["serve", "repo", *bad])
+
+
+def test_doctor_help_describes_the_backends_as_docs_sandbox_md_does(capsys: pytest.CaptureFixture[str]) -> None:
+    """The unshare backend is the shim's own unshare(2) calls (docs/sandbox.md), not util-linux's command."""
+    from carton.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["doctor", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "util-linux unshare" not in text and "no util-linux binary" in text, text

@@ -16,8 +16,9 @@ def register(subparsers: Any) -> None:
         help="report, layer by layer, which sandbox protections this machine supports",
         description=(
             "Probe this machine the way carton.load(..., sandbox=...) does and report each sandbox layer: "
-            "parent-death signal; PID, network, mount and IPC namespaces (bubblewrap, else util-linux unshare, "
-            "each tried by starting a sandboxed process); the filesystem view; resource limits; Landlock (with its "
+            "parent-death signal; PID, network, mount and IPC namespaces (bubblewrap, else carton's own unshare "
+            "backend, which calls unshare(2) itself and needs no util-linux binary; each tried by starting a "
+            "sandboxed process); the filesystem view; resource limits; Landlock (with its "
             "ABI version); the seccomp filter; a non-root uid. 'best_effort' runs with whatever is present and "
             "warns about the rest; 'strict' refuses to start unless every layer is present. Set "
             "CARTON_SANDBOX_BACKEND=bwrap|unshare to force a backend."
