@@ -215,3 +215,25 @@ def test_serialized_file_is_ubjson_not_pickle(tmp_path: Path, models: dict) -> N
     _serialize(models["classifier_binary"][0], tmp_path)
     raw = (tmp_path / "model.ubj").read_bytes()
     assert raw[:1] == b"{" and raw == bytes(models["classifier_binary"][0].get_booster().save_raw("ubj"))
+
+
+@pytest.mark.parametrize(
+    "installed, offered",
+    [({"xgboost-cpu": "3.2.0"}, "3.2.0"), ({"xgboost": "2.1.4"}, "2.1.4"), ({}, None)],
+)
+def test_plugin_offers_the_runner_with_either_xgboost_build(
+    monkeypatch: pytest.MonkeyPatch, installed: dict[str, str], offered: str | None
+) -> None:
+    """The [xgboost] extra installs xgboost-cpu, [xgboost-gpu] xgboost: the same module under two names."""
+    import importlib.metadata
+
+    from carton_runner_xgboost import plugin
+
+    def version(distribution: str) -> str:
+        if distribution in installed:
+            return installed[distribution]
+        raise importlib.metadata.PackageNotFoundError(distribution)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    specs = plugin.carton_runners()
+    assert [spec.framework_version for spec in specs] == ([offered] if offered else [])
