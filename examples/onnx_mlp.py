@@ -1,7 +1,7 @@
 """An ONNX MLP end to end: build it with onnx.helper, pack it with runner options, load it, check the outputs are
 bit-for-bit those of onnxruntime in this process, and show what the packed carton declares.
 
-    pip install "carton[onnx]"
+    pip install "carton-runtime[onnx]"     # or, from a checkout: pip install -e ".[onnx]"
     python examples/onnx_mlp.py
 """
 

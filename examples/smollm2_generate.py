@@ -1,8 +1,8 @@
 """Generate text with SmolLM2-135M-Instruct packed by examples/smollm2_convert.py, out of process, as a user would.
 
-    python examples/smollm2_convert.py --out /tmp/smollm2 --method q8
-    python examples/smollm2_generate.py /tmp/smollm2/smollm2-q8.carton "What is the capital of France?"
-    python examples/smollm2_generate.py /tmp/smollm2/smollm2-q8.carton "Tell me a story." --temperature 0.8 --seed 3
+    python examples/smollm2_convert.py --out smollm2 --method q8
+    python examples/smollm2_generate.py smollm2/smollm2-q8.carton "What is the capital of France?"
+    python examples/smollm2_generate.py smollm2/smollm2-q8.carton "Tell me a story." --temperature 0.8 --seed 3
 
 The carton was packed in ``generate`` mode with ``chat = true``, so each prompt is wrapped in the model's chat
 template (from tokenizer_config.json) inside the runner. Sampling options are runner options; they can be changed at

@@ -1,7 +1,7 @@
 """An xgboost classifier end to end: train on synthetic rows with missing values, pack the model object (saved as
 UBJSON, never pickled), load it, and compare with predict_proba in this process.
 
-    pip install "carton[xgboost]" scikit-learn
+    pip install "carton-runtime[xgboost]" scikit-learn   # or, from a checkout: pip install -e ".[xgboost]" scikit-learn
     python examples/xgboost_classifier.py
 """
 

@@ -2,18 +2,20 @@
 
 Run (atheris is in the `fuzz` extra: ``pip install -e ".[fuzz]"``):
 
-    python fuzz/fuzz_carton.py -max_total_time=120 -max_len=65536 -rss_limit_mb=4096 /tmp/carton-fuzz/carton
+    python fuzz/fuzz_carton.py -max_total_time=120 -max_len=65536 -rss_limit_mb=4096 fuzz-corpus/carton
 
-The corpus directory (default ``/tmp/carton-fuzz/carton``) is kept between runs, as a corpus should be; when it is
-missing or empty it is seeded with the fixture cartons of tests/fixtures/format (libFuzzer writes new inputs into
-its first corpus directory; the fixtures stay untouched). Extracted model folders go to one scratch cache,
-``<corpus>.cache``, emptied after every input and at start-up, so a run leaves no temporary folders behind.
+The corpus directory (default ``carton-fuzz/carton`` in the temporary folder) is kept between runs, as a corpus
+should be; when it is missing or empty it is seeded with the fixture cartons of tests/fixtures/format (libFuzzer
+writes new inputs into its first corpus directory; the fixtures stay untouched). Extracted model folders go to one
+scratch cache, ``<corpus>.cache``, emptied after every input and at start-up, so a run leaves no temporary folders
+behind.
 """
 
 from __future__ import annotations
 
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import atheris
@@ -27,7 +29,7 @@ with atheris.instrument_imports(include=["carton"]):
     from carton.errors import CartonError
 
 LIMITS = ReadLimits(max_total_size=1 << 26, max_metadata_size=1 << 22)
-DEFAULT_CORPUS = Path("/tmp/carton-fuzz/carton")
+DEFAULT_CORPUS = Path(tempfile.gettempdir()) / "carton-fuzz" / "carton"
 CACHE = DEFAULT_CORPUS.with_name("carton.cache")  # replaced in main() to sit next to the corpus given
 
 

@@ -1,7 +1,7 @@
 """Atheris harness for the MCF reader: any input must open or raise MCFError, and every accessor of an opened file
 must work or raise MCFError.
 
-    python fuzz/fuzz_mcf.py -max_total_time=120 -rss_limit_mb=4096 /tmp/carton-fuzz/mcf
+    python fuzz/fuzz_mcf.py -max_total_time=120 -rss_limit_mb=4096 fuzz-corpus/mcf
 
 The corpus directory is seeded with valid files on first run (see docs/fuzzing.md).
 """

@@ -1,6 +1,6 @@
 """Atheris harness for the safetensors reader: any input must load or raise SafetensorsError, nothing else.
 
-    python fuzz/fuzz_safetensors.py -max_total_time=120 -rss_limit_mb=4096 /tmp/carton-fuzz/safetensors
+    python fuzz/fuzz_safetensors.py -max_total_time=120 -rss_limit_mb=4096 fuzz-corpus/safetensors
 
 The corpus directory is seeded with valid files on first run (see docs/fuzzing.md).
 """

@@ -1,6 +1,6 @@
 """Atheris harness for the wire decoder: any message must decode or raise ProtocolError, nothing else.
 
-    python fuzz/fuzz_wire.py -max_total_time=120 -rss_limit_mb=4096 /tmp/carton-fuzz/wire
+    python fuzz/fuzz_wire.py -max_total_time=120 -rss_limit_mb=4096 fuzz-corpus/wire
 
 An input is a ZeroMQ multipart message flattened as ``(u32 little-endian length, bytes)*``: the header frame first,
 then the data frames. The corpus directory is seeded with valid messages on first run (see docs/fuzzing.md).

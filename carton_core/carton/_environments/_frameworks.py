@@ -1,7 +1,8 @@
 """What goes into a runner environment: the framework at one version, the runner's own dependencies, and carton.
 
-The dependency lists are read from the installed carton distribution's metadata (its ``onnx``/``xgboost`` extras and
-the core dependencies `carton_protocol` imports), so pyproject.toml stays the single place they are declared.
+The dependency lists are read from the installed carton-runtime distribution's metadata (its ``onnx``/``xgboost``
+extras and the core dependencies `carton_protocol` imports), so pyproject.toml stays the single place they are
+declared.
 """
 
 from __future__ import annotations
