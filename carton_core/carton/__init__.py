@@ -3,6 +3,8 @@
     import carton
     with carton.load("model.carton") as model:
         outputs = model.infer({"x": x})
+
+The API tour is in README.md; every error derives from `carton.CartonError` (drawn in `carton.errors`).
 """
 
 from importlib import import_module
