@@ -49,13 +49,18 @@ def main() -> None:
         model_file = Path(tmp, "model", "mlp.onnx")
         build_mlp(model_file)
         packed = carton.pack(
-            model_file.parent, Path(tmp, "mlp.carton"),
-            runner_name="onnxruntime", required_framework_version="*", model_name="mlp",
+            model_file.parent,
+            Path(tmp, "mlp.carton"),
+            runner_name="onnxruntime",
+            required_framework_version="*",
+            model_name="mlp",
             runner_opts={"intra_op_threads": 1, "graph_optimization_level": "all"},
         )
         info = carton.get_model_info(packed)
-        print(f"{info.model_name}: runner {info.runner.runner_name} {info.runner.required_framework_version!r}, "
-              f"opts {dict(info.runner.opts)}")
+        print(
+            f"{info.model_name}: runner {info.runner.runner_name} {info.runner.required_framework_version!r}, "
+            f"opts {dict(info.runner.opts)}"
+        )
         for spec in (*info.inputs, *info.outputs):
             print(f"  {spec.name}: {spec.dtype.value} {spec.shape}")
 

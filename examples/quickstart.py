@@ -1,7 +1,7 @@
 """carton in one minute: build a tiny ONNX model, pack it as a .carton, load it in an isolated runner, infer.
 
-    pip install "carton-runtime[onnx]"     # or, from a checkout: pip install -e ".[onnx]"
-    python examples/quickstart.py
+pip install "carton-runtime[onnx]"     # or, from a checkout: pip install -e ".[onnx]"
+python examples/quickstart.py
 """
 
 from __future__ import annotations
@@ -30,8 +30,13 @@ with tempfile.TemporaryDirectory() as tmp:
     onnx.save(model, Path(tmp, "model", "model.onnx"))
 
     # 2. Pack it. The runner checks the model loads and fills in its inputs and outputs.
-    path = carton.pack(Path(tmp, "model"), Path(tmp, "quickstart.carton"), runner_name="onnxruntime",
-                       required_framework_version="*", model_name="quickstart")
+    path = carton.pack(
+        Path(tmp, "model"),
+        Path(tmp, "quickstart.carton"),
+        runner_name="onnxruntime",
+        required_framework_version="*",
+        model_name="quickstart",
+    )
     print("packed", path.name, "->", [(t.name, t.dtype.value, t.shape) for t in carton.get_model_info(path).inputs])
 
     # 3. Load it (onnxruntime runs in its own process) and infer.

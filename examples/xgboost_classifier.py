@@ -24,16 +24,25 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         # An in-memory model: the xgboost plugin writes model/model.ubj and records model_type = "classifier".
-        packed = carton.pack(classifier, Path(tmp, "classifier.carton"), runner_name="xgboost",
-                             required_framework_version="*", model_name="classifier")
+        packed = carton.pack(
+            classifier,
+            Path(tmp, "classifier.carton"),
+            runner_name="xgboost",
+            required_framework_version="*",
+            model_name="classifier",
+        )
         info = carton.get_model_info(packed)
-        print(f"opts {dict(info.runner.opts)}; input {info.inputs[0].name} {info.inputs[0].shape}, "
-              f"output {info.outputs[0].name} {info.outputs[0].shape}")
+        print(
+            f"opts {dict(info.runner.opts)}; input {info.inputs[0].name} {info.inputs[0].shape}, "
+            f"output {info.outputs[0].name} {info.outputs[0].shape}"
+        )
         with carton.load(packed) as model:
             probabilities = model.infer({"x": x[:5]})["probabilities"]
     print("probabilities =\n", np.round(probabilities, 4))
-    print("bit-for-bit equal to predict_proba in this process:",
-          np.array_equal(probabilities, classifier.predict_proba(x[:5])))
+    print(
+        "bit-for-bit equal to predict_proba in this process:",
+        np.array_equal(probabilities, classifier.predict_proba(x[:5])),
+    )
 
 
 if __name__ == "__main__":

@@ -37,8 +37,9 @@ def affine_carton(affine_dir: Path, tmp_path: Path) -> Path:
 
 
 def test_pack_in_runner_fills_specs_and_compat(affine_dir: Path) -> None:
-    outcome = pack_in_runner(runner_name="affine", required_framework_version="=1.0.0", model_dir=affine_dir,
-                             opts={"scale": 2.0})
+    outcome = pack_in_runner(
+        runner_name="affine", required_framework_version="=1.0.0", model_dir=affine_dir, opts={"scale": 2.0}
+    )
     assert outcome.runner.framework_version == "1.0.0"
     assert [s.name for s in outcome.result.inputs] == ["x"]
     assert [s.name for s in outcome.result.outputs] == ["y", "pid"]
@@ -81,8 +82,9 @@ def test_serialize_model(tmp_path: Path) -> None:
         with pytest.raises(PackError, match="failed: ValueError: negative offsets are not supported"):
             serialize_model(_Weights(-1), runner_name="affine", model_dir=tmp_path)
         # carton.pack's object path goes through the same hook
-        packed = carton.pack(_Weights(1.5), tmp_path / "w.carton", runner_name="affine",
-                             required_framework_version="^1")
+        packed = carton.pack(
+            _Weights(1.5), tmp_path / "w.carton", runner_name="affine", required_framework_version="^1"
+        )
         with carton.load(packed) as model:
             np.testing.assert_array_equal(model.infer({"x": np.zeros((1, 1), np.float32)})["y"], [[1.5]])
     finally:
@@ -143,8 +145,21 @@ def test_cli_selftest(affine_carton: Path, capsys: pytest.CaptureFixture[str]) -
 def test_cli_infer(affine_carton: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     np.save(tmp_path / "x.npy", np.full((2, 2), 3, np.float32))
     out_dir = tmp_path / "out"
-    assert main(["infer", str(affine_carton), "--input", f"x={tmp_path / 'x.npy'}", "-o", str(out_dir),
-                 "--runner-opt", "scale=2"]) == 0
+    assert (
+        main(
+            [
+                "infer",
+                str(affine_carton),
+                "--input",
+                f"x={tmp_path / 'x.npy'}",
+                "-o",
+                str(out_dir),
+                "--runner-opt",
+                "scale=2",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "y: float32 [2, 2]" in printed
     np.testing.assert_array_equal(np.load(out_dir / "y.npy"), np.full((2, 2), 6.5, np.float32))
@@ -183,15 +198,25 @@ def test_pack_warns_when_no_required_platform_is_this_machine(affine_dir: Path, 
     foreign = ["aarch64-apple-darwin", "x86_64-pc-windows-msvc"]
     foreign = [triple for triple in foreign if triple != host]
     with pytest.warns(carton.PlatformWarning, match=rf"this machine is {host}") as caught:
-        packed = carton.pack(affine_dir, tmp_path / "foreign.carton", runner_name="affine",
-                             required_framework_version="^1", required_platforms=foreign)
+        packed = carton.pack(
+            affine_dir,
+            tmp_path / "foreign.carton",
+            runner_name="affine",
+            required_framework_version="^1",
+            required_platforms=foreign,
+        )
     assert all(triple in str(caught[0].message) for triple in foreign)
     assert issubclass(carton.PlatformWarning, carton.CartonWarning)
     assert list(carton.get_model_info(packed).required_platforms) == foreign
     with warnings.catch_warnings():
         warnings.simplefilter("error", carton.PlatformWarning)
-        carton.pack(affine_dir, tmp_path / "here.carton", runner_name="affine", required_framework_version="^1",
-                    required_platforms=[*foreign, host])
+        carton.pack(
+            affine_dir,
+            tmp_path / "here.carton",
+            runner_name="affine",
+            required_framework_version="^1",
+            required_platforms=[*foreign, host],
+        )
         carton.pack(affine_dir, tmp_path / "any.carton", runner_name="affine", required_framework_version="^1")
 
 
@@ -221,8 +246,10 @@ def test_cli_help_is_complete(capsys: pytest.CaptureFixture[str]) -> None:
 ECHO_INSTALLED = importlib.util.find_spec("carton_runner_echo") is not None
 
 
-@pytest.mark.skipif(not ECHO_INSTALLED, reason="examples/carton-runner-echo is not installed "
-                    "(pip install -e examples/carton-runner-echo)")
+@pytest.mark.skipif(
+    not ECHO_INSTALLED,
+    reason="examples/carton-runner-echo is not installed (pip install -e examples/carton-runner-echo)",
+)
 def test_third_party_echo_plugin(tmp_path: Path) -> None:
     echo = [s for s in carton.discover_runners() if s.runner_name == "echo"]
     assert len(echo) == 1 and isinstance(echo[0], RunnerSpec)
@@ -230,13 +257,20 @@ def test_third_party_echo_plugin(tmp_path: Path) -> None:
     folder = tmp_path / "model"
     folder.mkdir()
     (folder / "README").write_text("the echo runner needs no files")
-    packed = carton.pack(folder, tmp_path / "echo.carton", runner_name="echo", required_framework_version="^1",
-                         inputs=[TensorSpec(name="text", dtype=DType.STRING, shape=("n",))],
-                         runner_opts={"rename": {"text": "said"}})
+    packed = carton.pack(
+        folder,
+        tmp_path / "echo.carton",
+        runner_name="echo",
+        required_framework_version="^1",
+        inputs=[TensorSpec(name="text", dtype=DType.STRING, shape=("n",))],
+        runner_opts={"rename": {"text": "said"}},
+    )
     assert [s.name for s in carton.get_model_info(packed).outputs] == ["said"]  # derived by the runner's pack
     with carton.load(packed) as model:
         out = model.infer({"text": np.array(["hello", "world"])})
         np.testing.assert_array_equal(out["said"], ["hello", "world"])
-    with pytest.warns(carton.RunnerWarning, match="unknown option 'volume'"), \
-            carton.load(packed, runner_opts={"volume": 11}) as model:
+    with (
+        pytest.warns(carton.RunnerWarning, match="unknown option 'volume'"),
+        carton.load(packed, runner_opts={"volume": 11}) as model,
+    ):
         pass

@@ -19,8 +19,9 @@ def test_doctor_json_lists_every_layer(capsys: pytest.CaptureFixture[str]) -> No
 
 
 @pytest.mark.parametrize("backend", list(Backend))
-def test_doctor_reports_the_forced_backend(backend: Backend, capsys: pytest.CaptureFixture[str],
-                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_doctor_reports_the_forced_backend(
+    backend: Backend, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("CARTON_SANDBOX_BACKEND", backend.value)
     support = machine_support()
     usable = support.backends[backend] is None
@@ -38,8 +39,9 @@ def test_doctor_reports_the_forced_backend(backend: Backend, capsys: pytest.Capt
         assert report["strict"] is all(expected.values())
 
 
-def test_a_failing_unshare_probe_is_reported(capsys: pytest.CaptureFixture[str],
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failing_unshare_probe_is_reported(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     why = "carton sandbox: filesystem_view: mount tmpfs on /tmp: EPERM (test)"
     fake = dataclasses.replace(machine_support(), backends={Backend.BWRAP: "missing (test)", Backend.UNSHARE: why})
     monkeypatch.setattr("carton._sandbox.machine_support", lambda: fake)
@@ -62,10 +64,29 @@ def test_doctor_table_and_strict_exit(capsys: pytest.CaptureFixture[str], monkey
 
 
 def test_serve_limit_flags() -> None:
-    args = build_parser().parse_args(["serve", "repo", "--sandbox", "strict", "--memory-limit", "2g",
-                                      "--cpu-limit", "30", "--request-timeout", "2.5", "--process-limit", "64"])
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "repo",
+            "--sandbox",
+            "strict",
+            "--memory-limit",
+            "2g",
+            "--cpu-limit",
+            "30",
+            "--request-timeout",
+            "2.5",
+            "--process-limit",
+            "64",
+        ]
+    )
     assert (args.sandbox, args.memory_limit, args.cpu_limit, args.request_timeout, args.process_limit) == (
-        "strict", 2 << 30, 30.0, 2.5, 64)
+        "strict",
+        2 << 30,
+        30.0,
+        2.5,
+        64,
+    )
     for bad in (["--cpu-limit", "-1"], ["--memory-limit", "lots"], ["--sandbox", "paranoid"]):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["serve", "repo", *bad])

@@ -45,7 +45,5 @@ def verify(
                 for name, entry in index.items():
                     files = [entry.file] if entry.file else []
                     if fetch_links or all(f"tensor_data/{f}" in reader.present for f in files):
-                        load_tensor(
-                            index, name, lambda p: reader.read(p, limits.max_total_size), limits.max_toml_depth
-                        )
+                        load_tensor(index, name, lambda p: reader.read(p, limits.max_total_size), limits.max_toml_depth)
     return info

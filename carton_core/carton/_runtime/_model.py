@@ -325,9 +325,7 @@ def _check_workers(workers: int) -> int:
     return workers
 
 
-def _merge_opts(
-    declared: Mapping[str, OptValue], overrides: Mapping[str, OptValue] | None
-) -> dict[str, OptValue]:
+def _merge_opts(declared: Mapping[str, OptValue], overrides: Mapping[str, OptValue] | None) -> dict[str, OptValue]:
     merged = dict(declared)
     if overrides:
         for key in overrides:
@@ -581,7 +579,8 @@ def load_unpacked(
         runner=RunnerInfo(
             runner_name=runner_name,
             required_framework_version=required_framework_version,
-            runner_compat_version=runner.runner_compat_version if runner_compat_version is None
+            runner_compat_version=runner.runner_compat_version
+            if runner_compat_version is None
             else runner_compat_version,
             opts=MappingProxyType(dict(opts)),
         ),
