@@ -38,7 +38,8 @@ def test_bytes_elements_exact_layout() -> None:
     [
         (struct.pack("<I", 5) + b"abc", 1, "declares 5 bytes but only 3 remain"),
         (b"\x01\x00", 1, "length prefix runs past the end"),
-        (struct.pack("<I", 1) + b"ab", 1, "1 bytes left over"),
+        (struct.pack("<I", 1) + b"ab", 1, "1 byte left over after the 1 BYTES element its shape holds"),
+        (struct.pack("<I", 1) + b"abc", 1, "2 bytes left over"),
     ],
 )
 def test_bytes_elements_refused(data: bytes, count: int, message: str) -> None:
