@@ -102,7 +102,12 @@ def test_unload_lets_in_flight_requests_finish(lifecycle_server: Server, loader:
     client = httpclient.InferenceServerClient(f"127.0.0.1:{port}")
     with ThreadPoolExecutor(4) as pool:
         running = [pool.submit(_infer, port, "identity", arange((1, 4)) + i) for i in range(4)]
-        time.sleep(0.2)  # requests are inside the model now
+        # Wait until all four are inside the model (each takes 0.5 s there), however loaded the machine is.
+        (served,) = lifecycle_server.repository.versions("identity")
+        deadline = time.monotonic() + 30
+        while served.in_flight < 4:
+            assert time.monotonic() < deadline, served.in_flight
+            time.sleep(0.01)
         client.unload_model("identity")
         with pytest.raises(InferenceServerException, match="has no available versions"):
             _infer(port, "identity", arange((1, 4)))
