@@ -82,12 +82,14 @@ class FileServer:
                     self.send_header(name, value)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
+                # Counted before the write: the client can read the whole body and go on before this thread
+                # returns from write, and a test reading the count then must already see it.
+                with server._lock:
+                    server.bytes_sent += len(body)
                 try:
                     self.wfile.write(body)
                 except (BrokenPipeError, ConnectionResetError):
                     return
-                with server._lock:
-                    server.bytes_sent += len(body)
 
         self._httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._httpd.daemon_threads = True
