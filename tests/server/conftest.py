@@ -124,3 +124,13 @@ def server(repository: Path) -> Iterator[Server]:
 
 def arange(shape: tuple[int, ...], dtype: type = np.float32) -> np.ndarray:
     return np.arange(int(np.prod(shape)), dtype=dtype).reshape(shape)
+
+
+def assert_doubles(client: object, model: str, shape: tuple[int, ...] = (1, 3)) -> None:
+    """`model` serves the ``double`` carton: an HTTP inference through tritonclient returns INPUT0 * 2."""
+    import tritonclient.http as httpclient
+
+    tensor = httpclient.InferInput("INPUT0", list(shape), "FP32")
+    tensor.set_data_from_numpy(arange(shape))
+    outputs = client.infer(model, [tensor])  # type: ignore[attr-defined]
+    np.testing.assert_array_equal(outputs.as_numpy("OUTPUT0"), arange(shape) * 2)

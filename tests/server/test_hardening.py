@@ -28,7 +28,7 @@ import tritonclient.http as httpclient
 from carton.server import ModelControlMode, Server, ServerOptions, load_carton, serve_in_thread
 from tritonclient.utils import InferenceServerException
 
-from .conftest import _onnx_model, _pack, _vi, arange
+from .conftest import _onnx_model, _pack, _vi, assert_doubles
 
 _UUID = re.compile(r"[0-9a-f]{32}")
 
@@ -183,9 +183,7 @@ def test_tritonclient_http_upload(server: Server, cartons: dict[str, Path]) -> N
     files = {"file:2/model.carton": cartons["double"].read_bytes()}
     client.load_model("http_upload", config=json.dumps({"name": "http_upload"}), files=files)
     assert client.get_model_metadata("http_upload")["versions"] == ["2"]
-    tensor = httpclient.InferInput("INPUT0", [1, 3], "FP32")
-    tensor.set_data_from_numpy(arange((1, 3)))
-    np.testing.assert_array_equal(client.infer("http_upload", [tensor]).as_numpy("OUTPUT0"), arange((1, 3)) * 2)
+    assert_doubles(client, "http_upload")
     client.unload_model("http_upload")
     assert not client.is_model_ready("http_upload")
 
@@ -199,9 +197,7 @@ def test_upload_under_the_default_best_effort_sandbox(repository: Path, cartons:
     with serve_in_thread(options) as running:
         client = httpclient.InferenceServerClient(f"127.0.0.1:{running.http_port}")
         client.load_model("sandboxed", config="{}", files={"file:1/model.carton": cartons["double"].read_bytes()})
-        tensor = httpclient.InferInput("INPUT0", [1, 2], "FP32")
-        tensor.set_data_from_numpy(arange((1, 2)))
-        np.testing.assert_array_equal(client.infer("sandboxed", [tensor]).as_numpy("OUTPUT0"), arange((1, 2)) * 2)
+        assert_doubles(client, "sandboxed", (1, 2))
 
 
 # ---- 4: upload folders of killed servers are swept at start --------------------------------------------------------

@@ -19,7 +19,7 @@ import tritonclient.http as httpclient
 from carton.server import ModelControlMode, Server, ServerOptions, serve_in_thread
 from tritonclient.utils import InferenceServerException
 
-from .conftest import arange
+from .conftest import assert_doubles
 
 
 def _repository(root: Path, cartons: dict[str, Path]) -> Path:
@@ -158,9 +158,7 @@ def test_upload_replaces_a_repository_model_with_a_new_version(
     files = {f"file:2/{filename}": cartons["double"].read_bytes()}
     client.load_model("sum", config=json.dumps({"name": "sum"}), files=files)
     assert client.get_model_metadata("sum")["versions"] == ["2"]
-    doubled = httpclient.InferInput("INPUT0", [1, 3], "FP32")
-    doubled.set_data_from_numpy(arange((1, 3)))
-    np.testing.assert_array_equal(client.infer("sum", [doubled]).as_numpy("OUTPUT0"), arange((1, 3)) * 2)
+    assert_doubles(client, "sum")
 
     client.load_model("sum")
     assert client.get_model_metadata("sum")["versions"] == ["1"]
