@@ -127,13 +127,14 @@ def _lean_rep_server(endpoint: str, ready: Any) -> None:
 
 def bench_small(repeat: int, rounds: int) -> None:
     """Rounds alternate reference and carton so both see the same machine load; each round's p50 gives a ratio."""
+    from carton_protocol import Infer
     from carton_protocol._framing import encode_tensors
-    from carton_protocol._messages import pack_header
+    from carton_protocol._messages import encode
     from carton_protocol._zmqio import recv_message, send_message
 
     x = np.random.default_rng(0).random((1, 16), dtype=np.float32)
     encoded = encode_tensors({"x": x}, pool=None, threshold=1 << 62)
-    frames = [pack_header({"op": "infer", "id": 1, "tensors": encoded.entries}), x.tobytes()]
+    frames = [encode(Infer(id=1, tensors=encoded.entries)), x.tobytes()]
     mp = multiprocessing.get_context("spawn")
     runtime = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
     servers = []

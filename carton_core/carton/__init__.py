@@ -77,6 +77,13 @@ _LAZY = {
     "load_unpacked": "._runtime",
     "prestart": "._runtime",
     "target_triple": "._runtime",
+    "BadRequest": ".server.errors",
+    "ModelNotFound": ".server.errors",
+    "ModelUnavailable": ".server.errors",
+    "RepositoryError": ".server.errors",
+    "RequestTooLarge": ".server.errors",
+    "ServerError": ".server.errors",
+    "UploadDisabled": ".server.errors",
 }
 
 if TYPE_CHECKING:
@@ -111,11 +118,21 @@ if TYPE_CHECKING:
         prestart,
         target_triple,
     )
+    from .server.errors import (
+        BadRequest,
+        ModelNotFound,
+        ModelUnavailable,
+        RepositoryError,
+        RequestTooLarge,
+        ServerError,
+        UploadDisabled,
+    )
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ArchiveTooLarge",
+    "BadRequest",
     "CartonError",
     "CartonInfo",
     "CartonWarning",
@@ -135,10 +152,14 @@ __all__ = [
     "MiscRef",
     "Model",
     "ModelClosed",
+    "ModelNotFound",
+    "ModelUnavailable",
     "NoCompatibleRunner",
     "PackError",
     "ProtocolMismatch",
     "ReadLimits",
+    "RepositoryError",
+    "RequestTooLarge",
     "ResolutionError",
     "Runner",
     "RunnerCPULimit",
@@ -162,11 +183,13 @@ __all__ = [
     "SandboxWarning",
     "SelfTest",
     "SelfTestResult",
+    "ServerError",
     "TensorDataError",
     "TensorRef",
     "TensorSpec",
     "UnsafeArchive",
     "UnsupportedModel",
+    "UploadDisabled",
     "VersionReq",
     "__version__",
     "discover_runners",

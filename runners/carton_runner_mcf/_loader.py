@@ -13,14 +13,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from carton.errors import MCFError, UnsupportedModel
 from carton.mcf import (
     Architecture,
     CacheMode,
+    MCFError,
     MCFFile,
     QuantMethod,
     RopeType,
     SectionType,
+    UnsupportedModel,
     payload_layout,
     row_copies,
 )

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from carton_protocol import DType, LoadContext, PackContext, PackResult, Runner, Tensor, TensorSpec
+from carton_protocol import DType, InvalidInput, LoadContext, PackContext, PackResult, Runner, Tensor, TensorSpec
 
 from ._errors import UnsupportedModelFile, XGBoostRunnerError
 from ._framework import xgb
@@ -37,16 +37,21 @@ class XGBoostRunner(Runner):
         options = parse_options(context.opts, context.warn)
         booster = _load_booster(context.model_dir, options)
         self._predict = _predictor(booster, options)
+        self._features = booster.num_features()
         self._input_name = _single(context.inputs, "input", default="x")
         self._output_name = _single(context.outputs, "output", default=_DEFAULT_OUTPUT[options.model_type])
 
     def infer(self, inputs: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
-        if set(inputs) != {self._input_name}:
-            raise XGBoostRunnerError(f"the model takes exactly one input, {self._input_name!r}; "
-                                     f"got {', '.join(map(repr, inputs)) or 'none'}")
-        features = inputs[self._input_name]
+        name = self._input_name
+        if set(inputs) != {name}:
+            raise InvalidInput(f"the model takes exactly one input, {name!r}; "
+                               f"got {', '.join(map(repr, inputs)) or 'none'}", tensor=name)
+        features = inputs[name]
         if isinstance(features, list) or features.ndim != 2:
-            raise XGBoostRunnerError(f"input {self._input_name!r} must be a 2-D [batch, n_features] array")
+            raise InvalidInput(f"input {name!r} must be a 2-D [batch, n_features] array", tensor=name)
+        if features.shape[1] != self._features:
+            raise InvalidInput(f"input {name!r} has {features.shape[1]} features, the model takes {self._features}",
+                               tensor=name)
         try:
             return {self._output_name: np.ascontiguousarray(self._predict(features))}
         except xgb.core.XGBoostError as exc:

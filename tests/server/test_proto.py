@@ -10,8 +10,8 @@ from pathlib import Path
 import carton.server._proto as proto
 import pytest
 import tritonclient.grpc.service_pb2 as triton_pb2
-from carton.errors import ServerError
 from carton.server._proto._generate import PROTO_RELATIVE, generate
+from carton.server.errors import ServerError
 from google.protobuf import descriptor_pool
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
@@ -112,7 +112,7 @@ def test_missing_stubs_give_a_clear_error() -> None:
     script = (
         "import sys\n"
         "sys.modules['carton.server._proto.kserve_v2_pb2'] = None\n"
-        "from carton.errors import ServerError\n"
+        "from carton.server.errors import ServerError\n"
         "import carton.server._proto as p\n"
         "try:\n"
         "    p.message_class('ModelInferRequest')\n"

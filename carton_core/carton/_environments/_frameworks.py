@@ -28,7 +28,7 @@ __all__ = [
 ]
 
 #: The core dependencies of carton that the runner side (`carton_protocol` and the runner loop) imports.
-PROTOCOL_DEPENDENCIES = ("numpy", "pluggy", "pyzmq", "msgpack")
+PROTOCOL_DEPENDENCIES = ("numpy", "pluggy", "pyzmq", "msgspec")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -23,8 +23,8 @@ from typing import Any
 
 from carton_protocol import TensorSpec
 
-from ..errors import RepositoryError
 from ._datatypes import DATATYPE_OF
+from .errors import RepositoryError
 
 __all__ = ["DynamicBatching", "ModelConfig", "PolicyKind", "TensorConfig", "VersionPolicy", "parse_config"]
 

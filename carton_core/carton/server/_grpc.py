@@ -2,8 +2,9 @@
 
 Handlers are registered by hand (`grpc.method_handlers_generic_handler`) under the protocol's service name, against
 the messages generated from ``_proto/kserve_v2.proto`` into carton's own proto package (see `._proto` for why).
-Failures map to gRPC status codes the way Triton maps them: bad input ``INVALID_ARGUMENT``, unknown model
-``NOT_FOUND``, upload disabled ``PERMISSION_DENIED``, a request timeout ``UNAVAILABLE``, anything else ``INTERNAL``.
+Failures map to gRPC status codes the way Triton maps them, by `carton.server.errors.STATUS`: bad input
+``INVALID_ARGUMENT``, unknown model ``NOT_FOUND``, upload disabled ``PERMISSION_DENIED``, a request timeout
+``UNAVAILABLE``, anything else ``INTERNAL``.
 Outputs always travel in ``raw_output_contents``, as Triton sends them.
 """
 
@@ -18,7 +19,6 @@ import numpy as np
 from carton_protocol import DType
 from grpc import aio
 
-from ..errors import BadRequest, ServerError
 from ._datatypes import DATATYPE_OF, NUMPY_OF
 from ._handle import metadata_shape
 from ._http import EXTENSIONS
@@ -36,17 +36,9 @@ from ._inference import (
 )
 from ._proto import SERVICE_NAME, message_class
 from ._repository import ModelRepository, ServedVersion
+from .errors import BadRequest, ServerError
 
 __all__ = ["GrpcService"]
-
-_STATUS = {
-    400: grpc.StatusCode.INVALID_ARGUMENT,
-    403: grpc.StatusCode.PERMISSION_DENIED,
-    404: grpc.StatusCode.NOT_FOUND,
-    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    501: grpc.StatusCode.UNIMPLEMENTED,
-    503: grpc.StatusCode.UNAVAILABLE,
-}
 
 # Which typed-contents field carries each datatype when a client does not send raw bytes.
 _CONTENTS_FIELD = {
@@ -136,7 +128,7 @@ class GrpcService:
                 return await function(request)
             except ServerError as exc:
                 # Safe as composed (see `HttpApp.__call__`): client names are echoed verbatim.
-                await context.abort(_STATUS.get(exc.http_status, grpc.StatusCode.INTERNAL), str(exc))
+                await context.abort(grpc.StatusCode[exc.grpc_status], str(exc))
 
         return guarded
 

@@ -27,12 +27,13 @@ from pathlib import Path
 import numpy as np
 from carton_protocol import Tensor, TensorSpec
 
-from ..errors import BadRequest, CartonError, ModelNotFound, RepositoryError, ServerError, UploadDisabled
+from ..errors import CartonError
 from ._batcher import DynamicBatcher
 from ._config import ModelConfig, parse_config
 from ._handle import LoadSpec, ModelHandle, ModelLoader
 from ._layout import Scrubber, list_models, scan_versions, validate_model_name, write_upload
 from ._stats import ServerMetrics, VersionStats
+from .errors import BadRequest, ModelNotFound, RepositoryError, ServerError, UploadDisabled
 
 __all__ = ["ModelRepository", "ModelState", "RepositoryOptions", "ServedVersion"]
 

@@ -18,12 +18,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import ServerError
 from ._handle import ModelLoader, load_carton
 from ._http import HttpApp
 from ._layout import list_models, make_upload_root, sweep_stale_upload_roots
 from ._repository import ModelRepository, RepositoryOptions
 from ._stats import ServerMetrics
+from .errors import ServerError
 
 __all__ = ["ModelControlMode", "Server", "ServerOptions", "run_server", "serve_in_thread"]
 
