@@ -28,7 +28,8 @@ import carton
 import numpy as np
 import zmq
 from _timing import percentiles, timed
-from carton._runtime import RunnerProcess, discover, load_unpacked, plugin_manager
+from carton._runtime import RunnerProcess, discover, plugin_manager
+from carton._workflows import load_unpacked
 from carton_protocol import DType, RunnerSpec, TensorSpec, hookimpl
 
 ROOT = Path(__file__).resolve().parent.parent

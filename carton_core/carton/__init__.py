@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from carton_protocol import DType, Runner, RunnerSpec, TensorSpec
 
+from ._version import __version__
 from .errors import (
     ArchiveTooLarge,
     CartonError,
@@ -64,7 +65,7 @@ _LAZY = {
     "SelfTest": "._format",
     "TensorRef": "._format",
     "get_model_info": "._format",
-    "pack": "._format",
+    "pack": "._workflows",
     "shrink": "._format",
     "verify": "._format",
     "Model": "._runtime",
@@ -73,8 +74,8 @@ _LAZY = {
     "SelfTestResult": "._runtime",
     "VersionReq": "._runtime",
     "discover_runners": "._runtime",
-    "load": "._runtime",
-    "load_unpacked": "._runtime",
+    "load": "._workflows",
+    "load_unpacked": "._workflows",
     "prestart": "._runtime",
     "target_triple": "._runtime",
     "BadRequest": ".server.errors",
@@ -102,7 +103,6 @@ if TYPE_CHECKING:
         SelfTest,
         TensorRef,
         get_model_info,
-        pack,
         shrink,
         verify,
     )
@@ -113,11 +113,10 @@ if TYPE_CHECKING:
         SelfTestResult,
         VersionReq,
         discover_runners,
-        load,
-        load_unpacked,
         prestart,
         target_triple,
     )
+    from ._workflows import load, load_unpacked, pack
     from .server.errors import (
         BadRequest,
         ModelNotFound,
@@ -128,7 +127,6 @@ if TYPE_CHECKING:
         UploadDisabled,
     )
 
-__version__ = "0.1.0"
 
 __all__ = [
     "ArchiveTooLarge",

@@ -57,7 +57,7 @@ from ._shm import SHM_AVAILABLE, FdChannel
 from ._zmqio import recv_message, send_message
 from .errors import ErrorCode, FrameError, InvalidOutput, ProtocolError, RunnerFault, VersionMismatch
 
-__all__ = ["error_code", "error_reply", "import_entry", "main"]
+__all__ = ["DEFAULT_INLINE_MAX_SECONDS", "INLINE_MAX_ENV", "error_code", "error_reply", "import_entry", "main"]
 
 _TRACEBACK_CHARS = 8000
 _EXIT_IMPORT_FAILED = 2

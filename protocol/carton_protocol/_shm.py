@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from .errors import FrameError, LimitExceeded, ProtocolError
 
-__all__ = ["SHM_AVAILABLE", "FdChannel", "PeerSegments", "Segment", "SegmentPool"]
+__all__ = ["SHM_AVAILABLE", "FdChannel", "PeerSegments", "Segment", "SegmentPool", "align"]
 
 SHM_AVAILABLE = hasattr(os, "memfd_create") and hasattr(fcntl, "F_ADD_SEALS") and hasattr(socket, "send_fds")
 

@@ -30,7 +30,7 @@ from ._messages import Infer, InferReply, TensorEntry, encode
 from ._runner import Tensor
 from .errors import FrameError
 
-__all__ = ["REPLY_PREFIX", "REQUEST_PREFIX", "Plan", "Templates", "pack_id"]
+__all__ = ["REPLY_PREFIX", "REQUEST_PREFIX", "Layout", "Plan", "Templates", "pack_id"]
 
 #: ``{"op": "infer", "id": `` as msgpack (a map of 3): the start of every plain infer request.
 REQUEST_PREFIX = b"\x83\xa2op\xa5infer\xa2id"

@@ -32,7 +32,7 @@ from ._llama import Decoder, DecoderLayer, LlamaModel
 from ._shards import ShardPlan
 from ._weights import BiasedLinear, Embedding, FloatEmbedding, FloatLinear, Linear, QuantizedEmbedding
 
-__all__ = ["LoadedDecoder", "build_decoder", "load_decoder", "read_config"]
+__all__ = ["F32", "LoadedDecoder", "Range", "build_decoder", "load_decoder", "read_config"]
 
 F32 = NDArray[np.float32]
 Range = tuple[int, int]

@@ -39,7 +39,7 @@ from ._shards import (
     write_message,
 )
 
-__all__ = ["ShardedModel", "start_sharded"]
+__all__ = ["F32", "I64", "BuildShard", "ShardedModel", "start_sharded"]
 
 F32 = NDArray[np.float32]
 I64 = NDArray[np.int64]

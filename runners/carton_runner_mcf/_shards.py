@@ -42,7 +42,21 @@ from numpy.typing import NDArray
 
 from ._config import DecoderConfig
 
-__all__ = ["Exchange", "ShardFailed", "ShardPlan", "check_processes_supported", "plan_shards"]
+__all__ = [
+    "F32",
+    "Exchange",
+    "ShardFailed",
+    "ShardPlan",
+    "become_helper",
+    "check_processes_supported",
+    "describe_exit",
+    "exchange_floats",
+    "plan_shards",
+    "read_exact",
+    "read_message",
+    "shared_block",
+    "write_message",
+]
 
 F32 = NDArray[np.float32]
 

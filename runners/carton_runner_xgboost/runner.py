@@ -19,7 +19,7 @@ from ._errors import UnsupportedModelFile, XGBoostRunnerError
 from ._framework import xgb
 from ._options import ModelType, XGBoostOptions, parse_options
 
-__all__ = ["XGBoostRunner"]
+__all__ = ["Predict", "XGBoostRunner"]
 
 _MODEL_SUFFIXES = (".ubj", ".json")
 _DEFAULT_OUTPUT = {ModelType.BOOSTER: "predictions", ModelType.REGRESSOR: "predictions",

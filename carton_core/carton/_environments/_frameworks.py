@@ -20,6 +20,7 @@ from ..errors import EnvironmentInstallError
 
 __all__ = [
     "FRAMEWORKS",
+    "PROTOCOL_DEPENDENCIES",
     "Framework",
     "can_install",
     "carton_install_args",

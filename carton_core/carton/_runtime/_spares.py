@@ -28,7 +28,7 @@ from carton_protocol import RunnerSpec
 from ..errors import CartonWarning
 from ._process import RunnerProcess
 
-__all__ = ["DEFAULT_SPARE_RUNNERS", "SPARE_RUNNERS_ENV", "SparePool", "spare_pool"]
+__all__ = ["DEFAULT_SPARE_RUNNERS", "SPARE_RUNNERS_ENV", "SparePool", "spare_limit", "spare_pool"]
 
 #: Environment variable: the most spare runner processes kept (one per runner; ``0`` disables).
 SPARE_RUNNERS_ENV = "CARTON_SPARE_RUNNERS"
@@ -102,6 +102,22 @@ class SparePool:
             if process is not None:
                 _close_quietly(process)
         return RunnerProcess.start(spec, handshake_timeout=handshake_timeout), False
+
+    def take_later(self, spec: RunnerSpec, *, handshake_timeout: float) -> Future[tuple[RunnerProcess, bool]]:
+        """`take` on a helper thread: the caller collects ``(process, was a spare)`` (or the start's error) with
+        ``result()``, and owns the process (a done-callback must close it if the caller gives up)."""
+        future: Future[tuple[RunnerProcess, bool]] = Future()
+
+        def start() -> None:
+            try:
+                taken = self.take(spec, handshake_timeout=handshake_timeout)
+            except BaseException as exc:
+                future.set_exception(exc)
+            else:
+                future.set_result(taken)
+
+        threading.Thread(target=start, name="carton-prestart", daemon=True).start()
+        return future
 
     def replenish(self, spec: RunnerSpec) -> Future[RunnerProcess] | None:
         """Make sure a spare for ``spec`` exists or is starting (in a background thread); evict the least recently

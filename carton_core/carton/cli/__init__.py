@@ -12,7 +12,7 @@ from typing import TextIO
 
 from ..errors import CartonError
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main"]
 
 #: Modules under carton.cli, each with ``register(subparsers) -> None`` adding subcommands whose handler is stored
 #: as ``func`` (``(args) -> int``). Add a module here when its file exists.

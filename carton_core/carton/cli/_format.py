@@ -12,11 +12,12 @@ from typing import Any
 
 from carton_protocol import DType, OptValue, Shape, TensorSpec
 
-from .._format import CartonInfo, get_model_info, pack, shrink, verify
+from .._format import CartonInfo, get_model_info, shrink, verify
 from .._format._info import MiscRef, TensorRef
+from .._workflows import pack
 from ..errors import PackError
 
-__all__ = ["register"]
+__all__ = ["info_to_json", "register"]
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 

@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 from carton_protocol import OptValue, Tensor
 
-from .._runtime import Model, discover, load, target_triple
+from .._runtime import Model, discover, target_triple
+from .._workflows import load
 from ..errors import InvalidInput, InvalidOutput
 
 __all__ = ["register"]

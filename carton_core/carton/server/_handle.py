@@ -74,7 +74,7 @@ def load_carton(spec: LoadSpec, *, limits: Any = None) -> ModelHandle:
     """Load with `carton.load` (imported here: the runtime is a peer module, not a dependency of the protocol code).
 
     `limits` (a `carton.RunnerLimits`, from ``carton serve``'s limit flags) applies to every model."""
-    from .._runtime import load
+    from .._workflows import load
 
     options: dict[str, Any] = {"workers": spec.workers}
     if limits is not None:

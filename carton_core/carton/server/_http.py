@@ -29,7 +29,7 @@ from ._repository import ModelRepository, ServedVersion
 from ._stats import ServerMetrics
 from .errors import BadRequest, RequestTooLarge, ServerError
 
-__all__ = ["EXTENSIONS", "HttpApp", "model_config_json", "model_metadata_json"]
+__all__ = ["EXTENSIONS", "HttpApp", "Message", "Receive", "Scope", "Send", "model_config_json", "model_metadata_json"]
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

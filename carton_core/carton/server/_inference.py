@@ -38,6 +38,8 @@ __all__ = [
     "from_raw",
     "json_elements",
     "output_tensor",
+    "request_failed",
+    "request_succeeded",
     "select_outputs",
     "translate_error",
 ]

@@ -25,7 +25,7 @@ from ._repository import ModelRepository, RepositoryOptions
 from ._stats import ServerMetrics
 from .errors import ServerError
 
-__all__ = ["ModelControlMode", "Server", "ServerOptions", "run_server", "serve_in_thread"]
+__all__ = ["ModelControlMode", "Server", "ServerOptions", "listening_text", "run_server", "serve_in_thread"]
 
 _log = logging.getLogger("carton.server")
 
@@ -58,7 +58,7 @@ class ServerOptions:
 
 
 def _version() -> str:
-    from .. import __version__
+    from .._version import __version__
 
     return __version__
 

@@ -23,7 +23,7 @@ import semver
 from packaging.version import InvalidVersion as _InvalidPep440
 from packaging.version import Version as _Pep440Version
 
-from ..errors import InvalidVersion, InvalidVersionReq
+from .errors import InvalidVersion, InvalidVersionReq
 
 __all__ = ["Comparator", "Op", "VersionReq", "framework_version"]
 
