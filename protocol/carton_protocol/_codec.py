@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from ._framing import decode_tensors, encode_tensors, shared_segments
 from ._limits import DEFAULT_LIMITS, WireLimits
@@ -205,6 +206,13 @@ class HostCodec(_Codec):
         end, self._runner_end = self._runner_end, None
         if end is not None:
             end.close()
+
+    def copied_bytes(self, tensors: Mapping[str, Tensor]) -> int:
+        """How many bytes sending `tensors` copies into shared memory (outputs of their size are copied out too):
+        0 when this connection has none. Large copies are worth running off an event loop."""
+        if self._pool is None:
+            return 0
+        return sum(value.nbytes for value in tensors.values() if type(value) is np.ndarray)
 
     def hello(self, *, host_pid: int) -> Hello:
         """The first request: this side's protocol version, and whether (from what size) to use shared memory."""

@@ -64,15 +64,18 @@ def test_positional_inputs_follow_declared_order() -> None:
 def test_bad_inputs(change: dict[object, object], message: str) -> None:
     inputs = good_inputs()
     inputs.update(change)  # type: ignore[arg-type]
-    with pytest.raises(InvalidInput, match=message):
+    with pytest.raises(InvalidInput, match=message) as refused:
         SIG.prepare_inputs(inputs)
+    named = next(iter(change))
+    assert refused.value.tensor == (named if isinstance(named, str) else None)  # the tensor at fault, as a fact
 
 
 def test_missing_input() -> None:
     inputs = good_inputs()
     del inputs["y"]
-    with pytest.raises(InvalidInput, match=r"missing input 'y' \(the model's inputs are 'x', 'y', 's'\)"):
+    with pytest.raises(InvalidInput, match=r"missing input 'y' \(the model's inputs are 'x', 'y', 's'\)") as refused:
         SIG.prepare_inputs(inputs)
+    assert refused.value.tensor == "y"
 
 
 def test_not_a_container() -> None:

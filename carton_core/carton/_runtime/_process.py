@@ -23,7 +23,6 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
 import zmq
 from carton_protocol import (
     PROTOCOL_VERSION,
@@ -358,10 +357,7 @@ class RunnerProcess:
         seconds (``None``: no limit); a runner that does not answer within it is killed (`RunnerTimeout`)."""
         connection = self._enter("infer")
         try:
-            try:
-                outgoing = connection.codec.encode_tensors(connection.next_id(), tensors)
-            except ProtocolError as exc:
-                raise InvalidInput(str(exc)) from exc
+            outgoing = self._encode(connection, tensors)
             try:
                 received = connection.exchange(outgoing.parts, outgoing.id, timeout=timeout)
             finally:
@@ -374,6 +370,7 @@ class RunnerProcess:
 
     @staticmethod
     def _encode(connection: Connection, tensors: Mapping[str, Tensor]) -> Outgoing:
+        """The request carrying `tensors`; what the wire cannot carry is the caller's `InvalidInput`."""
         try:
             return connection.codec.encode_tensors(connection.next_id(), tensors)
         except ProtocolError as exc:
@@ -438,15 +435,9 @@ class RunnerProcess:
             channel: AsyncChannel | None = last[1]
         else:
             channel = self._new_async_channel(loop)
-        if channel is not None and self._resources.connection is not None and (
-            self._resources.connection.codec.shm_threshold is not None
-        ):
-            size = 0
-            for value in tensors.values():
-                if type(value) is np.ndarray:
-                    size += value.nbytes
-            if size >= _ASYNC_COPY_BYTES:
-                return None
+        connection = self._resources.connection
+        if channel is None or connection is None or connection.codec.copied_bytes(tensors) >= _ASYNC_COPY_BYTES:
+            return None
         return channel
 
     def _new_async_channel(self, loop: asyncio.AbstractEventLoop) -> AsyncChannel | None:

@@ -20,6 +20,7 @@ _COMMAND_MODULES: tuple[str, ...] = ("_format", "_mcf", "_environments", "_serve
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``carton`` argument parser: every area's module (`_COMMAND_MODULES`) registers its subcommands."""
     parser = argparse.ArgumentParser(
         prog="carton",
         description="Package ML models as .carton files and run them in isolated runner processes.",
@@ -43,6 +44,8 @@ def _show_warning(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``carton`` command with `argv` (default: ``sys.argv[1:]``) and return its exit status: 0 on success,
+    1 for a `carton.CartonError` (printed as one line), 2 for a usage error, 130 when interrupted."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

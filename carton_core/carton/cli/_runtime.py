@@ -24,6 +24,8 @@ _SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
 
 
 def register(subparsers: Any) -> None:
+    """Add ``carton runners``, ``selftest`` and ``infer`` to the ``carton`` parser's `subparsers` (called by
+    `build_parser`)."""
     runners = subparsers.add_parser(
         "runners",
         help="list the runners installed plugins and runner environments provide",

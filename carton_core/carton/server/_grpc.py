@@ -92,6 +92,7 @@ class GrpcService:
         self.server_version = server_version
 
     def handler(self) -> grpc.GenericRpcHandler[Any, Any]:
+        """The handler of every method of ``inference.GRPCInferenceService``, for ``add_generic_rpc_handlers``."""
         unary = {
             "ServerLive": self.server_live,
             "ServerReady": self.server_ready,
@@ -134,18 +135,23 @@ class GrpcService:
 
     # ---- health and metadata -------------------------------------------------------------------------------------
     async def server_live(self, request: Any) -> Any:
+        """``ServerLive``: always live while the server runs."""
         return _M["ServerLiveResponse"](live=True)
 
     async def server_ready(self, request: Any) -> Any:
+        """``ServerReady``: ready once no model is loading or unloading."""
         return _M["ServerReadyResponse"](ready=self.repository.is_ready())
 
     async def model_ready(self, request: Any) -> Any:
+        """``ModelReady``: whether the named model (version) is ready."""
         return _M["ModelReadyResponse"](ready=self.repository.model_ready(request.name, request.version))
 
     async def server_metadata(self, request: Any) -> Any:
+        """``ServerMetadata``: the server's name, version and extensions."""
         return _M["ServerMetadataResponse"](name="carton", version=self.server_version, extensions=EXTENSIONS)
 
     async def model_metadata(self, request: Any) -> Any:
+        """``ModelMetadata``: a model's versions and declared tensors (``NOT_FOUND`` if unknown)."""
         served = self.repository.get(request.name, request.version)
         response = _M["ModelMetadataResponse"](
             name=served.model,
@@ -159,6 +165,7 @@ class GrpcService:
         return response
 
     async def model_config(self, request: Any) -> Any:
+        """``ModelConfig``: the model's configuration as Triton reports it."""
         from google.protobuf import json_format
 
         from ._http import model_config_json
@@ -169,6 +176,7 @@ class GrpcService:
         return response
 
     async def model_statistics(self, request: Any) -> Any:
+        """``ModelStatistics``: inference statistics of one model (version) or of all."""
         from google.protobuf import json_format
 
         if request.name:
@@ -182,12 +190,14 @@ class GrpcService:
 
     # ---- repository ----------------------------------------------------------------------------------------------
     async def repository_index(self, request: Any) -> Any:
+        """``RepositoryIndex``: every model of the repository and its state."""
         response = _M["RepositoryIndexResponse"]()
         for entry in self.repository.index(ready_only=request.ready):
             response.models.add(**entry)
         return response
 
     async def repository_load(self, request: Any) -> Any:
+        """``RepositoryModelLoad``: (re)load a model, optionally with a config and uploaded files."""
         config: str | None = None
         files: dict[str, bytes] = {}
         for key, parameter in request.parameters.items():
@@ -206,6 +216,7 @@ class GrpcService:
         return _M["RepositoryModelLoadResponse"]()
 
     async def repository_unload(self, request: Any) -> Any:
+        """``RepositoryModelUnload``: unload a model (``unload_dependents`` is accepted)."""
         dependents = False
         if "unload_dependents" in request.parameters:
             parameter = request.parameters["unload_dependents"]
@@ -217,6 +228,7 @@ class GrpcService:
 
     # ---- inference -----------------------------------------------------------------------------------------------
     async def model_infer(self, request: Any) -> Any:
+        """``ModelInfer``: one inference; failures are answered with the status of `carton.server.errors.STATUS`."""
         started = time.perf_counter_ns()
         served = self.repository.acquire(request.model_name, request.model_version)
         try:
@@ -255,6 +267,7 @@ class GrpcService:
     async def model_stream_infer(
         self, requests: AsyncIterator[Any], context: aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[Any]:
+        """``ModelStreamInfer``: each request answered in turn; a failure becomes that response's ``error_message``."""
         async for request in requests:
             try:
                 response = await self.model_infer(request)

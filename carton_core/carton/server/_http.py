@@ -62,6 +62,7 @@ class _HttpError(Exception):
 
 
 def model_metadata_json(served: ServedVersion, versions: list[str]) -> dict[str, Any]:
+    """A model version's metadata as KServe v2's JSON (its versions, declared inputs and outputs)."""
     return {
         "name": served.model,
         "versions": versions,

@@ -48,6 +48,7 @@ _log = logging.getLogger("carton.server")
 
 
 def element_count(shape: Sequence[int], *, tensor: str) -> int:
+    """The number of elements of `shape`; `BadRequest` naming `tensor` if it is not a list of sizes >= 0."""
     for dim in shape:
         if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
             raise BadRequest(f"input {tensor!r}: shape {list(shape)} must be a list of non-negative integers")
@@ -94,6 +95,7 @@ def from_bytes_elements(elements: Sequence[bytes], shape: Sequence[int], *, tens
 
 
 def check_complete(served: ServedVersion, inputs: Mapping[str, object]) -> None:
+    """`BadRequest` naming the inputs `served` declares that `inputs` lacks."""
     missing = sorted(set(served.input_specs) - set(inputs))
     if missing:
         raise BadRequest(
@@ -119,6 +121,7 @@ def select_outputs(
 
 
 def check_requested(served: ServedVersion, requested: Iterable[str]) -> None:
+    """`BadRequest` naming the first requested output that `served` does not declare."""
     declared = {spec.name for spec in served.output_specs}
     for name in requested:
         if name not in declared:

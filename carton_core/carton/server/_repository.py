@@ -41,6 +41,7 @@ _log = logging.getLogger("carton.server")
 
 
 class ModelState(enum.StrEnum):
+    """A model version's state, as the repository index reports it."""
     READY = "READY"
     LOADING = "LOADING"
     UNLOADING = "UNLOADING"
@@ -94,11 +95,13 @@ class ServedVersion:
             )
 
     def enter(self) -> None:
+        """A request starts using this version (an unload waits for it to `exit`)."""
         self.in_flight += 1
         self._idle.clear()
         self.stats.series.in_flight += 1
 
     def exit(self) -> None:
+        """A request is done with this version."""
         self.in_flight -= 1
         self.stats.series.in_flight -= 1
         if self.in_flight == 0:
@@ -217,24 +220,30 @@ class ModelRepository:
         return (self.root / name).is_dir() or (self.root / f"{name}.carton").exists()
 
     def acquire(self, name: str, version: str = "") -> ServedVersion:
+        """The ready version serving `name` (the given one, else the latest), entered for one request: the caller
+        must `ServedVersion.exit` it. `ModelNotFound` if there is none."""
         served = self.get(name, version)
         served.enter()
         return served
 
     def is_ready(self) -> bool:
+        """Whether no model is loading or unloading (the server's readiness)."""
         return self._transitions == 0
 
     def model_ready(self, name: str, version: str = "") -> bool:
+        """Whether `name` (at `version`, else its latest) is ready to serve."""
         try:
             return self.get(name, version).state is ModelState.READY
         except (ModelNotFound, BadRequest):
             return False
 
     def versions(self, name: str) -> list[ServedVersion]:
+        """The versions `name` serves, in ascending order (none for an unknown model)."""
         model = self._models.get(name)
         return [model.serving[v] for v in sorted(model.serving)] if model is not None else []
 
     def all_served(self) -> list[ServedVersion]:
+        """Every version of every model being served, by model name then version."""
         return [version for name in sorted(self._models) for version in self.versions(name)]
 
     # ---- index ---------------------------------------------------------------------------------------------------
@@ -274,6 +283,7 @@ class ModelRepository:
         await self._load(name, config=config, files=files)
 
     async def load_at_startup(self, name: str) -> None:
+        """Load `name` from the repository as the server starts (its files as they are on disk)."""
         await self._load(validate_model_name(name), config=None, files=None)
 
     async def _load(self, name: str, *, config: str | None, files: Mapping[str, bytes] | None) -> None:

@@ -31,6 +31,7 @@ _log = logging.getLogger("carton.server")
 
 
 class ModelControlMode(enum.StrEnum):
+    """Triton's ``--model-control-mode``: which models load at start, and whether the load/unload API works."""
     #: Every model of the repository is loaded at start; the load/unload API is refused.
     NONE = "none"
     #: Only ``load_models`` are loaded at start (``"*"``: all); the load/unload API is available.
@@ -101,6 +102,8 @@ class Server:
         self._grpc: object | None = None
 
     async def start(self) -> None:
+        """Bind the HTTP (and gRPC) ports and load the models the options name; raise `ServerError` if a port
+        cannot be bound."""
         import uvicorn
         from grpc import aio
 
@@ -168,6 +171,7 @@ class Server:
                 _log.error("model %r failed to load: %s", name, result)
 
     async def stop(self) -> None:
+        """Stop accepting requests, unload every model (closing its runners) and close the ports."""
         if self._grpc is not None:
             await self._grpc.stop(1.0)  # type: ignore[attr-defined]
         if self._uvicorn is not None and self._uvicorn_task is not None:
