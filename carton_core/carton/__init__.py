@@ -51,7 +51,8 @@ from .errors import (
 )
 
 # The host's modules load on first use (PEP 562): a runner process imports `carton.errors` or `carton.mcf`,
-# which runs this file, and must not pay for the host's HTTP, format and process code (26 MB, 190 ms).
+# which runs this file, and must not pay for the host's HTTP, format and process code (docs/performance.md, "MCF
+# runner").
 _LAZY = {
     "RunnerEnvironment": "._environments",
     "install_runner": "._environments",

@@ -63,8 +63,8 @@ _TRACEBACK_CHARS = 8000
 _EXIT_IMPORT_FAILED = 2
 _EXIT_VERSION_MISMATCH = 3
 #: A concurrent runner's call runs on the socket thread (no pool hand-off) only while calls take less than this: the
-#: hand-off costs about 0.2 ms, which matters to a 50 us call, and an inline call delays requests that arrive
-#: meanwhile by its own length, which matters to a 2 ms one (two clients then got 1.15x instead of 1.99x).
+#: hand-off costs much of a small call's round trip, and an inline call delays requests that arrive meanwhile by its
+#: own length, which matters to a long one (docs/protocol.md, "Concurrent runners", has the measurements).
 #: The runner's environment variable `INLINE_MAX_ENV` sets another bound in seconds; 0 sends every call to the pool.
 DEFAULT_INLINE_MAX_SECONDS = 0.0005
 INLINE_MAX_ENV = "CARTON_RUNNER_INLINE_MAX_SECONDS"

@@ -1,8 +1,8 @@
 """Spare runner processes: started and handshaken ahead of time, so the next `carton.load` skips the start-up.
 
 Starting a runner costs an interpreter start plus the imports of numpy, pyzmq, carton_protocol, the runner module
-and its framework (the runner entry is imported before the handshake answers): about 0.25 s on an idle machine,
-several times more under load, which is most of what `carton.load` of an already extracted model costs. After a
+and its framework (the runner entry is imported before the handshake answers): most of what `carton.load` of an
+already extracted model costs (docs/runners.md, "Load time"; docs/performance.md, "Built-in runners"). After a
 runner is used by an unsandboxed load, the pool starts one idle process for that runner in the background; the next
 load for the same `RunnerSpec` takes it (waiting for it if it is still starting) and only sends ``load``.
 
