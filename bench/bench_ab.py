@@ -13,29 +13,40 @@ runner, and times, after a warm-up:
   decoder on both ends);
 * ``large``: 64 MiB in and 64 MiB out (shared memory).
 
-Each round gives a p50 per row and side; the table shows the median over rounds of each side's p50 and of the
-per-round ratio (this checkout / baseline), with its range, and the load average before and after.
+Each round gives a p50 per row and side. The ``cpu`` rows are the CPU time one call costs, the host process and the
+runner process together (every thread: ZeroMQ's I/O threads too), over the same calls: on a loaded machine a
+round trip's wall time is mostly waiting to be scheduled, while the CPU a call burns is what the code decides. The
+table shows the median over rounds of each side's figure and of the per-round ratio (this checkout / baseline), with
+its range, and the load average before and after.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 HERE = Path(__file__).resolve().parent
-ROWS = ("small", "small async", "small strings", "large")
+ROWS = ("small", "small async", "small strings", "large", "small cpu", "small strings cpu")
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process `pid`, all its threads (from /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _child(tree: Path, calls: int) -> None:
+    import asyncio
+
     import numpy as np
+    from _timing import timed, timed_async
     from carton._runtime._process import RunnerProcess
     from carton_protocol import RunnerSpec
 
@@ -46,37 +57,33 @@ def _child(tree: Path, calls: int) -> None:
     x = np.random.default_rng(0).random((1, 16), dtype=np.float32)
     words = np.array(["hello", "wire"])
     big = np.random.default_rng(0).random((64 << 20) // 4, dtype=np.float32)
+    assert runner.runner_pid is not None
+    runner_pid = runner.runner_pid
 
-    def timed(call: Any, count: int, warmup: int) -> list[float]:
-        for _ in range(warmup):
+    def cpu_per_call(call: Callable[[], object]) -> float:
+        for _ in range(calls // 10):
             call()
-        taken = []
-        for _ in range(count):
-            begin = time.perf_counter()
+        host, remote = time.process_time(), _cpu_seconds(runner_pid)
+        for _ in range(calls):
             call()
-            taken.append(time.perf_counter() - begin)
-        return taken
-
-    async def timed_async(count: int, warmup: int) -> list[float]:
-        for _ in range(warmup):
-            await runner.infer_async({"x": x})
-        taken = []
-        for _ in range(count):
-            begin = time.perf_counter()
-            await runner.infer_async({"x": x})
-            taken.append(time.perf_counter() - begin)
-        return taken
+        return (time.process_time() - host + _cpu_seconds(runner_pid) - remote) / calls
 
     try:
         samples = {
-            "small": timed(lambda: runner.infer({"x": x}), calls, calls // 10),
-            "small async": asyncio.run(timed_async(calls, calls // 10)),
-            "small strings": timed(lambda: runner.infer({"x": x, "words": words}), calls, calls // 10),
-            "large": timed(lambda: runner.infer({"x": big}), 10, 2),
+            "small": statistics.median(timed(lambda: runner.infer({"x": x}), calls, calls // 10)),
+            "small async": statistics.median(
+                asyncio.run(timed_async(lambda: runner.infer_async({"x": x}), calls, calls // 10))
+            ),
+            "small strings": statistics.median(
+                timed(lambda: runner.infer({"x": x, "words": words}), calls, calls // 10)
+            ),
+            "large": statistics.median(timed(lambda: runner.infer({"x": big}), 10, 2)),
+            "small cpu": cpu_per_call(lambda: runner.infer({"x": x})),
+            "small strings cpu": cpu_per_call(lambda: runner.infer({"x": x, "words": words})),
         }
     finally:
         runner.close()
-    print(json.dumps({row: statistics.median(values) for row, values in samples.items()}))
+    print(json.dumps(samples))
 
 
 def _run_side(tree: Path, calls: int) -> dict[str, float]:
@@ -107,25 +114,27 @@ def main() -> None:
     ours = HERE.parent
     baseline = args.baseline.resolve()
     load_before = os.getloadavg()
-    p50s: dict[str, dict[str, list[float]]] = {side: {row: [] for row in ROWS} for side in ("base", "new")}
+    figures: dict[str, dict[str, list[float]]] = {side: {row: [] for row in ROWS} for side in ("base", "new")}
     for index in range(args.rounds):
         order = [("base", baseline), ("new", ours)]
         if index % 2:
             order.reverse()
         for side, tree in order:
             for row, value in _run_side(tree, args.calls).items():
-                p50s[side][row].append(value)
+                figures[side][row].append(value)
     load_after = os.getloadavg()
     print(f"# bench_ab: {ours.name} against {baseline.name}, {args.rounds} alternating rounds, python "
           f"{sys.version.split()[0]}; load average {load_before[0]:.2f} before, {load_after[0]:.2f} after\n")
-    print("| row | baseline p50 | this checkout p50 | ratio (median of rounds) | ratio range |")
+    print("| row | baseline | this checkout | ratio (median of rounds) | ratio range |")
     print("|---|---|---|---|---|")
     for row in ROWS:
-        base, new = p50s["base"][row], p50s["new"][row]
+        base, new = figures["base"][row], figures["new"][row]
         ratios = [b / a for a, b in zip(base, new, strict=True)]
         unit, scale = ("ms", 1e3) if row == "large" else ("us", 1e6)
-        print(f"| {row} | {statistics.median(base) * scale:.1f} {unit} | {statistics.median(new) * scale:.1f} {unit} "
-              f"| {statistics.median(ratios):.3f}x | {min(ratios):.2f}-{max(ratios):.2f}x |")
+        what = "CPU per call" if row.endswith("cpu") else "p50"
+        print(f"| {row} ({what}) | {statistics.median(base) * scale:.1f} {unit} | "
+              f"{statistics.median(new) * scale:.1f} {unit} | {statistics.median(ratios):.3f}x | "
+              f"{min(ratios):.2f}-{max(ratios):.2f}x |")
 
 
 if __name__ == "__main__":

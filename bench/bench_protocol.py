@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 import zmq
-from _timing import percentiles, timed
+from _timing import percentiles, timed, timed_async
 from carton._runtime._process import RunnerProcess
 from carton_protocol import RunnerSpec
 
@@ -168,16 +168,6 @@ def bench_small(repeat: int, rounds: int) -> None:
     ratios: dict[str, list[float]] = {name: [] for name in names}
     loop = asyncio.new_event_loop()
 
-    async def timed_async(count: int, warmup: int) -> list[float]:
-        for _ in range(warmup):
-            await runner.infer_async({"x": x})
-        taken = []
-        for _ in range(count):
-            begin = time.perf_counter()
-            await runner.infer_async({"x": x})
-            taken.append(time.perf_counter() - begin)
-        return taken
-
     try:
         for _ in range(rounds):
             medians = {}
@@ -185,7 +175,7 @@ def bench_small(repeat: int, rounds: int) -> None:
                 taken = timed(call, repeat, warmup=200)
                 samples[name] += taken
                 medians[name] = statistics.median(taken)
-            taken = loop.run_until_complete(timed_async(repeat, 200))
+            taken = loop.run_until_complete(timed_async(lambda: runner.infer_async({"x": x}), repeat, 200))
             samples["async"] += taken
             medians["async"] = statistics.median(taken)
             for name in medians:

@@ -15,10 +15,9 @@ pytest.importorskip("tritonclient.grpc")
 pytest.importorskip("grpc")
 
 import grpc
-import tritonclient.grpc as grpcclient
-import tritonclient.http as httpclient
 from carton.server import ModelControlMode, Server, ServerOptions, serve_in_thread
 from mcf_runner_models import infer_logits, max_relative_error
+from triton_calls import infer_grpc, infer_http
 from tritonclient.utils import InferenceServerException
 
 
@@ -38,21 +37,12 @@ def mcf_server(mcf_model: Callable[..., Path], tmp_path_factory: pytest.TempPath
 
 
 def _http(server: Server, ids: np.ndarray) -> np.ndarray:
-    client = httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}")
-    tensor = httpclient.InferInput("input_ids", list(ids.shape), "INT64")
-    tensor.set_data_from_numpy(ids, binary_data=True)
-    logits = client.infer("tiny", [tensor]).as_numpy("logits")
-    assert logits is not None
-    return logits
+    return infer_http(server.http_port, "tiny", "input_ids", ids, "INT64", "logits")
 
 
 def _grpc(server: Server, ids: np.ndarray) -> np.ndarray:
-    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
-    tensor = grpcclient.InferInput("input_ids", list(ids.shape), "INT64")
-    tensor.set_data_from_numpy(ids)
-    logits = client.infer("tiny", [tensor]).as_numpy("logits")
-    assert logits is not None
-    return logits
+    assert server.grpc_port is not None
+    return infer_grpc(server.grpc_port, "tiny", "input_ids", ids, "INT64", "logits")
 
 
 def test_a_token_outside_the_vocabulary_is_a_client_error(mcf_server: Server, mcf_model: Callable[..., Path]):

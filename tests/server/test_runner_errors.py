@@ -11,11 +11,10 @@ import carton
 import grpc
 import numpy as np
 import pytest
-import tritonclient.grpc as grpcclient
-import tritonclient.http as httpclient
 from carton._runtime import plugin_manager
 from carton.server import ModelControlMode, Server, ServerOptions, serve_in_thread
 from carton_protocol import DType, RunnerSpec, TensorSpec, hookimpl
+from triton_calls import infer_grpc, infer_http
 from tritonclient.utils import InferenceServerException
 
 HERE = Path(__file__).resolve().parent
@@ -65,21 +64,12 @@ def picky_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 def _http(server: Server, x: np.ndarray) -> np.ndarray:
-    client = httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}")
-    tensor = httpclient.InferInput("x", list(x.shape), "FP32")
-    tensor.set_data_from_numpy(x, binary_data=True)
-    result = client.infer("picky", [tensor]).as_numpy("y")
-    assert result is not None
-    return result
+    return infer_http(server.http_port, "picky", "x", x, "FP32", "y")
 
 
 def _grpc(server: Server, x: np.ndarray) -> np.ndarray:
-    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
-    tensor = grpcclient.InferInput("x", list(x.shape), "FP32")
-    tensor.set_data_from_numpy(x)
-    result = client.infer("picky", [tensor]).as_numpy("y")
-    assert result is not None
-    return result
+    assert server.grpc_port is not None
+    return infer_grpc(server.grpc_port, "picky", "x", x, "FP32", "y")
 
 
 def test_a_third_party_runner_serves_and_refuses_typed(picky_server: Server) -> None:
