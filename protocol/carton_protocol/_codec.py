@@ -90,9 +90,10 @@ class Outgoing(msgspec.Struct, gc=False):
 
 
 class _Codec:
-    """What both ends share; `sends` is the infer message this end sends (`Infer` or `InferReply`)."""
+    """What both ends share. `_infer` is the infer message this end sends, `_peer_infer` the one it reads."""
 
     _infer: type[Infer] | type[InferReply]
+    _peer_infer: type[Infer] | type[InferReply]
 
     def __init__(self, limits: WireLimits, *, copy_shared: bool) -> None:
         self.limits = limits
@@ -150,8 +151,6 @@ class _Codec:
         if message.drop and self._peer is not None:
             self._peer.drop(message.drop)
         return Received(message, frames[first + 1 :], None, data)
-
-    _peer_infer: type[Infer] | type[InferReply]
 
     def tensors(self, received: Received) -> dict[str, Tensor]:
         """The tensors of a received infer message; `FrameError` naming the tensor and the rule it breaks."""

@@ -96,11 +96,10 @@ def _cause(exc: BaseException) -> BaseException | None:
 class RunnerProcess:
     """One runner in its own process. `infer` is thread-safe: several calls may be in flight at once."""
 
-    def __init__(self, spec: RunnerSpec, plan: LaunchPlan, resources: _Resources, limits: WireLimits) -> None:
+    def __init__(self, spec: RunnerSpec, plan: LaunchPlan, resources: _Resources) -> None:
         self.spec = spec
         self.plan = plan
         self._resources = resources
-        self._limits = limits
         self._lock = threading.Condition()
         self._inflight = 0
         self._closed = False
@@ -169,7 +168,7 @@ class RunnerProcess:
         resources.connection = Connection(
             endpoint=plan.endpoint, pidfd=resources.pidfd, is_alive=lambda: process.poll() is None, codec=codec
         )
-        runner = cls(spec, plan, resources, limits)
+        runner = cls(spec, plan, resources)
         try:
             runner._handshake(codec, handshake_timeout)
         except (ProtocolMismatch, RunnerStartError, RunnerMemoryLimit):
