@@ -403,7 +403,10 @@ class RunnerProcess:
             loop = asyncio.get_running_loop()
             call = functools.partial(self.infer, tensors, timeout=timeout)
             return await loop.run_in_executor(self._async_pool(), call)
-        connection = self._enter("infer")
+        # Not counted in flight: the loop's channel owns its socket, which `close` does not tear down under it.
+        connection = self._resources.connection
+        if connection is None or self._closed:
+            raise ModelClosed(f"runner {self.spec.entry} is closed; cannot infer")
         try:
             outgoing = self._encode(connection, tensors)
             try:
@@ -423,8 +426,6 @@ class RunnerProcess:
             raise failure from None
         except _FOREIGN as exc:
             raise self._failure(exc, Operation.INFER, timeout, "infer timeout") from _cause(exc)
-        finally:
-            self._leave()
 
     def _async_channel(self, tensors: Mapping[str, Tensor]) -> AsyncChannel | None:
         """This loop's channel to the runner, or None when the call should run on the thread pool instead."""
