@@ -1,6 +1,6 @@
 """Wire protocol benchmarks: carton's RunnerProcess against raw references measured in the same run.
 
-    python bench/bench_protocol.py [--quick] [--only small,large,threads,threshold]
+    python bench/bench_protocol.py [--quick] [--only small,large,threads,threshold,codec]
 
 1. small: a [1,16] float32 infer (p50/p99) vs a raw pyzmq REQ/REP round trip of the same bytes between two
    processes.
@@ -10,12 +10,16 @@
 3. threads: throughput with 1, 2, 4, 8 client threads against a concurrent runner whose infer waits 2 ms with the
    GIL released (a stand-in for a framework call) and against the same with no wait.
 4. threshold: message frames vs shared memory by tensor size, to place the shared-memory threshold.
+5. codec: the wire work of one round trip without the sockets, in one process: the host's codec encodes the
+   request, the runner's decodes it and encodes the reply, the host's decodes that (best of 7 x N calls), for the
+   header-template path ([1,16] float32), two tensors, and the full path (a string tensor beside it).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import mmap
 import multiprocessing
 import os
@@ -23,6 +27,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -286,10 +291,57 @@ def bench_threshold(repeat: int) -> None:
         shared.close()
 
 
+class _Frame:
+    """What the codecs read of a received `zmq.Frame`: its bytes and a buffer over them."""
+
+    __slots__ = ("buffer", "bytes")
+
+    def __init__(self, part: object) -> None:
+        self.bytes = part if isinstance(part, bytes) else np.ascontiguousarray(part).tobytes()
+        self.buffer = memoryview(self.bytes)
+
+
+def _round_trip(tensors: dict[str, Any]) -> Callable[[], None]:
+    """One round trip through a fresh pair of codecs: request out, reply back, both read."""
+    from carton_protocol import HostCodec, RunnerCodec
+
+    host, runner = HostCodec(shm_threshold=None), RunnerCodec(channel=None)
+    ids = itertools.count(1)
+
+    def trip() -> None:
+        request = host.encode_tensors(next(ids), tensors)
+        received = runner.decode([_Frame(part) for part in request.parts])
+        reply = runner.encode_tensors(received.message.id, runner.tensors(received))
+        answer = host.decode([_Frame(part) for part in reply.parts])
+        host.tensors(answer)
+        host.release(answer, lambda: 0)
+        request.done()
+
+    return trip
+
+
+def bench_codec(repeat: int) -> None:
+    print(f"\n## codec: one round trip's wire work in-process, best of 7 x {repeat} calls\n")
+    print("| message | us per round trip |")
+    print("|---|---|")
+    x = np.random.default_rng(0).random((1, 16), dtype=np.float32)
+    cases = {
+        "[1,16] float32 (template path)": {"x": x},
+        "[1,16] float32 + [1,16] int64 (template path)": {"x": x, "mask": np.ones((1, 16), np.int64)},
+        "[1,16] float32 + 2 strings (full path)": {"x": x, "words": np.array(["hello", "wire"])},
+    }
+    for label, tensors in cases.items():
+        trip = _round_trip(tensors)
+        for _ in range(repeat):
+            trip()
+        best = min(sum(timed(trip, repeat, 0)) for _ in range(7))
+        print(f"| {label} | {best / repeat * 1e6:.2f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run, noisier)")
-    parser.add_argument("--only", default="small,large,threads,threshold", help="comma-separated sections")
+    parser.add_argument("--only", default="small,large,threads,threshold,codec", help="comma-separated sections")
     args = parser.parse_args()
     sections = set(args.only.split(","))
     print(f"# bench_protocol: python {sys.version.split()[0]}, pyzmq {zmq.__version__}, libzmq {zmq.zmq_version()}, "
@@ -302,6 +354,8 @@ def main() -> None:
         bench_threads(0.5 if args.quick else 2.0)
     if "threshold" in sections:
         bench_threshold(50 if args.quick else 400)
+    if "codec" in sections:
+        bench_codec(1000 if args.quick else 5000)
 
 
 if __name__ == "__main__":
