@@ -123,8 +123,10 @@ def main() -> None:
             for row, value in _run_side(tree, args.calls).items():
                 figures[side][row].append(value)
     load_after = os.getloadavg()
-    print(f"# bench_ab: {ours.name} against {baseline.name}, {args.rounds} alternating rounds, python "
-          f"{sys.version.split()[0]}; load average {load_before[0]:.2f} before, {load_after[0]:.2f} after\n")
+    print(
+        f"# bench_ab: {ours.name} against {baseline.name}, {args.rounds} alternating rounds, python "
+        f"{sys.version.split()[0]}; load average {load_before[0]:.2f} before, {load_after[0]:.2f} after\n"
+    )
     print("| row | baseline | this checkout | ratio (median of rounds) | ratio range |")
     print("|---|---|---|---|---|")
     for row in ROWS:
@@ -132,9 +134,11 @@ def main() -> None:
         ratios = [b / a for a, b in zip(base, new, strict=True)]
         unit, scale = ("ms", 1e3) if row == "large" else ("us", 1e6)
         what = "CPU per call" if row.endswith("cpu") else "p50"
-        print(f"| {row} ({what}) | {statistics.median(base) * scale:.1f} {unit} | "
-              f"{statistics.median(new) * scale:.1f} {unit} | {statistics.median(ratios):.3f}x | "
-              f"{min(ratios):.2f}-{max(ratios):.2f}x |")
+        print(
+            f"| {row} ({what}) | {statistics.median(base) * scale:.1f} {unit} | "
+            f"{statistics.median(new) * scale:.1f} {unit} | {statistics.median(ratios):.3f}x | "
+            f"{min(ratios):.2f}-{max(ratios):.2f}x |"
+        )
 
 
 if __name__ == "__main__":

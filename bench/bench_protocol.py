@@ -51,7 +51,6 @@ def start(entry: str, **kwargs: object) -> RunnerProcess:
     return runner
 
 
-
 # --- references ------------------------------------------------------------------------------------------------
 def _rep_server(endpoint: str, ready: multiprocessing.synchronize.Event) -> None:  # type: ignore[name-defined]
     context = zmq.Context()
@@ -344,8 +343,10 @@ def main() -> None:
     parser.add_argument("--only", default="small,large,threads,threshold,codec", help="comma-separated sections")
     args = parser.parse_args()
     sections = set(args.only.split(","))
-    print(f"# bench_protocol: python {sys.version.split()[0]}, pyzmq {zmq.__version__}, libzmq {zmq.zmq_version()}, "
-          f"{os.cpu_count()} CPUs")
+    print(
+        f"# bench_protocol: python {sys.version.split()[0]}, pyzmq {zmq.__version__}, libzmq {zmq.zmq_version()}, "
+        f"{os.cpu_count()} CPUs"
+    )
     if "small" in sections:
         bench_small(1000 if args.quick else 5000, 3 if args.quick else 8)
     if "large" in sections:

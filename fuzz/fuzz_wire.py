@@ -47,8 +47,12 @@ def seed(corpus: Path) -> None:
         return
     samples = {
         "doc": {"x": np.array([[1.0, 2.0]], np.float32)},
-        "mixed": {"a": np.arange(6, dtype=np.int64).reshape(2, 3), "b": np.array([True, False]),
-                  "h": np.ones(3, np.float16), "bf": np.ones(2, ml_dtypes.bfloat16)},
+        "mixed": {
+            "a": np.arange(6, dtype=np.int64).reshape(2, 3),
+            "b": np.array([True, False]),
+            "h": np.ones(3, np.float16),
+            "bf": np.ones(2, ml_dtypes.bfloat16),
+        },
         "strings": {"s": np.array([["héllo", ""], ["x", "yz"]]), "scalar": np.array(1.5)},
         "nested": {"n": [np.zeros((0, 2), np.uint8), np.array(["a"]), np.arange(3, dtype=np.uint32)]},
         "empty": {},

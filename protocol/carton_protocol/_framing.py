@@ -90,7 +90,7 @@ DIRECT_WIRE_TYPES: dict[np.dtype[Any], str] = {
         ("<u8", WireType.UINT64), ("<i1", WireType.INT8), ("<i2", WireType.INT16), ("<i4", WireType.INT32),
         ("<i8", WireType.INT64), ("<f2", WireType.FP16), ("<f4", WireType.FP32), ("<f8", WireType.FP64),
     )
-}
+}  # fmt: skip
 
 
 def encode_tensors(tensors: Mapping[str, Tensor], *, pool: SegmentPool | None, threshold: int) -> Encoded:
@@ -143,9 +143,7 @@ def encode_tensors(tensors: Mapping[str, Tensor], *, pool: SegmentPool | None, t
                 target[:] = np.frombuffer(payload, np.uint8)
             else:
                 np.copyto(target, payload)
-            entries[index] = TensorEntry(
-                name=name, datatype=datatype, shape=shape, size=size, shm=(segment.id, offset)
-            )
+            entries[index] = TensorEntry(name=name, datatype=datatype, shape=shape, size=size, shm=(segment.id, offset))
             offset += size
     return Encoded(tuple(entries), frames, segment)  # type: ignore[arg-type]  # every None was replaced
 
@@ -170,8 +168,9 @@ def decode_tensors(
     for index, entry in enumerate(entries):
         name = entry.name
         if name is None or not 0 < len(name) <= limits.max_name_length:
-            raise FrameError(f"tensors[{index}]: 'name' must be a non-empty string of at most "
-                             f"{limits.max_name_length} characters")
+            raise FrameError(
+                f"tensors[{index}]: 'name' must be a non-empty string of at most {limits.max_name_length} characters"
+            )
         if name in tensors:
             raise FrameError(f"tensor {name!r} appears twice")
         nested = entry.nested
@@ -312,9 +311,7 @@ def _empty(shape: tuple[int, ...], dtype: np.dtype[Any], name: str) -> np.ndarra
         raise FrameError(f"tensor {name!r}: shape {list(shape)} is too large for a numpy array") from exc
 
 
-def _decode_strings(
-    buffer: Any, offset: int, size: int, count: int, shape: tuple[int, ...], name: str
-) -> np.ndarray:
+def _decode_strings(buffer: Any, offset: int, size: int, count: int, shape: tuple[int, ...], name: str) -> np.ndarray:
     data = memoryview(buffer)[offset : offset + size]
     values: list[str] = []
     position = 0
@@ -327,8 +324,7 @@ def _decode_strings(
             position += 4
             if length > size - position:
                 raise FrameError(
-                    f"tensor {name!r}: BYTES element {len(values)} declares {length} bytes, "
-                    f"{size - position} remain"
+                    f"tensor {name!r}: BYTES element {len(values)} declares {length} bytes, {size - position} remain"
                 )
             values.append(str(data[position : position + length], "utf-8"))
             position += length

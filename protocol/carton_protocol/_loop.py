@@ -257,8 +257,9 @@ class _Server:
             case Infer() if self.runner is not None:
                 self._run_infer(ident, received)
             case Infer():
-                self._send(ident, error_reply(request.id, ProtocolError("infer before load: the host must send "
-                                                                        "'load' first")))
+                self._send(
+                    ident, error_reply(request.id, ProtocolError("infer before load: the host must send 'load' first"))
+                )
             case Release(segments=segments):
                 self.codec.release(segments)
             case Hello():

@@ -28,9 +28,7 @@ __all__ = ["SHM_AVAILABLE", "FdChannel", "PeerSegments", "Segment", "SegmentPool
 SHM_AVAILABLE = hasattr(os, "memfd_create") and hasattr(fcntl, "F_ADD_SEALS") and hasattr(socket, "send_fds")
 
 _MIN_SEGMENT = 1 << 20
-_SEALS = (
-    getattr(fcntl, "F_SEAL_SHRINK", 0) | getattr(fcntl, "F_SEAL_GROW", 0) | getattr(fcntl, "F_SEAL_SEAL", 0)
-)
+_SEALS = getattr(fcntl, "F_SEAL_SHRINK", 0) | getattr(fcntl, "F_SEAL_GROW", 0) | getattr(fcntl, "F_SEAL_SEAL", 0)
 _ALIGN = 64
 
 

@@ -42,16 +42,20 @@ class OnnxRunner(Runner):
     def infer(self, inputs: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
         unexpected = sorted(set(inputs) - set(self._graph_inputs))
         if unexpected:
-            raise InvalidInput(f"unknown input(s) {', '.join(map(repr, unexpected))}; "
-                               f"the model takes {', '.join(map(repr, self._graph_inputs))}", tensor=unexpected[0])
+            raise InvalidInput(
+                f"unknown input(s) {', '.join(map(repr, unexpected))}; "
+                f"the model takes {', '.join(map(repr, self._graph_inputs))}",
+                tensor=unexpected[0],
+            )
         feeds: dict[str, Any] = {}
         for name, graph_name in self._graph_inputs.items():
             if name not in inputs:
                 raise InvalidInput(f"missing input {name!r}", tensor=name)
             value = inputs[name]
             if isinstance(value, list):
-                raise InvalidInput(f"input {name!r} is a nested tensor; ONNX graphs take dense tensors only",
-                                   tensor=name)
+                raise InvalidInput(
+                    f"input {name!r} is a nested tensor; ONNX graphs take dense tensors only", tensor=name
+                )
             feeds[graph_name] = value
         try:
             results = self._session.run(self._graph_outputs, feeds)
@@ -90,8 +94,10 @@ def _open_session(model_dir: Path, options: OnnxOptions, warn: Callable[[str], N
     if options.graph_optimization_level is not None:
         level = getattr(ort.GraphOptimizationLevel, _LEVELS[options.graph_optimization_level], None)
         if level is None:
-            raise InvalidRunnerOption(f"runner opt graph_optimization_level={options.graph_optimization_level.value!r}"
-                                      f" is not supported by onnxruntime {ort.__version__}")
+            raise InvalidRunnerOption(
+                f"runner opt graph_optimization_level={options.graph_optimization_level.value!r}"
+                f" is not supported by onnxruntime {ort.__version__}"
+            )
         session_options.graph_optimization_level = level
     try:
         return ort.InferenceSession(
@@ -106,8 +112,10 @@ def _providers(requested: tuple[str, ...], warn: Callable[[str], None]) -> list[
     available = set(ort.get_available_providers())
     missing = [name for name in requested if name not in available]
     if missing:
-        warn(f"onnxruntime runner: execution providers {', '.join(map(repr, missing))} are not available in this "
-             f"onnxruntime build (available: {', '.join(sorted(available))}); skipping them")
+        warn(
+            f"onnxruntime runner: execution providers {', '.join(map(repr, missing))} are not available in this "
+            f"onnxruntime build (available: {', '.join(sorted(available))}); skipping them"
+        )
     chosen = [name for name in requested if name in available and name != "CPUExecutionProvider"]
     return [*chosen, "CPUExecutionProvider"]
 

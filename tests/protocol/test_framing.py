@@ -81,7 +81,11 @@ def test_hello_bytes_match_the_documentation() -> None:
     assert encode(hello) == DOC_HELLO
     assert decode_request(DOC_HELLO, DEFAULT_LIMITS) == hello
     assert msgspec.msgpack.decode(DOC_HELLO) == {
-        "op": "hello", "id": 1, "protocol": 2, "host_pid": 4242, "shm_threshold": 65536
+        "op": "hello",
+        "id": 1,
+        "protocol": 2,
+        "host_pid": 4242,
+        "shm_threshold": 65536,
     }
 
 
@@ -123,9 +127,19 @@ def test_bool_and_big_endian_are_sent_as_little_endian_bytes() -> None:
 @pytest.mark.parametrize(
     ("dtype", "wire"),
     [
-        (np.bool_, "BOOL"), (np.uint8, "UINT8"), (np.uint16, "UINT16"), (np.uint32, "UINT32"), (np.uint64, "UINT64"),
-        (np.int8, "INT8"), (np.int16, "INT16"), (np.int32, "INT32"), (np.int64, "INT64"), (np.float16, "FP16"),
-        (ml_dtypes.bfloat16, "BF16"), (np.float32, "FP32"), (np.float64, "FP64"),
+        (np.bool_, "BOOL"),
+        (np.uint8, "UINT8"),
+        (np.uint16, "UINT16"),
+        (np.uint32, "UINT32"),
+        (np.uint64, "UINT64"),
+        (np.int8, "INT8"),
+        (np.int16, "INT16"),
+        (np.int32, "INT32"),
+        (np.int64, "INT64"),
+        (np.float16, "FP16"),
+        (ml_dtypes.bfloat16, "BF16"),
+        (np.float32, "FP32"),
+        (np.float64, "FP64"),
     ],
 )
 def test_every_fixed_dtype_round_trips(dtype: Any, wire: str) -> None:
@@ -226,8 +240,12 @@ FOUR = b"\x00" * 8
         ([entry(shape=(1 << 62, 1 << 62), size=0)], [b""], FrameError, "needs .* bytes, size says 0"),
         ([entry(size=1 << 41, shape=(1 << 39,))], [b""], LimitExceeded, "over the limit of"),
         ([entry(datatype="BOOL", shape=(2,), size=2)], [b"\x01\x02"], FrameError, "BOOL bytes must be 0 or 1"),
-        ([{"name": "x", "datatype": "FP32", "shape": [2], "size": 8, "shm": ["h0", 0]}], [], FrameError,
-         "placed in shared memory, which this connection does not use"),
+        (
+            [{"name": "x", "datatype": "FP32", "shape": [2], "size": 8, "shm": ["h0", 0]}],
+            [],
+            FrameError,
+            "placed in shared memory, which this connection does not use",
+        ),
         ([{"name": "n", "nested": "x"}], [], FrameError, r"got `str` - at `\$.tensors\[0\].nested`"),
         ([{"name": "n", "nested": [{"nested": []}]}], [], FrameError, "nested entries must not be nested"),
         ([{**entry(), "shm": ["h0", -1]}], [], FrameError, "placed in shared memory"),

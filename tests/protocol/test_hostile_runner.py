@@ -60,8 +60,16 @@ class FakeRunner:
 
     def hello(self) -> None:
         ident, header = self.receive()
-        self.reply(ident, {"reply": "hello", "id": header["id"], "protocol": PROTOCOL_VERSION, "pid": os.getpid(),
-                           "entry": "fake:Runner"})
+        self.reply(
+            ident,
+            {
+                "reply": "hello",
+                "id": header["id"],
+                "protocol": PROTOCOL_VERSION,
+                "pid": os.getpid(),
+                "entry": "fake:Runner",
+            },
+        )
 
     def close(self) -> None:
         self.context.destroy(linger=0)
@@ -152,14 +160,15 @@ def test_stale_replies_are_skipped(fake: Any) -> None:
         ([{"name": "y", "datatype": "FP32", "shape": [4], "size": 16}], [b"\x00" * 8], "data frame is 8 bytes"),
         ([{"name": "y", "datatype": "FP32", "shape": [1 << 40], "size": 4}], [b"\x00" * 4], "needs 4398046511104"),
         ([{"name": "y", "datatype": "BYTES", "shape": [1 << 22], "size": 1 << 24}], [b""], "BYTES elements, over"),
-        ([{"name": "y", "datatype": "FP32", "shape": [1], "size": 4, "shm": ["../../etc/passwd", 0]}], [],
-         "segment '../../etc/passwd' was never passed"),
+        (
+            [{"name": "y", "datatype": "FP32", "shape": [1], "size": 4, "shm": ["../../etc/passwd", 0]}],
+            [],
+            "segment '../../etc/passwd' was never passed",
+        ),
         ("not a list", [], r"Expected `array`, got `str` - at `\$.tensors`"),
     ],
 )
-def test_lying_outputs_are_runner_protocol_errors(
-    fake: Any, tensors: Any, frames: list[bytes], message: str
-) -> None:
+def test_lying_outputs_are_runner_protocol_errors(fake: Any, tensors: Any, frames: list[bytes], message: str) -> None:
     def reply(peer: FakeRunner, ident: bytes, header: dict[str, Any]) -> None:
         peer.reply(ident, {"reply": "infer", "id": header["id"], "tensors": tensors}, *frames)
 
@@ -184,8 +193,15 @@ def test_lying_outputs_are_runner_protocol_errors(
 )
 def test_error_codes_become_their_carton_exceptions(fake: Any, code: str, error: type[Exception]) -> None:
     def reply(peer: FakeRunner, ident: bytes, header: dict[str, Any]) -> None:
-        failure = {"reply": "error", "id": header["id"], "code": code, "message": "no!", "exception": "Oops",
-                   "traceback": "Traceback: ...", "tensor": "x"}
+        failure = {
+            "reply": "error",
+            "id": header["id"],
+            "code": code,
+            "message": "no!",
+            "exception": "Oops",
+            "traceback": "Traceback: ...",
+            "tensor": "x",
+        }
         peer.reply(ident, failure)
 
     runner, _ = fake(serve_one_infer(reply))

@@ -80,8 +80,9 @@ def _learned(templates: Templates, header: dict[str, Any], frames: list[bytes]) 
     data = pack(header)
     decoded = decode_request(data, DEFAULT_LIMITS)
     assert isinstance(decoded, Infer)
-    decode_tensors(decoded.tensors, [memoryview(f) for f in frames], limits=DEFAULT_LIMITS, peer=None,
-                   copy_shared=False)
+    decode_tensors(
+        decoded.tensors, [memoryview(f) for f in frames], limits=DEFAULT_LIMITS, peer=None, copy_shared=False
+    )
     templates.learn(data, decoded)
     return data
 

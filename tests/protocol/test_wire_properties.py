@@ -21,13 +21,28 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 LIMITS = WireLimits(max_bytes_elements=4096, max_tensor_bytes=1 << 20, max_message_bytes=1 << 22)
-FIXED = [np.bool_, np.uint8, np.uint16, np.uint32, np.uint64, np.int8, np.int16, np.int32, np.int64, np.float16,
-         np.float32, np.float64]
+FIXED = [
+    np.bool_,
+    np.uint8,
+    np.uint16,
+    np.uint32,
+    np.uint64,
+    np.int8,
+    np.int16,
+    np.int32,
+    np.int64,
+    np.float16,
+    np.float32,
+    np.float64,
+]
 
 arrays = st.one_of(
     hnp.arrays(st.sampled_from(FIXED), hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=5)),
-    hnp.arrays(np.dtype("U8"), hnp.array_shapes(min_dims=0, max_dims=2, min_side=0, max_side=4),
-               elements=st.text(max_size=8).filter(lambda text: "\x00" not in text)),
+    hnp.arrays(
+        np.dtype("U8"),
+        hnp.array_shapes(min_dims=0, max_dims=2, min_side=0, max_side=4),
+        elements=st.text(max_size=8).filter(lambda text: "\x00" not in text),
+    ),
 )
 tensor_maps = st.dictionaries(
     st.text(min_size=1, max_size=10), st.one_of(arrays, st.lists(arrays, max_size=3)), max_size=4
@@ -55,8 +70,11 @@ def decode(header: bytes, frames: list[bytes]) -> dict[str, Any]:
 def same(left: Any, right: Any) -> bool:
     if isinstance(left, list):
         return isinstance(right, list) and len(left) == len(right) and all(map(same, left, right))
-    return bool(left.dtype.kind == right.dtype.kind and left.shape == right.shape
-                and np.array_equal(left, right, equal_nan=left.dtype.kind == "f"))
+    return bool(
+        left.dtype.kind == right.dtype.kind
+        and left.shape == right.shape
+        and np.array_equal(left, right, equal_nan=left.dtype.kind == "f")
+    )
 
 
 @given(tensor_maps)
@@ -79,7 +97,7 @@ def test_corrupted_messages_fail_only_with_protocol_errors(tensors: dict[str, An
         position = data.draw(st.integers(0, len(part) - 1))
         part[position] ^= data.draw(st.integers(1, 255))
     elif action == "truncate":
-        del part[data.draw(st.integers(0, len(part))):]
+        del part[data.draw(st.integers(0, len(part))) :]
     elif action == "extend":
         part += data.draw(st.binary(min_size=1, max_size=16))
     parts[index] = bytes(part)
@@ -93,10 +111,18 @@ def test_corrupted_messages_fail_only_with_protocol_errors(tensors: dict[str, An
 
 # Any value a peer could put in a header (msgpack can hold more than carton ever sends).
 msgpack_values = st.recursive(
-    st.one_of(st.none(), st.booleans(), st.integers(-(1 << 63), (1 << 64) - 1), st.floats(), st.text(max_size=6),
-              st.binary(max_size=6), st.sampled_from(["FP32", "BYTES", "BOOL", "name", "shape", "size", "nested"])),
-    lambda children: st.one_of(st.lists(children, max_size=4), st.dictionaries(st.text(max_size=8), children,
-                                                                                 max_size=5)),
+    st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(-(1 << 63), (1 << 64) - 1),
+        st.floats(),
+        st.text(max_size=6),
+        st.binary(max_size=6),
+        st.sampled_from(["FP32", "BYTES", "BOOL", "name", "shape", "size", "nested"]),
+    ),
+    lambda children: st.one_of(
+        st.lists(children, max_size=4), st.dictionaries(st.text(max_size=8), children, max_size=5)
+    ),
     max_leaves=20,
 )
 entries = st.lists(

@@ -105,9 +105,7 @@ class RunnerProcess:
         self._closed = False
         self._fate: RunnerError | None = None  # why the host killed the process, for calls that were waiting
         self._executor: ThreadPoolExecutor | None = None
-        self._channels: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncChannel] = (
-            weakref.WeakKeyDictionary()
-        )
+        self._channels: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncChannel] = weakref.WeakKeyDictionary()
         self._last_channel: tuple[weakref.ref[asyncio.AbstractEventLoop], AsyncChannel] | None = None
         self._finalizer = weakref.finalize(self, resources.release)
         self.pid: int = resources.process.pid

@@ -103,8 +103,13 @@ def _pep440_rank(text: str) -> tuple[int, _Pep440Version]:
 
 def _preference(order: int, spec: RunnerSpec) -> tuple[object, ...]:
     in_host = spec.python is None and spec.environment is None
-    return (framework_version(spec.framework_version), _pep440_rank(spec.framework_version),
-            spec.runner_compat_version, in_host, -order)
+    return (
+        framework_version(spec.framework_version),
+        _pep440_rank(spec.framework_version),
+        spec.runner_compat_version,
+        in_host,
+        -order,
+    )
 
 
 def _install_hint(request: RunnerRequest) -> str | None:

@@ -147,9 +147,7 @@ class SparePool:
         for future in evicted:
             future.add_done_callback(_close_done)
         if started is not None:
-            threading.Thread(
-                target=self._start, args=(spec, started), name="carton-spare-runner", daemon=True
-            ).start()
+            threading.Thread(target=self._start, args=(spec, started), name="carton-spare-runner", daemon=True).start()
         return kept
 
     def _start(self, spec: RunnerSpec, future: Future[RunnerProcess]) -> None:

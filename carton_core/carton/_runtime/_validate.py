@@ -147,8 +147,9 @@ class _Checker:
     ) -> None:
         bound = bindings.get(symbol)
         if bound is None:
-            bindings[symbol] = _Binding(value, self.label, axis if isinstance(axis, str) else f"dimension {axis}",
-                                        where)
+            bindings[symbol] = _Binding(
+                value, self.label, axis if isinstance(axis, str) else f"dimension {axis}", where
+            )
         elif bound.value != value:
             here = _Binding(value, self.label, axis if isinstance(axis, str) else f"dimension {axis}", where)
             raise self.error(
@@ -211,8 +212,10 @@ class Signature:
             )
         missing = [name for name in self.input_names if name not in tensors]
         if missing:
-            raise InvalidInput(f"missing input {missing[0]!r} (the model's inputs are "
-                               f"{', '.join(map(repr, self.input_names))})", tensor=missing[0])
+            raise InvalidInput(
+                f"missing input {missing[0]!r} (the model's inputs are {', '.join(map(repr, self.input_names))})",
+                tensor=missing[0],
+            )
         for name, checker in self._inputs.items():
             checker.check(tensors[name], bindings)
         return tensors, bindings

@@ -267,9 +267,7 @@ def _check_workers(workers: int) -> int:
     return workers
 
 
-def _merge_opts(
-    declared: Mapping[str, OptValue], overrides: Mapping[str, OptValue] | None
-) -> Mapping[str, OptValue]:
+def _merge_opts(declared: Mapping[str, OptValue], overrides: Mapping[str, OptValue] | None) -> Mapping[str, OptValue]:
     merged = dict(declared)
     if overrides:
         for key in overrides:
