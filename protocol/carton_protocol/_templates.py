@@ -55,7 +55,7 @@ _SMALL_IDS = [bytes([value]) for value in range(128)]
 
 
 def pack_id(value: int) -> bytes:
-    """A non-negative int in msgpack's shortest encoding (as `msgpack.Packer` writes it)."""
+    """A non-negative int in msgpack's shortest encoding (as msgspec's encoder writes it)."""
     if value < 128:
         return _SMALL_IDS[value]
     if value < 1 << 8:
