@@ -51,25 +51,32 @@ def data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 OFFERED = ["1.32.0", "1.31.1", "1.31.0", "1.20.0rc1", "1.19.2", "1.19.0", "1.18.1", "1.17.3", "1!2.0.0"]
 
 
-@pytest.mark.parametrize("requirement, chosen", [
-    ("=1.19.2", "1.19.2"),
-    ("1.19", "1.32.0"),            # bare = caret: ^1.19 allows every 1.x >= 1.19
-    ("~1.19", "1.19.2"),
-    ("~1.18", "1.18.1"),
-    ("<1.19", "1.18.1"),
-    (">=1.17, <1.19.1", "1.19.0"),
-    ("*", "1.32.0"),
-    ("=1.20.0-rc.1", "1.20.0rc1"),  # a pre-release only when the requirement names one
-    ("1.19.*", "1.19.2"),
-])
+@pytest.mark.parametrize(
+    "requirement, chosen",
+    [
+        ("=1.19.2", "1.19.2"),
+        ("1.19", "1.32.0"),  # bare = caret: ^1.19 allows every 1.x >= 1.19
+        ("~1.19", "1.19.2"),
+        ("~1.18", "1.18.1"),
+        ("<1.19", "1.18.1"),
+        (">=1.17, <1.19.1", "1.19.0"),
+        ("*", "1.32.0"),
+        ("=1.20.0-rc.1", "1.20.0rc1"),  # a pre-release only when the requirement names one
+        ("1.19.*", "1.19.2"),
+    ],
+)
 def test_choose_the_highest_matching_version(requirement: str, chosen: str) -> None:
-    assert choose_version(OFFERED, VersionReq.parse(requirement), requirement_text=requirement,
-                          distribution="onnxruntime") == chosen
+    assert (
+        choose_version(OFFERED, VersionReq.parse(requirement), requirement_text=requirement, distribution="onnxruntime")
+        == chosen
+    )
 
 
 def test_no_matching_version_lists_what_the_index_offers() -> None:
-    with pytest.raises(carton.EnvironmentInstallError,
-                       match=r"no onnxruntime release matches '=1\.5\.0'; the package index offers: 1\.32\.0, "):
+    with pytest.raises(
+        carton.EnvironmentInstallError,
+        match=r"no onnxruntime release matches '=1\.5\.0'; the package index offers: 1\.32\.0, ",
+    ):
         choose_version(OFFERED, VersionReq.parse("=1.5.0"), requirement_text="=1.5.0", distribution="onnxruntime")
 
 
@@ -82,6 +89,7 @@ def test_invalid_requirement_and_unknown_runner_fail_before_anything_runs(data_d
 
 
 # --- what an environment gets ------------------------------------------------------------------------------------
+
 
 def test_requirements_pin_the_framework_and_take_only_what_the_runner_needs() -> None:
     onnx_requirements = runner_requirements(FRAMEWORKS["onnxruntime"], "1.19.2")
@@ -105,13 +113,19 @@ def test_carton_is_installed_from_where_it_is_installed() -> None:
 
 # --- the registry ------------------------------------------------------------------------------------------------
 
+
 def _registered(runner_name: str = "onnxruntime", version: str = "1.19.2") -> RunnerEnvironment:
     """A real (pip-less) venv registered by hand, as the last step of an install does."""
     folder = environment_dir(runner_name, version)
     venv.EnvBuilder(symlinks=True, with_pip=False).create(folder)
     environment = RunnerEnvironment(
-        runner_name=runner_name, framework_version=version, requirement=f"={version}", path=folder,
-        runner_compat_version=1, entry="carton_runner_onnx.runner:OnnxRunner", concurrent=True,
+        runner_name=runner_name,
+        framework_version=version,
+        requirement=f"={version}",
+        path=folder,
+        runner_compat_version=1,
+        entry="carton_runner_onnx.runner:OnnxRunner",
+        concurrent=True,
     )
     write_entry(environment)
     return environment
@@ -129,12 +143,15 @@ def test_registered_environment_is_offered_to_discovery(data_dir: Path) -> None:
 
 def test_no_matching_runner_names_the_command_that_would_install_one(tmp_path: Path, data_dir: Path) -> None:
     write_mlp(tmp_path / "model")
-    packed = carton.pack(tmp_path / "model", tmp_path / "mlp.carton", runner_name="onnxruntime",
-                         required_framework_version="*")
+    packed = carton.pack(
+        tmp_path / "model", tmp_path / "mlp.carton", runner_name="onnxruntime", required_framework_version="*"
+    )
     with pytest.raises(carton.NoCompatibleRunner) as raised:
         carton.load(packed, override_required_framework_version="=1.0.99")
-    assert 'To install a matching runner environment: carton runner install onnxruntime --framework-version "=1.0.99"' \
+    assert (
+        'To install a matching runner environment: carton runner install onnxruntime --framework-version "=1.0.99"'
         in str(raised.value)
+    )
     with pytest.raises(carton.NoCompatibleRunner) as raised:  # no recipe for this runner name: no hint
         carton.load(packed, override_runner_name="no-such-runner")
     assert "carton runner install" not in str(raised.value)
@@ -143,7 +160,7 @@ def test_no_matching_runner_names_the_command_that_would_install_one(tmp_path: P
 def test_unfinished_and_broken_environments_are_never_offered(data_dir: Path) -> None:
     environment = _registered()
     runners = runners_dir()
-    (runners / ".tmp-onnxruntime-1.18.1-abc").mkdir()                  # a build in progress or killed
+    (runners / ".tmp-onnxruntime-1.18.1-abc").mkdir()  # a build in progress or killed
     venv.EnvBuilder(with_pip=False).create(runners / "onnxruntime-1.17.3")  # renamed, never registered
     broken = runners / "onnxruntime-1.16.0"
     broken.mkdir()
@@ -182,6 +199,7 @@ def test_remove(data_dir: Path) -> None:
 
 # --- CLI ---------------------------------------------------------------------------------------------------------
 
+
 def test_cli_list_and_remove(data_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["runner", "list"]) == 0
     assert "no runner environments installed" in capsys.readouterr().out
@@ -209,6 +227,7 @@ def test_cli_install_refuses_bad_input(data_dir: Path, capsys: pytest.CaptureFix
 
 
 # --- real installs (package registry needed) ---------------------------------------------------------------------
+
 
 @functools.cache
 def _registry_problem() -> str | None:
@@ -239,16 +258,19 @@ def test_two_onnxruntime_versions_side_by_side(tmp_path: Path, monkeypatch: pyte
     _require_registry()
     monkeypatch.setenv("CARTON_DATA_DIR", str(_cached_data_dir()))
     lines: list[str] = []
-    environment = carton.install_runner("onnxruntime", framework_version=f"={OLD_ONNXRUNTIME}",
-                                        progress=lines.append)
+    environment = carton.install_runner("onnxruntime", framework_version=f"={OLD_ONNXRUNTIME}", progress=lines.append)
     assert lines[0].startswith("[1/5] looking up onnxruntime versions matching")
     assert environment.framework_version == OLD_ONNXRUNTIME and environment.python.exists()
     assert ort.__version__ != OLD_ONNXRUNTIME
 
     path = write_mlp(tmp_path / "model")
     # Packing for the old version validates the model in the old environment's runner.
-    packed = carton.pack(tmp_path / "model", tmp_path / "mlp.carton", runner_name="onnxruntime",
-                         required_framework_version=f"={OLD_ONNXRUNTIME}")
+    packed = carton.pack(
+        tmp_path / "model",
+        tmp_path / "mlp.carton",
+        runner_name="onnxruntime",
+        required_framework_version=f"={OLD_ONNXRUNTIME}",
+    )
     x = np.random.default_rng(0).standard_normal((32, 16)).astype(np.float32)
     in_process = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     with carton.load(packed) as old, carton.load(packed, override_required_framework_version="*") as new:
@@ -272,7 +294,9 @@ def test_killed_install_leaves_nothing_resolution_would_pick(data_dir: Path) -> 
     _require_registry()
     process = subprocess.Popen(
         [sys.executable, "-m", "carton", "runner", "install", "onnxruntime", "--framework-version", "=1.18.1"],
-        env={**os.environ, "CARTON_DATA_DIR": str(data_dir)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        env={**os.environ, "CARTON_DATA_DIR": str(data_dir)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         start_new_session=True,
     )
     try:

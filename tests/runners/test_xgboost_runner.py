@@ -34,23 +34,27 @@ def _serialize(model: Any, model_dir: Path) -> dict:
 def _load(model_dir: Path, opts: dict, *, inputs=(), outputs=(), warnings: list[str] | None = None) -> XGBoostRunner:
     runner = XGBoostRunner()
     sink = warnings if warnings is not None else []
-    runner.load(LoadContext(model_dir=model_dir, opts=opts, inputs=tuple(inputs), outputs=tuple(outputs),
-                            warn=sink.append))
+    runner.load(
+        LoadContext(model_dir=model_dir, opts=opts, inputs=tuple(inputs), outputs=tuple(outputs), warn=sink.append)
+    )
     return runner
 
 
 @pytest.fixture(scope="module")
 def models() -> dict[str, tuple[Any, Any]]:
     """name -> (model, in-process prediction function)."""
-    booster = xgb.train({"objective": "reg:squarederror", "max_depth": 3, "nthread": 1},
-                        xgb.DMatrix(X, label=TARGET), 30)
-    softprob = xgb.train({"objective": "multi:softprob", "num_class": 3, "nthread": 1},
-                         xgb.DMatrix(X, label=CLASSES3), 10)
+    booster = xgb.train(
+        {"objective": "reg:squarederror", "max_depth": 3, "nthread": 1}, xgb.DMatrix(X, label=TARGET), 30
+    )
+    softprob = xgb.train(
+        {"objective": "multi:softprob", "num_class": 3, "nthread": 1}, xgb.DMatrix(X, label=CLASSES3), 10
+    )
     binary = xgb.XGBClassifier(n_estimators=25, max_depth=3, n_jobs=1).fit(X, LABELS)
     softmax = xgb.XGBClassifier(n_estimators=10, objective="multi:softmax", n_jobs=1).fit(X, CLASSES3)
     multiclass = xgb.XGBClassifier(n_estimators=10, n_jobs=1).fit(X, CLASSES3)
     early = xgb.XGBRegressor(n_estimators=200, learning_rate=0.3, early_stopping_rounds=3, n_jobs=1).fit(
-        X[:300], TARGET[:300], eval_set=[(X[300:], TARGET[300:])], verbose=False)
+        X[:300], TARGET[:300], eval_set=[(X[300:], TARGET[300:])], verbose=False
+    )
     assert early.best_iteration + 1 < early.get_booster().num_boosted_rounds()  # early stopping really kicked in
     multi_target = xgb.XGBRegressor(n_estimators=10, n_jobs=1).fit(X, np.stack([TARGET, -TARGET], axis=1))
     return {
@@ -122,8 +126,12 @@ def test_nthread_opt_gives_the_same_predictions(tmp_path: Path, models: dict) ->
 def test_declared_names_are_used(tmp_path: Path, models: dict) -> None:
     model, predict = models["classifier_binary"]
     opts = _serialize(model, tmp_path)
-    runner = _load(tmp_path, opts, inputs=[TensorSpec(name="features", dtype=DType.FLOAT32)],
-                   outputs=[TensorSpec(name="p", dtype=DType.FLOAT32)])
+    runner = _load(
+        tmp_path,
+        opts,
+        inputs=[TensorSpec(name="features", dtype=DType.FLOAT32)],
+        outputs=[TensorSpec(name="p", dtype=DType.FLOAT32)],
+    )
     assert np.array_equal(runner.infer({"features": X})["p"], predict(X))
     with pytest.raises(InvalidInput, match="exactly one input, 'features'; got 'x'"):
         runner.infer({"x": X})
@@ -132,8 +140,11 @@ def test_declared_names_are_used(tmp_path: Path, models: dict) -> None:
 def test_more_than_one_declared_input_is_refused(tmp_path: Path, models: dict) -> None:
     opts = _serialize(models["booster"][0], tmp_path)
     with pytest.raises(XGBoostRunnerError, match=r"exactly one input; carton\.toml declares 'a', 'b'"):
-        _load(tmp_path, opts, inputs=[TensorSpec(name="a", dtype=DType.FLOAT32),
-                                      TensorSpec(name="b", dtype=DType.FLOAT32)])
+        _load(
+            tmp_path,
+            opts,
+            inputs=[TensorSpec(name="a", dtype=DType.FLOAT32), TensorSpec(name="b", dtype=DType.FLOAT32)],
+        )
 
 
 def test_concurrent_infer_matches() -> None:
@@ -141,6 +152,7 @@ def test_concurrent_infer_matches() -> None:
 
 
 # --- refusals ----------------------------------------------------------------------------------------------------
+
 
 def test_pickled_model_is_refused(tmp_path: Path, models: dict) -> None:
     (tmp_path / "model.ubj").write_bytes(pickle.dumps(models["booster"][0]))
@@ -172,13 +184,16 @@ def test_empty_folder(tmp_path: Path) -> None:
         _load(tmp_path, {})
 
 
-@pytest.mark.parametrize("opts, message", [
-    ({"model_type": "svm"}, "runner opt 'model_type' must be one of 'booster', 'classifier', 'regressor'"),
-    ({"nthread": "4"}, "runner opt 'nthread' must be an integer >= 0"),
-    ({"nthread": True}, "runner opt 'nthread' must be an integer >= 0"),
-    ({"missing": "nan"}, "runner opt 'missing' must be a number"),
-    ({"model_file": ""}, "runner opt 'model_file' must be a non-empty string"),
-])
+@pytest.mark.parametrize(
+    "opts, message",
+    [
+        ({"model_type": "svm"}, "runner opt 'model_type' must be one of 'booster', 'classifier', 'regressor'"),
+        ({"nthread": "4"}, "runner opt 'nthread' must be an integer >= 0"),
+        ({"nthread": True}, "runner opt 'nthread' must be an integer >= 0"),
+        ({"missing": "nan"}, "runner opt 'missing' must be a number"),
+        ({"model_file": ""}, "runner opt 'model_file' must be a non-empty string"),
+    ],
+)
 def test_invalid_opts(tmp_path: Path, models: dict, opts: dict, message: str) -> None:
     _serialize(models["booster"][0], tmp_path)
     with pytest.raises(InvalidRunnerOption, match=message):
@@ -189,8 +204,9 @@ def test_unknown_opts_warn(tmp_path: Path, models: dict) -> None:
     opts = _serialize(models["booster"][0], tmp_path)
     warnings: list[str] = []
     _load(tmp_path, {**opts, "n_jobs": 2}, warnings=warnings)
-    assert warnings == ["xgboost runner: ignoring unknown runner opts 'n_jobs' (known: missing, model_file, "
-                        "model_type, nthread)"]
+    assert warnings == [
+        "xgboost runner: ignoring unknown runner opts 'n_jobs' (known: missing, model_file, model_type, nthread)"
+    ]
 
 
 def test_infer_refusals(tmp_path: Path, models: dict) -> None:
@@ -204,6 +220,7 @@ def test_infer_refusals(tmp_path: Path, models: dict) -> None:
 
 
 # --- the serialization hook ----------------------------------------------------------------------------------------
+
 
 def test_serialize_hook_leaves_other_runners_and_objects_alone(tmp_path: Path, models: dict) -> None:
     assert carton_serialize_model(models["booster"][0], "onnxruntime", tmp_path) is None

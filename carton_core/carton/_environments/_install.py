@@ -45,8 +45,7 @@ Progress = Callable[[str], None]
 _STEPS = 5
 _PIP_TAIL_LINES = 25
 #: pip's lines worth showing as progress (the rest is kept for the error message if pip fails).
-_PIP_PROGRESS_PREFIXES = ("Collecting", "Downloading", "Obtaining", "Building", "Installing collected",
-                          "Successfully")
+_PIP_PROGRESS_PREFIXES = ("Collecting", "Downloading", "Obtaining", "Building", "Installing collected", "Successfully")
 _AVAILABLE = re.compile(r"^Available versions:\s*(?P<versions>.*)$", re.MULTILINE)
 
 
@@ -70,8 +69,9 @@ def install_runner(
     requirement = VersionReq.parse(framework_version)
     report(f"[1/{_STEPS}] looking up {framework.distribution} versions matching {framework_version!r}")
     available = available_versions(framework.distribution)
-    version = choose_version(available, requirement, requirement_text=framework_version,
-                             distribution=framework.distribution)
+    version = choose_version(
+        available, requirement, requirement_text=framework_version, distribution=framework.distribution
+    )
     report(f"        chose {framework.distribution} {version}")
     with install_lock(on_wait=report):
         sweep_leftovers()
@@ -144,8 +144,17 @@ def choose_version(
 
 def available_versions(distribution: str) -> list[str]:
     """Every version of ``distribution`` that pip can install for this interpreter and platform, newest first."""
-    command = [sys.executable, "-m", "pip", "index", "versions", distribution, "--pre",
-               "--disable-pip-version-check", "--no-input"]
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "index",
+        "versions",
+        distribution,
+        "--pre",
+        "--disable-pip-version-check",
+        "--no-input",
+    ]
     try:
         completed = subprocess.run(command, capture_output=True, text=True, env=_pip_env(), check=False)
     except OSError as exc:
@@ -162,12 +171,20 @@ def available_versions(distribution: str) -> list[str]:
 
 def _pip(python: Path, arguments: Sequence[str], report: Progress) -> None:
     """Run the host's pip against the environment's interpreter, passing its lines to ``report``."""
-    command = [sys.executable, "-m", "pip", "--python", str(python), *arguments,
-               "--no-input", "--disable-pip-version-check", "--no-warn-script-location"]
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "--python",
+        str(python),
+        *arguments,
+        "--no-input",
+        "--disable-pip-version-check",
+        "--no-warn-script-location",
+    ]
     tail: collections.deque[str] = collections.deque(maxlen=_PIP_TAIL_LINES)
     try:
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                   env=_pip_env())
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_pip_env())
     except OSError as exc:
         raise EnvironmentInstallError(f"could not run pip: {exc}") from exc
     with process:
@@ -228,8 +245,9 @@ def _describe(target: Path, framework: Framework, version: str, *, requirement_t
     try:
         described = json.loads(completed.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError) as exc:
-        raise EnvironmentInstallError(f"the new environment printed no runner description: {completed.stdout!r}") \
-            from exc
+        raise EnvironmentInstallError(
+            f"the new environment printed no runner description: {completed.stdout!r}"
+        ) from exc
     if described["framework_version"] != version:
         raise EnvironmentInstallError(
             f"asked pip for {framework.distribution}=={version} but the environment reports "

@@ -331,9 +331,7 @@ def _write(
         writer.close()
 
 
-def shrink(
-    path: str | os.PathLike[str], urls: Mapping[str, Sequence[str]], output: str | os.PathLike[str]
-) -> Path:
+def shrink(path: str | os.PathLike[str], urls: Mapping[str, Sequence[str]], output: str | os.PathLike[str]) -> Path:
     """Write a copy of the carton at ``path`` to ``output`` with the files whose sha256 is in ``urls`` moved out of
     the zip and into LINKS. MANIFEST is copied unchanged, so the model hash stays the same. Each copied entry is
     verified against MANIFEST on the way; compressed bytes are copied as they are."""
@@ -381,4 +379,3 @@ def _verified_raw(reader: Any, name: str) -> Iterator[bytes]:
     yield from pending
     if hasher.hexdigest() != reader.manifest[name]:
         raise PackError(f"{reader.location}: {name} does not match its MANIFEST sha256; not shrinking a bad carton")
-

@@ -69,11 +69,21 @@ def register(subparsers: Any) -> None:
     )  # fmt: skip
     packer.add_argument("--output-spec", action="append", default=[], metavar="NAME:DTYPE[:SHAPE]",
                         help="declare an output, same syntax as --input")  # fmt: skip
-    packer.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
-                        help="runner option; VALUE is read as a TOML value (42, true, 1.5, \"text\") or as text")
+    packer.add_argument(
+        "--opt",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help='runner option; VALUE is read as a TOML value (42, true, 1.5, "text") or as text',
+    )
     packer.add_argument("--misc", action="append", default=[], metavar="NAME=FILE", help="add a misc file")
-    packer.add_argument("--link", action="append", default=[], metavar="SHA256=URL",
-                        help="leave the file with this sha256 out of the zip and list URL for it in LINKS")
+    packer.add_argument(
+        "--link",
+        action="append",
+        default=[],
+        metavar="SHA256=URL",
+        help="leave the file with this sha256 out of the zip and list URL for it in LINKS",
+    )
     packer.add_argument("--compression", choices=("zstd", "deflate", "stored"), default="zstd",
                         help="zip compression of every entry but MANIFEST (default: zstd)")  # fmt: skip
     packer.add_argument("--no-validate", action="store_true", help="do not run the runner's packing step")
@@ -103,6 +113,7 @@ def _ref_json(ref: TensorRef | MiscRef) -> str:
 
 def info_to_json(info: CartonInfo) -> dict[str, Any]:
     """`info` as the JSON document ``carton info --json`` prints: carton.toml's fields, the model hash and the files."""
+
     def spec(s: TensorSpec) -> dict[str, Any]:
         return {"name": s.name, "dtype": str(s.dtype), "shape": s.shape if isinstance(s.shape, str) else
                 list(s.shape), "description": s.description, "internal_name": s.internal_name}  # fmt: skip
@@ -119,16 +130,23 @@ def info_to_json(info: CartonInfo) -> dict[str, Any]:
         "inputs": [spec(s) for s in info.inputs],
         "outputs": [spec(s) for s in info.outputs],
         "self_tests": [
-            {"name": t.name, "description": t.description,
-             "inputs": {k: _ref_json(v) for k, v in t.inputs.items()},
-             "expected_out": None if t.expected_out is None else
-             {k: _ref_json(v) for k, v in t.expected_out.items()}}
+            {
+                "name": t.name,
+                "description": t.description,
+                "inputs": {k: _ref_json(v) for k, v in t.inputs.items()},
+                "expected_out": None
+                if t.expected_out is None
+                else {k: _ref_json(v) for k, v in t.expected_out.items()},
+            }
             for t in info.self_tests
         ],
         "examples": [
-            {"name": e.name, "description": e.description,
-             "inputs": {k: _ref_json(v) for k, v in e.inputs.items()},
-             "sample_out": {k: _ref_json(v) for k, v in e.sample_out.items()}}
+            {
+                "name": e.name,
+                "description": e.description,
+                "inputs": {k: _ref_json(v) for k, v in e.inputs.items()},
+                "sample_out": {k: _ref_json(v) for k, v in e.sample_out.items()},
+            }
             for e in info.examples
         ],
         "runner": {

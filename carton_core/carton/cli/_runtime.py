@@ -78,7 +78,7 @@ def _add_load_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override a runner option; VALUE is read as a TOML value (2, 1.5, true, \"text\", [1, 2], "
+        help='override a runner option; VALUE is read as a TOML value (2, 1.5, true, "text", [1, 2], '
         "{a = 1}) and otherwise taken as a plain string (repeatable)",
     )
     parser.add_argument("--runner-name", metavar="NAME", help="use this runner instead of carton.toml's")

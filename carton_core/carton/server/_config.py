@@ -46,6 +46,7 @@ _KNOWN_FIELDS = frozenset(
 
 class PolicyKind(enum.StrEnum):
     """Triton's ``version_policy`` kinds: the latest N versions, all of them, or specific ones."""
+
     LATEST = "latest"
     ALL = "all"
     SPECIFIC = "specific"
@@ -80,6 +81,7 @@ class VersionPolicy:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DynamicBatching:
     """Triton's ``dynamic_batching``: how long a request may wait to be batched, and the batch sizes preferred."""
+
     max_queue_delay_microseconds: int = 0
     preferred_batch_sizes: tuple[int, ...] = ()
 
@@ -96,6 +98,7 @@ class TensorConfig:
 class ModelConfig:
     """A model's ``config.json`` (Triton's model configuration, the fields this server implements), checked
     against the carton's declared tensors by `parse_config`."""
+
     max_batch_size: int = 0
     dynamic_batching: DynamicBatching | None = None
     instance_count: int | None = None

@@ -42,6 +42,7 @@ _log = logging.getLogger("carton.server")
 
 class ModelState(enum.StrEnum):
     """A model version's state, as the repository index reports it."""
+
     READY = "READY"
     LOADING = "LOADING"
     UNLOADING = "UNLOADING"

@@ -32,6 +32,7 @@ _log = logging.getLogger("carton.server")
 
 class ModelControlMode(enum.StrEnum):
     """Triton's ``--model-control-mode``: which models load at start, and whether the load/unload API works."""
+
     #: Every model of the repository is loaded at start; the load/unload API is refused.
     NONE = "none"
     #: Only ``load_models`` are loaded at start (``"*"``: all); the load/unload API is available.
