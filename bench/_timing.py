@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 
 def percentiles(samples: list[float]) -> tuple[float, float]:
@@ -20,5 +20,17 @@ def timed(call: Callable[[], object], repeat: int, warmup: int) -> list[float]:
     for _ in range(repeat):
         begin = time.perf_counter()
         call()
+        samples.append(time.perf_counter() - begin)
+    return samples
+
+
+async def timed_async(call: Callable[[], Awaitable[object]], repeat: int, warmup: int) -> list[float]:
+    """`timed` for a coroutine function, awaited on the running event loop."""
+    for _ in range(warmup):
+        await call()
+    samples = []
+    for _ in range(repeat):
+        begin = time.perf_counter()
+        await call()
         samples.append(time.perf_counter() - begin)
     return samples

@@ -1,6 +1,6 @@
 """Wire protocol benchmarks: carton's RunnerProcess against raw references measured in the same run.
 
-    python bench/bench_protocol.py [--quick] [--only small,large,threads,threshold]
+    python bench/bench_protocol.py [--quick] [--only small,large,threads,threshold,codec]
 
 1. small: a [1,16] float32 infer (p50/p99) vs a raw pyzmq REQ/REP round trip of the same bytes between two
    processes.
@@ -10,12 +10,16 @@
 3. threads: throughput with 1, 2, 4, 8 client threads against a concurrent runner whose infer waits 2 ms with the
    GIL released (a stand-in for a framework call) and against the same with no wait.
 4. threshold: message frames vs shared memory by tensor size, to place the shared-memory threshold.
+5. codec: the wire work of one round trip without the sockets, in one process: the host's codec encodes the
+   request, the runner's decodes it and encodes the reply, the host's decodes that (best of 7 x N calls), for the
+   header-template path ([1,16] float32), two tensors, and the full path (a string tensor beside it).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import mmap
 import multiprocessing
 import os
@@ -23,12 +27,13 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import zmq
-from _timing import percentiles, timed
+from _timing import percentiles, timed, timed_async
 from carton._runtime._process import RunnerProcess
 from carton_protocol import RunnerSpec
 
@@ -44,7 +49,6 @@ def start(entry: str, **kwargs: object) -> RunnerProcess:
     runner = RunnerProcess.start(spec(entry), extra_env={"PYTHONPATH": TEST_RUNNERS}, **kwargs)  # type: ignore[arg-type]
     runner.load(model_dir=ROOT, opts={}, inputs=(), outputs=())
     return runner
-
 
 
 # --- references ------------------------------------------------------------------------------------------------
@@ -127,13 +131,14 @@ def _lean_rep_server(endpoint: str, ready: Any) -> None:
 
 def bench_small(repeat: int, rounds: int) -> None:
     """Rounds alternate reference and carton so both see the same machine load; each round's p50 gives a ratio."""
+    from carton_protocol import Infer
     from carton_protocol._framing import encode_tensors
-    from carton_protocol._messages import pack_header
+    from carton_protocol._messages import encode
     from carton_protocol._zmqio import recv_message, send_message
 
     x = np.random.default_rng(0).random((1, 16), dtype=np.float32)
     encoded = encode_tensors({"x": x}, pool=None, threshold=1 << 62)
-    frames = [pack_header({"op": "infer", "id": 1, "tensors": encoded.entries}), x.tobytes()]
+    frames = [encode(Infer(id=1, tensors=encoded.entries)), x.tobytes()]
     mp = multiprocessing.get_context("spawn")
     runtime = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
     servers = []
@@ -167,16 +172,6 @@ def bench_small(repeat: int, rounds: int) -> None:
     ratios: dict[str, list[float]] = {name: [] for name in names}
     loop = asyncio.new_event_loop()
 
-    async def timed_async(count: int, warmup: int) -> list[float]:
-        for _ in range(warmup):
-            await runner.infer_async({"x": x})
-        taken = []
-        for _ in range(count):
-            begin = time.perf_counter()
-            await runner.infer_async({"x": x})
-            taken.append(time.perf_counter() - begin)
-        return taken
-
     try:
         for _ in range(rounds):
             medians = {}
@@ -184,7 +179,7 @@ def bench_small(repeat: int, rounds: int) -> None:
                 taken = timed(call, repeat, warmup=200)
                 samples[name] += taken
                 medians[name] = statistics.median(taken)
-            taken = loop.run_until_complete(timed_async(repeat, 200))
+            taken = loop.run_until_complete(timed_async(lambda: runner.infer_async({"x": x}), repeat, 200))
             samples["async"] += taken
             medians["async"] = statistics.median(taken)
             for name in medians:
@@ -295,14 +290,63 @@ def bench_threshold(repeat: int) -> None:
         shared.close()
 
 
+class _Frame:
+    """What the codecs read of a received `zmq.Frame`: its bytes and a buffer over them."""
+
+    __slots__ = ("buffer", "bytes")
+
+    def __init__(self, part: object) -> None:
+        self.bytes = part if isinstance(part, bytes) else np.ascontiguousarray(part).tobytes()
+        self.buffer = memoryview(self.bytes)
+
+
+def _round_trip(tensors: dict[str, Any]) -> Callable[[], None]:
+    """One round trip through a fresh pair of codecs: request out, reply back, both read."""
+    from carton_protocol import HostCodec, RunnerCodec
+
+    host, runner = HostCodec(shm_threshold=None), RunnerCodec(channel=None)
+    ids = itertools.count(1)
+
+    def trip() -> None:
+        request = host.encode_tensors(next(ids), tensors)
+        received = runner.decode([_Frame(part) for part in request.parts])
+        reply = runner.encode_tensors(received.message.id, runner.tensors(received))
+        answer = host.decode([_Frame(part) for part in reply.parts])
+        host.tensors(answer)
+        host.release(answer, lambda: 0)
+        request.done()
+
+    return trip
+
+
+def bench_codec(repeat: int) -> None:
+    print(f"\n## codec: one round trip's wire work in-process, best of 7 x {repeat} calls\n")
+    print("| message | us per round trip |")
+    print("|---|---|")
+    x = np.random.default_rng(0).random((1, 16), dtype=np.float32)
+    cases = {
+        "[1,16] float32 (template path)": {"x": x},
+        "[1,16] float32 + [1,16] int64 (template path)": {"x": x, "mask": np.ones((1, 16), np.int64)},
+        "[1,16] float32 + 2 strings (full path)": {"x": x, "words": np.array(["hello", "wire"])},
+    }
+    for label, tensors in cases.items():
+        trip = _round_trip(tensors)
+        for _ in range(repeat):
+            trip()
+        best = min(sum(timed(trip, repeat, 0)) for _ in range(7))
+        print(f"| {label} | {best / repeat * 1e6:.2f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run, noisier)")
-    parser.add_argument("--only", default="small,large,threads,threshold", help="comma-separated sections")
+    parser.add_argument("--only", default="small,large,threads,threshold,codec", help="comma-separated sections")
     args = parser.parse_args()
     sections = set(args.only.split(","))
-    print(f"# bench_protocol: python {sys.version.split()[0]}, pyzmq {zmq.__version__}, libzmq {zmq.zmq_version()}, "
-          f"{os.cpu_count()} CPUs")
+    print(
+        f"# bench_protocol: python {sys.version.split()[0]}, pyzmq {zmq.__version__}, libzmq {zmq.zmq_version()}, "
+        f"{os.cpu_count()} CPUs"
+    )
     if "small" in sections:
         bench_small(1000 if args.quick else 5000, 3 if args.quick else 8)
     if "large" in sections:
@@ -311,6 +355,8 @@ def main() -> None:
         bench_threads(0.5 if args.quick else 2.0)
     if "threshold" in sections:
         bench_threshold(50 if args.quick else 400)
+    if "codec" in sections:
+        bench_codec(1000 if args.quick else 5000)
 
 
 if __name__ == "__main__":

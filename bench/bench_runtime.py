@@ -28,7 +28,8 @@ import carton
 import numpy as np
 import zmq
 from _timing import percentiles, timed
-from carton._runtime import RunnerProcess, discover, load_unpacked, plugin_manager
+from carton._runtime import RunnerProcess, discover, plugin_manager
+from carton._workflows import load_unpacked
 from carton_protocol import DType, RunnerSpec, TensorSpec, hookimpl
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -94,12 +95,13 @@ def row(name: str, samples: list[float], reference: float) -> str:
 
 
 def bench_small(repeat: int) -> None:
+    from carton_protocol import Infer
     from carton_protocol._framing import encode_tensors
-    from carton_protocol._messages import pack_header
+    from carton_protocol._messages import encode
 
     x = np.random.default_rng(0).random((1, 16), dtype=np.float32)
     encoded = encode_tensors({"x": x}, pool=None, threshold=1 << 62)
-    frames = [pack_header({"op": "infer", "id": 1, "tensors": encoded.entries}), x.tobytes()]
+    frames = [encode(Infer(id=1, tensors=encoded.entries)), x.tobytes()]
     declared = (TensorSpec(name="x", dtype=DType.FLOAT32, shape=("batch", 16)),)
     outputs = (TensorSpec(name="x", dtype=DType.FLOAT32, shape=("batch", 16)),)
     with tempfile.TemporaryDirectory() as folder:

@@ -17,10 +17,10 @@ import atheris
 with atheris.instrument_imports(include=["carton_protocol"]):
     import ml_dtypes
     import numpy as np
-    from carton_protocol import ProtocolError
+    from carton_protocol import Infer, ProtocolError
     from carton_protocol._framing import decode_tensors, encode_tensors
     from carton_protocol._limits import WireLimits
-    from carton_protocol._messages import infer_request, pack_header, unpack_header
+    from carton_protocol._messages import decode_request, encode
 
 LIMITS = WireLimits(max_tensor_bytes=1 << 24, max_message_bytes=1 << 25, max_bytes_elements=1 << 16)
 _LENGTH = struct.Struct("<I")
@@ -60,7 +60,7 @@ def seed(corpus: Path) -> None:
     for name, tensors in samples.items():
         encoded = encode_tensors(tensors, pool=None, threshold=1 << 62)
         frames = [bytes(f) if isinstance(f, bytes) else np.ascontiguousarray(f).tobytes() for f in encoded.frames]
-        (corpus / f"{name}.bin").write_bytes(flatten([pack_header(infer_request(encoded.entries)), *frames]))
+        (corpus / f"{name}.bin").write_bytes(flatten([encode(Infer(id=1, tensors=encoded.entries)), *frames]))
 
 
 def test_one_input(data: bytes) -> None:
@@ -68,13 +68,11 @@ def test_one_input(data: bytes) -> None:
     if not parts:
         return
     try:
-        header = unpack_header(parts[0], LIMITS)
+        message = decode_request(parts[0], LIMITS)
+        if not isinstance(message, Infer):
+            return
         tensors, _ = decode_tensors(
-            header.get("tensors"),
-            [memoryview(part) for part in parts[1:]],
-            limits=LIMITS,
-            peer=None,
-            copy_shared=False,
+            message.tensors, [memoryview(part) for part in parts[1:]], limits=LIMITS, peer=None, copy_shared=False
         )
     except ProtocolError:
         return

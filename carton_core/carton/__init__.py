@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from carton_protocol import DType, Runner, RunnerSpec, TensorSpec
 
+from ._version import __version__
 from .errors import (
     ArchiveTooLarge,
     CartonError,
@@ -53,7 +54,8 @@ from .errors import (
 )
 
 # The host's modules load on first use (PEP 562): a runner process imports `carton.errors` or `carton.mcf`,
-# which runs this file, and must not pay for the host's HTTP, format and process code (26 MB, 190 ms).
+# which runs this file, and must not pay for the host's HTTP, format and process code (docs/performance.md, "MCF
+# runner").
 _LAZY = {
     "RunnerEnvironment": "._environments",
     "install_runner": "._environments",
@@ -67,7 +69,7 @@ _LAZY = {
     "SelfTest": "._format",
     "TensorRef": "._format",
     "get_model_info": "._format",
-    "pack": "._format",
+    "pack": "._workflows",
     "shrink": "._format",
     "verify": "._format",
     "Model": "._runtime",
@@ -76,10 +78,17 @@ _LAZY = {
     "SelfTestResult": "._runtime",
     "VersionReq": "._runtime",
     "discover_runners": "._runtime",
-    "load": "._runtime",
-    "load_unpacked": "._runtime",
+    "load": "._workflows",
+    "load_unpacked": "._workflows",
     "prestart": "._runtime",
     "target_triple": "._runtime",
+    "BadRequest": ".server.errors",
+    "ModelNotFound": ".server.errors",
+    "ModelUnavailable": ".server.errors",
+    "RepositoryError": ".server.errors",
+    "RequestTooLarge": ".server.errors",
+    "ServerError": ".server.errors",
+    "UploadDisabled": ".server.errors",
 }
 
 if TYPE_CHECKING:
@@ -98,7 +107,6 @@ if TYPE_CHECKING:
         SelfTest,
         TensorRef,
         get_model_info,
-        pack,
         shrink,
         verify,
     )
@@ -109,16 +117,24 @@ if TYPE_CHECKING:
         SelfTestResult,
         VersionReq,
         discover_runners,
-        load,
-        load_unpacked,
         prestart,
         target_triple,
     )
+    from ._workflows import load, load_unpacked, pack
+    from .server.errors import (
+        BadRequest,
+        ModelNotFound,
+        ModelUnavailable,
+        RepositoryError,
+        RequestTooLarge,
+        ServerError,
+        UploadDisabled,
+    )
 
-__version__ = "0.1.0"
 
 __all__ = [
     "ArchiveTooLarge",
+    "BadRequest",
     "CartonError",
     "CartonInfo",
     "CartonWarning",
@@ -138,11 +154,15 @@ __all__ = [
     "MiscRef",
     "Model",
     "ModelClosed",
+    "ModelNotFound",
+    "ModelUnavailable",
     "NoCompatibleRunner",
     "PackError",
     "PlatformWarning",
     "ProtocolMismatch",
     "ReadLimits",
+    "RepositoryError",
+    "RequestTooLarge",
     "ResolutionError",
     "Runner",
     "RunnerCPULimit",
@@ -166,11 +186,13 @@ __all__ = [
     "SandboxWarning",
     "SelfTest",
     "SelfTestResult",
+    "ServerError",
     "TensorDataError",
     "TensorRef",
     "TensorSpec",
     "UnsafeArchive",
     "UnsupportedModel",
+    "UploadDisabled",
     "VersionReq",
     "__version__",
     "discover_runners",

@@ -1,4 +1,6 @@
-"""Every exception `carton` raises derives from `CartonError`. Each message names the file, field or tensor at fault.
+"""Every exception `carton` raises derives from `CartonError`. Each message names the file, field or tensor at fault,
+and the facts a program needs are attributes, set by keyword-only arguments (``RunnerTimeout.limit_seconds``,
+``RunnerCrashed.signal``, ``RunnerFailed.remote_kind``, ``InvalidInput.tensor``, ...): never parse a message.
 
     CartonError
     ├── FormatError                 a .carton package (file, directory or URL) is not valid Carton v1
@@ -18,27 +20,29 @@
     │       └── SafetensorsPermissionError   ... and a PermissionError
     ├── MCFError                    an MCF file breaks a rule of the container layout or quantization spec
     │   └── UnsupportedModel        the mcf runner does not implement the model's architecture or a config key
+    │                               (also a carton_protocol.UnsupportedModel: it reaches the host with its code)
     ├── ResolutionError             finding a runner for a model failed
     │   ├── InvalidVersionReq       a framework version requirement does not parse
     │   ├── InvalidVersion          a framework version is neither SemVer nor PEP 440 (or has an epoch)
-    │   ├── NoCompatibleRunner      no installed runner matches; lists every candidate and why it was rejected
+    │   ├── NoCompatibleRunner      no installed runner matches; lists every candidate and why (.rejected)
     │   └── EnvironmentInstallError building an isolated runner environment failed
-    ├── RunnerError                 a runner process failed
+    ├── RunnerError                 a runner process failed (.remote_kind, .remote_message: what the runner reported)
     │   ├── RunnerStartError        the process could not start, load the model, or complete the handshake
-    │   ├── ProtocolMismatch        host and runner speak different protocol versions
-    │   ├── RunnerProtocolError     the runner sent a malformed message
-    │   ├── RunnerCrashed           the process died (exit code or signal) with requests in flight
-    │   ├── RunnerTimeout           a load, handshake or request took longer than its limit
-    │   ├── RunnerMemoryLimit       the process went over its memory limit
-    │   ├── RunnerCPULimit          the process went over its CPU-time limit
+    │   ├── ProtocolMismatch        host and runner speak different protocol versions (.host_version, .runner_version)
+    │   ├── RunnerProtocolError     the runner sent a malformed message, or refused ours
+    │   ├── RunnerCrashed           the process died with requests in flight (.returncode, .signal)
+    │   ├── RunnerTimeout           a load, handshake or request went over its limit (.limit_seconds, .limit_name)
+    │   ├── RunnerMemoryLimit       the process went over its memory limit (.limit_bytes)
+    │   ├── RunnerCPULimit          the process went over its CPU-time limit (.limit_seconds)
     │   ├── RunnerFailed            the runner's own code raised while handling a request (carries its message)
     │   └── ModelClosed             the model was closed before or during the call
-    ├── InvalidInput                inputs do not match the model's declared inputs (names the tensor)
-    ├── InvalidOutput               the runner returned outputs that do not match the declared outputs
+    ├── InvalidInput                inputs are wrong, whichever process found it (.tensor when one is at fault)
+    ├── InvalidOutput               the runner returned outputs that do not match the declared outputs (.tensor)
     ├── SandboxError                the sandbox could not be set up
     │   ├── SandboxConfigError      a sandbox policy or RunnerLimits value is invalid (also a ValueError)
     │   └── SandboxUnavailable      the strict policy needs a layer this machine does not have (names it)
-    └── ServerError                 the model server refused a request (carries its HTTP status)
+    └── ServerError                 the model server refused a request; defined in carton.server.errors with the
+        │                           table of the HTTP status and gRPC code each is answered with
         ├── BadRequest              a request is malformed: body, header, tensor data, names (400)
         │   └── RequestTooLarge     a request body is over the server's size limit (413)
         ├── ModelNotFound           no such model, or no ready version of it (404)
@@ -52,9 +56,16 @@ Warnings: `CartonWarning` (root), `RunnerWarning` (a runner's warning, e.g. unkn
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from carton_protocol import UnsupportedModel as _RunnerUnsupportedModel
+
+if TYPE_CHECKING:
+    from carton_protocol import RunnerSpec
+
 __all__ = [
     "ArchiveTooLarge",
-    "BadRequest",
     "CartonError",
     "CartonWarning",
     "ConfigError",
@@ -69,14 +80,11 @@ __all__ = [
     "MCFError",
     "ManifestError",
     "ModelClosed",
-    "ModelNotFound",
-    "ModelUnavailable",
     "NoCompatibleRunner",
     "PackError",
     "PlatformWarning",
     "ProtocolMismatch",
-    "RepositoryError",
-    "RequestTooLarge",
+    "Rejection",
     "ResolutionError",
     "RunnerCPULimit",
     "RunnerCrashed",
@@ -97,11 +105,9 @@ __all__ = [
     "SandboxError",
     "SandboxUnavailable",
     "SandboxWarning",
-    "ServerError",
     "TensorDataError",
     "UnsafeArchive",
     "UnsupportedModel",
-    "UploadDisabled",
 ]
 
 
@@ -180,8 +186,10 @@ class MCFError(CartonError):
     """An MCF file breaks a rule of the container layout or of the quantization spec."""
 
 
-class UnsupportedModel(MCFError):
-    """The mcf runner does not implement the model's architecture or one of its config keys; names them."""
+class UnsupportedModel(MCFError, _RunnerUnsupportedModel):
+    """The mcf runner does not implement the model's architecture or one of its config keys; names them.
+
+    Also a `carton_protocol.UnsupportedModel`, so that raised in a runner it reaches the host as that kind."""
 
 
 # --- runner resolution ----------------------------------------------------------------------------------------
@@ -197,8 +205,26 @@ class InvalidVersion(ResolutionError):
     """A framework version is neither SemVer nor PEP 440, or uses a PEP 440 epoch SemVer cannot express."""
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Rejection:
+    """A discovered runner that cannot run the model, with every reason."""
+
+    spec: RunnerSpec
+    reasons: tuple[str, ...]
+
+    def __str__(self) -> str:
+        spec = self.spec
+        described = f"{spec.runner_name} {spec.framework_version} (compat {spec.runner_compat_version}, {spec.source})"
+        return f"{described}: {'; '.join(self.reasons)}"
+
+
 class NoCompatibleRunner(ResolutionError):
-    """No installed runner satisfies the model; the message lists each candidate and why it was rejected."""
+    """No installed runner satisfies the model; the message lists each candidate and why it was rejected, and
+    ``rejected`` holds them (`Rejection`: the runner's spec and the reasons)."""
+
+    def __init__(self, message: str, *, rejected: tuple[Rejection, ...] = ()) -> None:
+        super().__init__(message)
+        self.rejected = rejected
 
 
 class EnvironmentInstallError(ResolutionError):
@@ -207,7 +233,16 @@ class EnvironmentInstallError(ResolutionError):
 
 # --- runner processes -----------------------------------------------------------------------------------------
 class RunnerError(CartonError):
-    """A runner process failed."""
+    """A runner process failed.
+
+    When the runner itself reported the failure, ``remote_kind`` is the code it sent (a `carton_protocol.ErrorCode`
+    value, such as ``"internal"`` or ``"unsupported_model"``) and ``remote_message`` its own message; both are
+    ``None`` when the host found the failure (a crash, a timeout)."""
+
+    def __init__(self, message: str, *, remote_kind: str | None = None, remote_message: str | None = None) -> None:
+        super().__init__(message)
+        self.remote_kind = remote_kind
+        self.remote_message = remote_message
 
 
 class RunnerStartError(RunnerError):
@@ -215,31 +250,67 @@ class RunnerStartError(RunnerError):
 
 
 class ProtocolMismatch(RunnerError):
-    """The host and the runner speak different protocol versions."""
+    """The host and the runner speak different protocol versions (``host_version``, ``runner_version``; the latter
+    ``None`` when the runner sent none)."""
+
+    def __init__(self, message: str, *, host_version: int | None = None, runner_version: int | None = None) -> None:
+        super().__init__(message)
+        self.host_version = host_version
+        self.runner_version = runner_version
 
 
 class RunnerProtocolError(RunnerError):
-    """The runner sent a message the host could not decode."""
+    """The runner sent a message the host could not decode, or refused the host's (``remote_kind`` is then
+    ``"protocol"``)."""
 
 
 class RunnerCrashed(RunnerError):
-    """The runner process died (names the exit code or signal)."""
+    """The runner process died: ``signal`` is the signal number that killed it, else ``returncode`` its exit
+    status (either may be ``None`` when unknown)."""
+
+    def __init__(self, message: str, *, returncode: int | None = None, signal: int | None = None) -> None:
+        super().__init__(message)
+        self.returncode = returncode
+        self.signal = signal
 
 
 class RunnerTimeout(RunnerError):
-    """A load, handshake or request exceeded its time limit (names the limit)."""
+    """A load, handshake or request exceeded its time limit: ``limit_seconds``, named ``limit_name`` (such as
+    ``"infer timeout"`` or ``"handshake_timeout"``). The runner was killed."""
+
+    def __init__(self, message: str, *, limit_seconds: float | None = None, limit_name: str | None = None) -> None:
+        super().__init__(message)
+        self.limit_seconds = limit_seconds
+        self.limit_name = limit_name
 
 
 class RunnerMemoryLimit(RunnerError):
-    """The runner process exceeded its memory limit."""
+    """The runner process exceeded its memory limit (``limit_bytes``; ``None`` when it ran out of memory without
+    one)."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        limit_bytes: float | None = None,
+        remote_kind: str | None = None,
+        remote_message: str | None = None,
+    ) -> None:
+        super().__init__(message, remote_kind=remote_kind, remote_message=remote_message)
+        self.limit_bytes = limit_bytes
 
 
 class RunnerCPULimit(RunnerError):
-    """The runner process exceeded its CPU-time limit."""
+    """The runner process exceeded its CPU-time limit (``limit_seconds``)."""
+
+    def __init__(self, message: str, *, limit_seconds: float | None = None) -> None:
+        super().__init__(message)
+        self.limit_seconds = limit_seconds
 
 
 class RunnerFailed(RunnerError):
-    """The runner's own code raised while handling a request; the message is the runner's."""
+    """The runner's own code raised while handling a request; the message is the runner's (``remote_message``,
+    with ``remote_kind`` its code)."""
 
 
 class ModelClosed(RunnerError):
@@ -248,11 +319,21 @@ class ModelClosed(RunnerError):
 
 # --- tensors --------------------------------------------------------------------------------------------------
 class InvalidInput(CartonError):
-    """Inputs do not match the model's declared inputs; names the tensor at fault."""
+    """Inputs are wrong: they do not match the model's declared inputs (found by the host), or the runner refused
+    them (a `carton_protocol.InvalidInput`). ``tensor`` names the tensor at fault, when one is."""
+
+    def __init__(self, message: str, *, tensor: str | None = None) -> None:
+        super().__init__(message)
+        self.tensor = tensor
 
 
 class InvalidOutput(CartonError):
-    """A runner's outputs do not match the model's declared outputs; names the tensor at fault."""
+    """A runner's outputs do not match the model's declared outputs, or cannot travel; ``tensor`` names the tensor
+    at fault, when one is."""
+
+    def __init__(self, message: str, *, tensor: str | None = None) -> None:
+        super().__init__(message)
+        self.tensor = tensor
 
 
 # --- sandbox --------------------------------------------------------------------------------------------------
@@ -268,52 +349,6 @@ class SandboxConfigError(SandboxError, ValueError):
 
 class SandboxUnavailable(SandboxError):
     """The strict policy needs a sandbox layer this machine does not provide; names the layer."""
-
-
-# --- model server ---------------------------------------------------------------------------------------------
-class ServerError(CartonError):
-    """The model server refused a request; `http_status` is the HTTP status it is answered with."""
-
-    http_status: int = 500
-
-
-class BadRequest(ServerError):
-    """A request is malformed (body, header, tensor data, model name); names the field or tensor at fault."""
-
-    http_status = 400
-
-
-class RequestTooLarge(BadRequest):
-    """A request body is larger than the server's configured limit."""
-
-    http_status = 413
-
-
-class ModelNotFound(ServerError):
-    """The model does not exist, or has no ready version (not loaded, loading, or being unloaded)."""
-
-    http_status = 404
-
-
-class ModelUnavailable(ServerError):
-    """The model could not answer this request in time, or went away under it; retrying may succeed.
-
-    Answered like Triton's ``UNAVAILABLE`` errors (its request timeouts among them): HTTP 503, gRPC UNAVAILABLE.
-    """
-
-    http_status = 503
-
-
-class RepositoryError(ServerError):
-    """A repository load or unload failed: bad config, bad `file:` payload, invalid carton, or a load timeout."""
-
-    http_status = 400
-
-
-class UploadDisabled(RepositoryError):
-    """A load sent `file:` payloads to a server started with model upload disabled."""
-
-    http_status = 403
 
 
 # --- warnings -------------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import numpy as np
 from ._spec import DType
 from .errors import FrameError
 
-__all__ = ["WireType", "carton_dtype", "from_numpy", "to_numpy"]
+__all__ = ["WIRE_TYPES", "WireType", "carton_dtype", "from_numpy", "to_numpy"]
 
 
 class WireType(enum.StrEnum):

@@ -1,6 +1,6 @@
 """Tensors on the wire, Triton-style: one header entry per tensor, then its raw little-endian C-order bytes.
 
-Header entry of a tensor (a msgpack map, in the header's ``tensors`` list)::
+Header entry of a tensor (a `TensorEntry`, a msgpack map in the header's ``tensors`` list)::
 
     {"name": "x", "datatype": "FP32", "shape": [1, 2], "size": 8}                 bytes in the next frame
     {"name": "x", "datatype": "FP32", "shape": [4096, 4096], "size": 67108864,
@@ -23,11 +23,12 @@ import numpy as np
 
 from ._dtypes import WIRE_TYPES, WireType, from_numpy, to_numpy
 from ._limits import WireLimits
+from ._messages import TensorEntry
 from ._runner import Tensor
 from ._shm import PeerSegments, Segment, SegmentPool, align
 from .errors import FrameError, LimitExceeded
 
-__all__ = ["DIRECT_WIRE_TYPES", "FIXED_WIRE_TYPES", "Encoded", "decode_tensors", "encode_tensors"]
+__all__ = ["DIRECT_WIRE_TYPES", "FIXED_WIRE_TYPES", "Encoded", "decode_tensors", "encode_tensors", "shared_segments"]
 
 _PREFIX = struct.Struct("<I")
 # Largest dimension accepted: numpy's own limit is below 2**63, and no real tensor comes near this.
@@ -40,7 +41,7 @@ class Encoded:
 
     __slots__ = ("entries", "frames", "segment")
 
-    def __init__(self, entries: list[dict[str, Any]], frames: list[Any], segment: Segment | None) -> None:
+    def __init__(self, entries: tuple[TensorEntry, ...], frames: list[Any], segment: Segment | None) -> None:
         self.entries = entries
         self.frames = frames
         self.segment = segment
@@ -62,12 +63,11 @@ def _bytes_payload(array: np.ndarray, name: str) -> bytes:
     return _EMPTY.join(parts)
 
 
-def _prepare(value: object, name: str) -> tuple[dict[str, Any], Any, int]:
-    """Header entry (without placement), payload buffer and byte size of one array."""
+def _prepare(value: object, name: str) -> tuple[str, tuple[int, ...], Any, int]:
+    """Wire type, shape, payload buffer and byte size of one array."""
     if not isinstance(value, np.ndarray):
         raise FrameError(f"tensor {name!r}: expected a numpy array, got {type(value).__name__}")
     wire = from_numpy(value.dtype, tensor=name)
-    shape = list(value.shape)
     if wire is WireType.BYTES:
         payload: Any = _bytes_payload(value, name)
         size = len(payload)
@@ -79,7 +79,7 @@ def _prepare(value: object, name: str) -> tuple[dict[str, Any], Any, int]:
             array = np.ascontiguousarray(array)
         payload = array.reshape(-1).view(np.uint8)
         size = payload.nbytes
-    return {"name": name, "datatype": wire.value, "shape": shape, "size": size}, payload, size
+    return wire.value, value.shape, payload, size
 
 
 # Fixed-size dtypes whose arrays, when C-contiguous, go out as they are (the common case, kept short).
@@ -90,65 +90,66 @@ DIRECT_WIRE_TYPES: dict[np.dtype[Any], str] = {
         ("<u8", WireType.UINT64), ("<i1", WireType.INT8), ("<i2", WireType.INT16), ("<i4", WireType.INT32),
         ("<i8", WireType.INT64), ("<f2", WireType.FP16), ("<f4", WireType.FP32), ("<f8", WireType.FP64),
     )
-}
+}  # fmt: skip
 
 
 def encode_tensors(tensors: Mapping[str, Tensor], *, pool: SegmentPool | None, threshold: int) -> Encoded:
     """Encode `tensors`; payloads of at least `threshold` bytes go to one segment from `pool` when there is one."""
-    entries: list[dict[str, Any]] = []
+    entries: list[TensorEntry | None] = []
     frames: list[Any] = []
-    big: list[tuple[dict[str, Any], Any, int]] = []
+    # Payloads bound for shared memory: (index in entries, name, datatype, shape, payload, size).
+    big: list[tuple[int, str, str, tuple[int, ...], Any, int]] = []
     for name, value in tensors.items():
         if type(value) is np.ndarray:
             wire = DIRECT_WIRE_TYPES.get(value.dtype)
             if wire is not None and value.flags.c_contiguous and type(name) is str:
                 size = value.nbytes
-                entry = {"name": name, "datatype": wire, "shape": list(value.shape), "size": size}
-                entries.append(entry)
                 if pool is not None and size >= threshold:
-                    big.append((entry, value.reshape(-1).view(np.uint8), size))
+                    big.append((len(entries), name, wire, value.shape, value.reshape(-1).view(np.uint8), size))
+                    entries.append(None)
                 else:
+                    entries.append(TensorEntry(name=name, datatype=wire, shape=value.shape, size=size))
                     frames.append(value)
                 continue
         if type(name) is not str:
             raise FrameError(f"tensor names must be str, got {type(name).__name__} {name!r}")
-        if isinstance(value, list):
-            nested: list[dict[str, Any]] = []
+        if isinstance(value, list | tuple):
+            nested: list[TensorEntry] = []
             for index, item in enumerate(value):
-                entry, payload, size = _prepare(item, f"{name}[{index}]")
-                del entry["name"]
-                nested.append(entry)
+                datatype, shape, payload, size = _prepare(item, f"{name}[{index}]")
+                nested.append(TensorEntry(datatype=datatype, shape=shape, size=size))
                 frames.append(payload)
-            entries.append({"name": name, "nested": nested})
+            entries.append(TensorEntry(name=name, nested=tuple(nested)))
             continue
-        entry, payload, size = _prepare(value, name)
-        entries.append(entry)
+        datatype, shape, payload, size = _prepare(value, name)
         if pool is not None and size >= threshold:
-            big.append((entry, payload, size))
+            big.append((len(entries), name, datatype, shape, payload, size))
+            entries.append(None)
         else:
+            entries.append(TensorEntry(name=name, datatype=datatype, shape=shape, size=size))
             frames.append(payload)
     segment = None
     if big:
         assert pool is not None
         total = 0
-        for _, _, size in big:
+        for *_, size in big:
             total = align(total) + size
         segment = pool.acquire(total)
         offset = 0
-        for entry, payload, size in big:
+        for index, name, datatype, shape, payload, size in big:
             offset = align(offset)
             target = np.frombuffer(segment.mapping, np.uint8, count=size, offset=offset)
             if isinstance(payload, bytes):
                 target[:] = np.frombuffer(payload, np.uint8)
             else:
                 np.copyto(target, payload)
-            entry["shm"] = [segment.id, offset]
+            entries[index] = TensorEntry(name=name, datatype=datatype, shape=shape, size=size, shm=(segment.id, offset))
             offset += size
-    return Encoded(entries, frames, segment)
+    return Encoded(tuple(entries), frames, segment)  # type: ignore[arg-type]  # every None was replaced
 
 
 def decode_tensors(
-    raw_entries: object,
+    entries: tuple[TensorEntry, ...],
     frames: Sequence[memoryview],
     *,
     limits: WireLimits,
@@ -160,39 +161,44 @@ def decode_tensors(
     Arrays decoded from frames are views over the frame buffers. Arrays in shared memory are views over the
     mapping, or copies when `copy_shared` (the host copies, so the runner may reuse its segment at once).
     """
-    if type(raw_entries) is not list:
-        raise FrameError("header field 'tensors' is missing or not a list")
-    if len(raw_entries) > limits.max_tensors:
-        raise LimitExceeded(f"message declares {len(raw_entries)} tensors, over the limit of {limits.max_tensors}")
+    if len(entries) > limits.max_tensors:
+        raise LimitExceeded(f"message declares {len(entries)} tensors, over the limit of {limits.max_tensors}")
     decoder = _Decoder(frames, limits, peer, copy_shared)
     tensors: dict[str, Tensor] = {}
-    for index, entry in enumerate(raw_entries):
-        if type(entry) is not dict:
-            raise FrameError(f"tensors[{index}] is not a map")
-        name = entry.get("name")
-        if type(name) is not str or not 0 < len(name) <= limits.max_name_length:
-            raise FrameError(f"tensors[{index}]: 'name' must be a non-empty string of at most "
-                             f"{limits.max_name_length} characters")
+    for index, entry in enumerate(entries):
+        name = entry.name
+        if name is None or not 0 < len(name) <= limits.max_name_length:
+            raise FrameError(
+                f"tensors[{index}]: 'name' must be a non-empty string of at most {limits.max_name_length} characters"
+            )
         if name in tensors:
             raise FrameError(f"tensor {name!r} appears twice")
-        nested = entry.get("nested")
+        nested = entry.nested
         if nested is None:
             tensors[name] = decoder.array(entry, name)
             continue
-        if type(nested) is not list:
-            raise FrameError(f"tensor {name!r}: 'nested' must be a list")
         if len(nested) > limits.max_nested:
             raise LimitExceeded(f"tensor {name!r}: {len(nested)} nested arrays, over the limit of {limits.max_nested}")
         items: list[np.ndarray] = []
         for position, item in enumerate(nested):
             where = f"{name}[{position}]"
-            if type(item) is not dict or "nested" in item:
-                raise FrameError(f"tensor {where!r}: nested entries must be maps without 'nested'")
+            if item.nested is not None:
+                raise FrameError(f"tensor {where!r}: nested entries must not be nested themselves")
             items.append(decoder.array(item, where))
         tensors[name] = items
     if decoder.next_frame != len(frames):
         raise FrameError(f"message has {len(frames)} data frames, the header accounts for {decoder.next_frame}")
     return tensors, decoder.segments
+
+
+def shared_segments(entries: tuple[TensorEntry, ...]) -> list[str]:
+    """The segment ids the entries' bytes lie in (what the reader must release once it has read them)."""
+    used: list[str] = []
+    for entry in entries:
+        for item in (entry, *(entry.nested or ())):
+            if item.shm is not None and item.shm[0] not in used:
+                used.append(item.shm[0])
+    return used
 
 
 # Fixed-size wire types by name (BF16 included when ml_dtypes is installed).
@@ -217,29 +223,29 @@ class _Decoder:
         self.total = 0
         self.segments: list[str] = []
 
-    def array(self, entry: dict[str, Any], name: str) -> np.ndarray:
+    def array(self, entry: TensorEntry, name: str) -> np.ndarray:
         limits = self.limits
-        datatype = entry.get("datatype")
-        shape = entry.get("shape")
-        size = entry.get("size")
-        if type(shape) is not list:
+        datatype = entry.datatype
+        shape = entry.shape
+        size = entry.size
+        if shape is None:
             raise FrameError(f"tensor {name!r}: 'shape' must be a list of dimensions")
         if len(shape) > limits.max_rank:
             raise LimitExceeded(f"tensor {name!r}: rank {len(shape)} is over the limit of {limits.max_rank}")
         count = 1
         for dim in shape:
-            if type(dim) is not int or not 0 <= dim <= _MAX_DIM:
-                raise FrameError(f"tensor {name!r}: shape {shape!r} must hold ints from 0 to 2**62")
+            if not 0 <= dim <= _MAX_DIM:
+                raise FrameError(f"tensor {name!r}: shape {list(shape)!r} must hold ints from 0 to 2**62")
             count *= dim  # Python ints do not overflow; the product is checked against the size below
-        if type(size) is not int or size < 0:
+        if size is None or size < 0:
             raise FrameError(f"tensor {name!r}: 'size' must be a non-negative int")
         if size > limits.max_tensor_bytes:
             raise LimitExceeded(f"tensor {name!r}: {size} bytes, over the limit of {limits.max_tensor_bytes}")
         self.total += size
         if self.total > limits.max_message_bytes:
             raise LimitExceeded(f"message tensors total over {limits.max_message_bytes} bytes")
-        if type(datatype) is not str:
-            raise FrameError(f"tensor {name!r}: 'datatype' must be a string, got {type(datatype).__name__}")
+        if datatype is None:
+            raise FrameError(f"tensor {name!r}: 'datatype' is missing")
         dtype = FIXED_WIRE_TYPES.get(datatype)
         if dtype is None:
             wire = WIRE_TYPES.get(datatype)
@@ -257,7 +263,8 @@ class _Decoder:
             dtype = to_numpy(wire, tensor=name)
         if count * dtype.itemsize != size:
             raise FrameError(
-                f"tensor {name!r}: shape {shape} of {datatype} needs {count * dtype.itemsize} bytes, size says {size}"
+                f"tensor {name!r}: shape {list(shape)} of {datatype} needs {count * dtype.itemsize} bytes, "
+                f"size says {size}"
             )
         buffer, offset = self._locate(entry, name, size)
         if count == 0:
@@ -265,12 +272,12 @@ class _Decoder:
         array = np.frombuffer(buffer, dtype, count, offset).reshape(shape)
         if datatype == "BOOL" and array.view(np.uint8).max() > 1:
             raise FrameError(f"tensor {name!r}: BOOL bytes must be 0 or 1")
-        if self.copy_shared and "shm" in entry:
+        if self.copy_shared and entry.shm is not None:
             array = array.copy()
         return array
 
-    def _locate(self, entry: dict[str, Any], name: str, size: int) -> tuple[Any, int]:
-        placement = entry.get("shm")
+    def _locate(self, entry: TensorEntry, name: str, size: int) -> tuple[Any, int]:
+        placement = entry.shm
         if placement is None:
             index = self.next_frame
             if index >= len(self.frames):
@@ -282,15 +289,9 @@ class _Decoder:
             return frame, 0
         if self.peer is None:
             raise FrameError(f"tensor {name!r}: placed in shared memory, which this connection does not use")
-        if (
-            type(placement) is not list
-            or len(placement) != 2
-            or type(placement[0]) is not str
-            or type(placement[1]) is not int
-            or placement[1] < 0
-        ):
-            raise FrameError(f"tensor {name!r}: 'shm' must be [segment id, offset]")
         segment_id, offset = placement
+        if offset < 0:
+            raise FrameError(f"tensor {name!r}: 'shm' offset must be non-negative, got {offset}")
         segment = self.peer.get(segment_id)
         if offset + size > segment.size:
             raise FrameError(
@@ -302,15 +303,15 @@ class _Decoder:
         return segment.mapping, offset
 
 
-def _empty(shape: list[int], dtype: np.dtype[Any], name: str) -> np.ndarray:
+def _empty(shape: tuple[int, ...], dtype: np.dtype[Any], name: str) -> np.ndarray:
     """A zero-element array; numpy refuses some shapes (``[0, 2**62, 2**62]``) even though they hold nothing."""
     try:
         return np.empty(shape, dtype)
     except ValueError as exc:
-        raise FrameError(f"tensor {name!r}: shape {shape} is too large for a numpy array") from exc
+        raise FrameError(f"tensor {name!r}: shape {list(shape)} is too large for a numpy array") from exc
 
 
-def _decode_strings(buffer: Any, offset: int, size: int, count: int, shape: list[int], name: str) -> np.ndarray:
+def _decode_strings(buffer: Any, offset: int, size: int, count: int, shape: tuple[int, ...], name: str) -> np.ndarray:
     data = memoryview(buffer)[offset : offset + size]
     values: list[str] = []
     position = 0
@@ -323,8 +324,7 @@ def _decode_strings(buffer: Any, offset: int, size: int, count: int, shape: list
             position += 4
             if length > size - position:
                 raise FrameError(
-                    f"tensor {name!r}: BYTES element {len(values)} declares {length} bytes, "
-                    f"{size - position} remain"
+                    f"tensor {name!r}: BYTES element {len(values)} declares {length} bytes, {size - position} remain"
                 )
             values.append(str(data[position : position + length], "utf-8"))
             position += length

@@ -26,41 +26,45 @@ import threading
 import time
 import traceback
 import types
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import zmq
 
-from ._framing import decode_tensors, encode_tensors
+from ._codec import Outgoing, Received, RunnerCodec
 from ._limits import DEFAULT_LIMITS, WireLimits
 from ._messages import (
     PROTOCOL_VERSION,
-    Op,
-    decode_opts,
-    decode_specs,
-    encode_specs,
-    field_list,
-    field_str,
-    pack_header,
-    unpack_header,
+    Close,
+    CloseReply,
+    ErrorReply,
+    Hello,
+    HelloReply,
+    Infer,
+    Load,
+    LoadReply,
+    Pack,
+    PackReply,
+    Release,
+    Reply,
+    check_opts,
 )
 from ._reaper import kill_tree, reap_children, set_child_subreaper, set_parent_death_signal
 from ._runner import LoadContext, PackContext, PackResult, Runner
-from ._shm import SHM_AVAILABLE, FdChannel, PeerSegments, SegmentPool
-from ._templates import Plan, Templates
+from ._shm import SHM_AVAILABLE, FdChannel
 from ._zmqio import recv_message, send_message
-from .errors import FrameError, ProtocolError, VersionMismatch
+from .errors import ErrorCode, FrameError, InvalidOutput, ProtocolError, RunnerFault, VersionMismatch
 
-__all__ = ["import_entry", "main"]
+__all__ = ["DEFAULT_INLINE_MAX_SECONDS", "INLINE_MAX_ENV", "error_code", "error_reply", "import_entry", "main"]
 
 _TRACEBACK_CHARS = 8000
 _EXIT_IMPORT_FAILED = 2
 _EXIT_VERSION_MISMATCH = 3
 #: A concurrent runner's call runs on the socket thread (no pool hand-off) only while calls take less than this: the
-#: hand-off costs about 0.2 ms, which matters to a 50 us call, and an inline call delays requests that arrive
-#: meanwhile by its own length, which matters to a 2 ms one (two clients then got 1.15x instead of 1.99x).
+#: hand-off costs much of a small call's round trip, and an inline call delays requests that arrive meanwhile by its
+#: own length, which matters to a long one (docs/protocol.md, "Concurrent runners", has the measurements).
 #: The runner's environment variable `INLINE_MAX_ENV` sets another bound in seconds; 0 sends every call to the pool.
 DEFAULT_INLINE_MAX_SECONDS = 0.0005
 INLINE_MAX_ENV = "CARTON_RUNNER_INLINE_MAX_SECONDS"
@@ -80,10 +84,6 @@ def _inline_max_seconds() -> float:
     return value
 
 
-class InvalidOutput(Exception):
-    """The runner's `infer` returned something the wire cannot carry (reported to the host under this name)."""
-
-
 def import_entry(entry: str) -> type[Runner]:
     """The `Runner` subclass named by ``"module:Class"`` (``Class`` may be dotted)."""
     module_name, _, attribute = entry.partition(":")
@@ -97,9 +97,36 @@ def import_entry(entry: str) -> type[Runner]:
     return target
 
 
-def _error(exc: BaseException) -> dict[str, str]:
+def error_code(exc: BaseException) -> ErrorCode:
+    """The code an exception travels as: a `RunnerFault`'s own, ``out_of_memory`` for any `MemoryError`,
+    ``protocol`` for a `ProtocolError`, ``internal`` for anything else (by class, never by name)."""
+    match exc:
+        case RunnerFault():
+            return exc.code
+        case ProtocolError():
+            return ErrorCode.PROTOCOL
+        case MemoryError():
+            return ErrorCode.OUT_OF_MEMORY
+        case _:
+            return ErrorCode.INTERNAL
+
+
+def error_reply(
+    request_id: int, exc: BaseException, *, warnings: tuple[str, ...] = (), protocol: int | None = None
+) -> ErrorReply:
+    """The reply reporting `exc` (its code, message, type name, traceback, and the tensor it names)."""
     text = "".join(traceback.format_exception(exc))
-    return {"kind": type(exc).__name__, "message": str(exc), "traceback": text[-_TRACEBACK_CHARS:]}
+    tensor = getattr(exc, "tensor", None) if isinstance(exc, RunnerFault) else None
+    return ErrorReply(
+        id=request_id,
+        code=error_code(exc),
+        message=str(exc),
+        exception=type(exc).__name__,
+        traceback=text[-_TRACEBACK_CHARS:],
+        tensor=tensor if isinstance(tensor, str) else None,
+        warnings=warnings,
+        protocol=protocol,
+    )
 
 
 def _die(code: int) -> None:
@@ -136,17 +163,12 @@ def _on_sigterm(signum: int, frame: types.FrameType | None) -> None:
 class _Server:
     def __init__(self, endpoint: str, entry: str, fd_channel: FdChannel | None, threads: int, limits: WireLimits):
         self.entry = entry
-        self.limits = limits
         self.threads = threads
         self.context = zmq.Context()
         self.router = self.context.socket(zmq.ROUTER)
         self.router.linger = 1000
         self.router.bind(endpoint)
-        self.channel = fd_channel
-        self.pool: SegmentPool | None = None
-        self.peer: PeerSegments | None = None
-        self.threshold = 0
-        self.templates = Templates(limits=limits, sends="reply")
+        self.codec = RunnerCodec(limits=limits, channel=fd_channel)
         self.runner_class: type[Runner] | None = None
         self.import_error: BaseException | None = None
         self.runner: Runner | None = None
@@ -161,7 +183,6 @@ class _Server:
         self.main_thread = threading.get_ident()
         self.running = True
         self.exit_code = 0
-        self.warnings: list[str] = []
         try:
             self.runner_class = import_entry(entry)
         except BaseException as exc:
@@ -193,30 +214,26 @@ class _Server:
                     send_message(self.router, recv_message(self.results))
         return self.exit_code
 
-    def _run_infer(self, infer: Callable[..., None], *args: Any) -> None:
+    def _run_infer(self, ident: Any, received: Received) -> None:
         """Run one infer: on this thread when the runner is not concurrent, or when it is but the last call was short
         and none is running on the pool; on the pool otherwise.
 
-        The pool costs two thread hand-offs per call (to a pool thread, and the reply back over the inproc socket):
-        about 190 us of a 310 us round trip on two cores (docs/protocol.md, "Concurrent runners"). Requests that
+        The pool costs two thread hand-offs per call (to a pool thread, and the reply back over the inproc socket),
+        a large share of a small round trip on two cores (docs/protocol.md, "Concurrent runners"). Requests that
         arrive while an inline call runs wait for it, as every request does with a non-concurrent runner: short calls
         are served one after another on this thread, and once a call takes long the next ones go to the pool.
         """
         executor = self.executor
         if executor is None or (self.last_infer_seconds < self.inline_max_seconds and self.pooled == 0):
-            infer(*args)
+            self._infer(ident, received)
             return
         self.pooled += 1
-        executor.submit(infer, *args)
+        executor.submit(self._infer, ident, received)
 
-    def _send(self, ident: Any, header: dict[str, Any], frames: Sequence[Any] = ()) -> None:
-        if self.pool is not None:
-            dropped = self.pool.take_dropped()
-            if dropped:
-                header["drop"] = dropped
-        self._send_raw([ident, pack_header(header), *frames])
+    def _send(self, ident: Any, reply: Reply) -> None:
+        self._send_parts([ident, self.codec.encode(reply)])
 
-    def _send_raw(self, message: list[Any]) -> None:
+    def _send_parts(self, message: list[Any]) -> None:
         if self.results is None or threading.get_ident() == self.main_thread:
             send_message(self.router, message)
         else:
@@ -230,133 +247,111 @@ class _Server:
         if len(frames) < 2:
             return  # not a request (an empty message from a confused peer): nothing to answer
         ident = frames[0]
-        data = frames[1].bytes
-        if self.runner is not None:
-            # A plain infer whose header bytes (after the id) were accepted before: no msgpack, no re-checking.
-            matched = self.templates.match(data)
-            if matched is not None:
-                self._run_infer(self._infer_planned, ident, matched[0], matched[1], frames[2:])
-                return
         try:
-            header = unpack_header(data, self.limits)
-            request_id = header.get("id")
-            op = header.get("op")
-            if type(request_id) is not int or type(op) is not str:
-                raise FrameError("request header needs an int 'id' and a str 'op'")
+            received = self.codec.decode(frames, 1)
         except ProtocolError as exc:
-            self._send(ident, {"id": -1, "ok": False, "error": _error(exc)})
+            self._send(ident, error_reply(-1, exc))
             return
-        if "drop" in header and self.peer is not None:
-            drop = header["drop"]
-            if type(drop) is list:
-                self.peer.drop([item for item in drop if type(item) is str])
-        if op == "infer" and self.runner is not None:
-            self._run_infer(self._infer, ident, request_id, header, frames[2:], data)
-            return
-        try:
-            if op == Op.INFER:
-                raise ProtocolError("infer before load: the host must send 'load' first")
-            if op == Op.RELEASE:
-                if self.pool is not None:
-                    for segment_id in field_list(header, "segments", "release"):
-                        if type(segment_id) is str:
-                            self.pool.release(segment_id)
-                return
-            reply: dict[str, Any] = {"id": request_id, "ok": True}
-            self.warnings = []
-            if op == Op.HELLO:
-                reply.update(self._hello(header))
-            elif op == Op.LOAD:
-                reply.update(self._load(header))
-            elif op == Op.PACK:
-                reply.update(self._pack(header))
-            elif op == Op.CLOSE:
-                self._close()
-            else:
-                raise FrameError(f"unknown op {op!r}")
-        except VersionMismatch as exc:
-            self._send(ident, {"id": request_id, "ok": False, "protocol": PROTOCOL_VERSION, "error": _error(exc)})
+        request = received.message
+        match request:
+            case Infer() if self.runner is not None:
+                self._run_infer(ident, received)
+            case Infer():
+                self._send(
+                    ident, error_reply(request.id, ProtocolError("infer before load: the host must send 'load' first"))
+                )
+            case Release(segments=segments):
+                self.codec.release(segments)
+            case Hello():
+                self._hello(ident, request)
+            case Load() | Pack() | Close():
+                self._call(ident, request)
+
+    def _hello(self, ident: Any, hello: Hello) -> None:
+        if hello.protocol != PROTOCOL_VERSION:
+            message = (
+                f"host speaks carton protocol {hello.protocol!r}, this runner ({self.entry}) speaks {PROTOCOL_VERSION}"
+            )
+            print(f"carton runner: {message}", file=sys.stderr, flush=True)
+            mismatch = VersionMismatch(message, local=PROTOCOL_VERSION, remote=hello.protocol)
+            self._send(ident, error_reply(hello.id, mismatch, protocol=PROTOCOL_VERSION))
             self.running = False
             self.exit_code = _EXIT_VERSION_MISMATCH
             return
-        except Exception as exc:
-            failure: dict[str, Any] = {"id": request_id, "ok": False, "error": _error(exc)}
-            if self.warnings:
-                failure["warnings"] = [str(warning) for warning in self.warnings]
-            if op == Op.HELLO:
-                failure["protocol"] = PROTOCOL_VERSION
-                self.running = False
-                self.exit_code = _EXIT_IMPORT_FAILED
-            self._send(ident, failure)
+        if self.import_error is not None or self.runner_class is None:
+            failure = self.import_error or ImportError(f"runner entry {self.entry} did not import")
+            self._send(ident, error_reply(hello.id, failure, protocol=PROTOCOL_VERSION))
+            self.running = False
+            self.exit_code = _EXIT_IMPORT_FAILED
             return
+        self.codec.accept(hello)
+        self._send(ident, HelloReply(
+            id=hello.id,
+            protocol=PROTOCOL_VERSION,
+            pid=os.getpid(),
+            entry=self.entry,
+            concurrent=bool(self.runner_class.concurrent),
+            python=platform.python_version(),
+        ))  # fmt: skip
+
+    def _call(self, ident: Any, request: Load | Pack | Close) -> None:
+        warnings: list[str] = []
+        try:
+            match request:
+                case Load():
+                    reply: Reply = self._load(request, warnings)
+                case Pack():
+                    reply = self._pack(request, warnings)
+                case Close():
+                    self._close()
+                    reply = CloseReply(id=request.id)
+        except Exception as exc:
+            reply = error_reply(request.id, exc, warnings=tuple(str(warning) for warning in warnings))
         self._send(ident, reply)
 
-    def _hello(self, header: dict[str, Any]) -> dict[str, Any]:
-        remote = header.get("protocol")
-        if remote != PROTOCOL_VERSION:
-            message = f"host speaks carton protocol {remote!r}, this runner ({self.entry}) speaks {PROTOCOL_VERSION}"
-            print(f"carton runner: {message}", file=sys.stderr, flush=True)
-            raise VersionMismatch(message, local=PROTOCOL_VERSION, remote=remote if type(remote) is int else -1)
-        if self.import_error is not None:
-            raise self.import_error
-        assert self.runner_class is not None
-        threshold = header.get("shm_threshold")
-        if self.channel is not None and type(threshold) is int and threshold > 0:
-            self.threshold = threshold
-            self.pool = SegmentPool("r", self.channel)
-            self.peer = PeerSegments(self.channel, writable=True, max_segments=self.limits.max_segments)
-        return {
-            "protocol": PROTOCOL_VERSION,
-            "pid": os.getpid(),
-            "entry": self.entry,
-            "concurrent": bool(self.runner_class.concurrent),
-            "python": platform.python_version(),
-        }
-
-    def _contexts(self, header: dict[str, Any], what: str) -> tuple[Path, Any, Any, Any, list[str]]:
-        model_dir = Path(field_str(header, "model_dir", what))
-        opts = decode_opts(header.get("opts"), f"{what} opts")
-        inputs = decode_specs(header.get("inputs"), f"{what} inputs", self.limits)
-        outputs = decode_specs(header.get("outputs"), f"{what} outputs", self.limits)
-        return model_dir, opts, inputs, outputs, self.warnings
-
-    def _load(self, header: dict[str, Any]) -> dict[str, Any]:
+    def _load(self, load: Load, warnings: list[str]) -> LoadReply:
         if self.runner is not None:
             raise ProtocolError("the model is already loaded; a runner process loads one model")
         assert self.runner_class is not None
-        model_dir, opts, inputs, outputs, warnings = self._contexts(header, "load")
-        scratch = header.get("scratch_dir")
         runner = self.runner_class()
         runner.load(
             LoadContext(
-                model_dir=model_dir,
-                opts=opts,
-                inputs=inputs,
-                outputs=outputs,
-                scratch_dir=Path(scratch) if type(scratch) is str else None,
+                model_dir=Path(load.model_dir),
+                opts=load.opts,
+                inputs=load.inputs,
+                outputs=load.outputs,
+                scratch_dir=Path(load.scratch_dir) if load.scratch_dir is not None else None,
                 warn=warnings.append,
             )
         )
         self.runner = runner
-        return {"warnings": [str(warning) for warning in warnings]}
+        return LoadReply(id=load.id, warnings=tuple(str(warning) for warning in warnings))
 
-    def _pack(self, header: dict[str, Any]) -> dict[str, Any]:
+    def _pack(self, pack: Pack, warnings: list[str]) -> PackReply:
         assert self.runner_class is not None
-        model_dir, opts, inputs, outputs, warnings = self._contexts(header, "pack")
         result = self.runner_class.pack(
-            PackContext(model_dir=model_dir, opts=opts, inputs=inputs, outputs=outputs, warn=warnings.append)
+            PackContext(
+                model_dir=Path(pack.model_dir),
+                opts=pack.opts,
+                inputs=pack.inputs,
+                outputs=pack.outputs,
+                warn=warnings.append,
+            )
         )
         if not isinstance(result, PackResult):
             raise InvalidOutput(f"{self.entry}.pack returned a {type(result).__name__}, expected a PackResult")
         try:
-            encoded = {
-                "inputs": encode_specs(tuple(result.inputs)),
-                "outputs": encode_specs(tuple(result.outputs)),
-                "opts": decode_opts(dict(result.opts), "pack opts"),
-            }
+            reply = PackReply(
+                id=pack.id,
+                inputs=tuple(result.inputs),
+                outputs=tuple(result.outputs),
+                opts=check_opts(dict(result.opts), "pack opts"),
+                warnings=tuple(str(warning) for warning in warnings),
+            )
+            self.codec.encode(reply)  # what the wire cannot carry fails here, named as the runner's fault
         except (ValueError, TypeError, AttributeError, ProtocolError) as exc:
             raise InvalidOutput(f"{self.entry}.pack returned specs or opts the wire cannot carry: {exc}") from exc
-        return {"warnings": [str(warning) for warning in warnings], **encoded}
+        return reply
 
     def _close(self) -> None:
         self.running = False
@@ -367,63 +362,37 @@ class _Server:
             runner.close()
 
     # --- any thread ------------------------------------------------------------------------------------------
-    def _infer(
-        self, ident: Any, request_id: int, header: dict[str, Any], frames: list[zmq.Frame], data: bytes
-    ) -> None:
+    def _infer(self, ident: Any, received: Received) -> None:
+        request_id = received.message.id
         try:
-            inputs, _ = decode_tensors(
-                header.get("tensors"),
-                [frame.buffer for frame in frames],
-                limits=self.limits,
-                peer=self.peer,
-                copy_shared=False,
-            )
-            self.templates.learn(data, header)
-            self._reply(ident, request_id, inputs)
+            inputs = self.codec.tensors(received)
+            runner = self.runner
+            if runner is None:
+                raise ProtocolError("the model was closed")
+            start = time.perf_counter()
+            outputs = runner.infer(inputs)
+            self.last_infer_seconds = time.perf_counter() - start
+            outgoing = self._encode_outputs(request_id, outputs)
         except Exception as exc:
-            self._send(ident, {"id": request_id, "ok": False, "error": _error(exc)})
+            self._send(ident, error_reply(request_id, exc))
+            return
+        self._send_parts([ident, *outgoing.parts])
 
-    def _infer_planned(self, ident: Any, request_id: int, plan: Plan, frames: list[zmq.Frame]) -> None:
+    def _encode_outputs(self, request_id: int, outputs: object) -> Outgoing:
+        if type(outputs) is not dict:
+            if not isinstance(outputs, Mapping):
+                raise InvalidOutput(f"infer returned a {type(outputs).__name__}, expected a mapping")
+            outputs = dict(outputs)
         try:
-            self._reply(ident, request_id, plan.decode([frame.buffer for frame in frames]))
-        except Exception as exc:
-            self._send(ident, {"id": request_id, "ok": False, "error": _error(exc)})
-
-    def _reply(self, ident: Any, request_id: int, inputs: dict[str, Any]) -> None:
-        runner = self.runner
-        if runner is None:
-            raise ProtocolError("the model was closed")
-        start = time.perf_counter()
-        outputs = runner.infer(inputs)
-        self.last_infer_seconds = time.perf_counter() - start
-        pool = self.pool
-        if type(outputs) is dict and (pool is None or not pool.has_dropped):
-            template = self.templates.encode(outputs, self.threshold if pool is not None else 1 << 62)
-            if template is not None:
-                tail, data_frames = template
-                self._send_raw([ident, self.templates.header(request_id, tail), *data_frames])
-                return
-        encoded = self._encode_outputs(outputs)
-        self._send(ident, {"id": request_id, "ok": True, "tensors": encoded.entries}, encoded.frames)
-
-    def _encode_outputs(self, outputs: object) -> Any:
-        if type(outputs) is not dict and not isinstance(outputs, Mapping):
-            raise InvalidOutput(f"{self.entry}.infer returned a {type(outputs).__name__}, expected a mapping")
-        if any(isinstance(value, tuple) for value in outputs.values()):
-            outputs = {name: list(value) if isinstance(value, tuple) else value for name, value in outputs.items()}
-        try:
-            return encode_tensors(outputs, pool=self.pool, threshold=self.threshold)
+            return self.codec.encode_tensors(request_id, outputs)
         except FrameError as exc:
-            raise InvalidOutput(f"{self.entry}.infer returned an output the wire cannot carry: {exc}") from exc
+            raise InvalidOutput(f"infer returned an output the wire cannot carry: {exc}") from exc
 
     def shutdown(self) -> None:
         if self.runner is not None:
             with contextlib.suppress(Exception):
                 self.runner.close()
-        if self.pool is not None:
-            self.pool.close()
-        if self.peer is not None:
-            self.peer.close()
+        self.codec.close()
         self.context.destroy(linger=1000)
 
 

@@ -23,14 +23,12 @@ from dataclasses import dataclass
 
 from .errors import FrameError, LimitExceeded, ProtocolError
 
-__all__ = ["SHM_AVAILABLE", "FdChannel", "PeerSegments", "Segment", "SegmentPool"]
+__all__ = ["SHM_AVAILABLE", "FdChannel", "PeerSegments", "Segment", "SegmentPool", "align"]
 
 SHM_AVAILABLE = hasattr(os, "memfd_create") and hasattr(fcntl, "F_ADD_SEALS") and hasattr(socket, "send_fds")
 
 _MIN_SEGMENT = 1 << 20
-_SEALS = (
-    getattr(fcntl, "F_SEAL_SHRINK", 0) | getattr(fcntl, "F_SEAL_GROW", 0) | getattr(fcntl, "F_SEAL_SEAL", 0)
-)
+_SEALS = getattr(fcntl, "F_SEAL_SHRINK", 0) | getattr(fcntl, "F_SEAL_GROW", 0) | getattr(fcntl, "F_SEAL_SEAL", 0)
 _ALIGN = 64
 
 
@@ -132,7 +130,8 @@ class SegmentPool:
         self._next = 0
         self._free: list[Segment] = []
         self._busy: dict[str, Segment] = {}
-        self._dropped: list[str] = []
+        #: Ids dropped since the last `take_dropped` (read without the lock: a stale answer only delays a ``drop``).
+        self.dropped: list[str] = []
 
     def acquire(self, nbytes: int) -> Segment:
         with self._lock:
@@ -153,17 +152,12 @@ class SegmentPool:
                 self._free.append(segment)
                 self._trim()
 
-    @property
-    def has_dropped(self) -> bool:
-        """Whether the next outgoing message must carry ``drop`` (so it cannot use a header template)."""
-        return bool(self._dropped)
-
     def take_dropped(self) -> list[str]:
         """Ids dropped since the last call; the next outgoing message tells the peer to unmap them."""
-        if not self._dropped:
+        if not self.dropped:
             return []  # the common case, without taking the lock
         with self._lock:
-            dropped, self._dropped = self._dropped, []
+            dropped, self.dropped = self.dropped, []
             return dropped
 
     def _create(self, nbytes: int) -> Segment:
@@ -190,7 +184,7 @@ class SegmentPool:
         while self._free and free_bytes > self._keep_free_bytes:
             victim = self._free.pop(0)
             free_bytes -= victim.size
-            self._dropped.append(victim.id)
+            self.dropped.append(victim.id)
             victim.close()
 
     def close(self) -> None:

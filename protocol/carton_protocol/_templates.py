@@ -4,13 +4,16 @@ A model is called again and again with the same tensor names, dtypes and shapes,
 infer headers is the same bytes every time; only the request ``id`` differs. Both ends keep, per connection:
 
 * an **encode cache**, (name, dtype, shape) of each tensor -> the msgpack bytes of the header after the ``id``.
-  A header is then ``prefix + packed id + cached tail``: byte for byte what `pack_header` makes of the same map.
+  A header is then ``prefix + packed id + cached tail``: byte for byte what `encode` makes of the same message.
 * a **decode cache**, the exact bytes after the ``id`` -> a `Plan` of the tensors those bytes declare. A plan is
-  only made from a header the full decoder (`unpack_header` + `decode_tensors`) has just accepted, so every check
+  only made from a header the full decoder (`decode_request`/`decode_reply` + `decode_tensors`) has just accepted,
+  so every check
   that depends on the header alone (names, datatypes, shape products, sizes, limits, header size) already passed
   for those very bytes. What depends on the data is checked on every call: the number of data frames, each
   frame's byte count and BOOL bytes. A header whose bytes differ in any way (another field, ``drop``, shared
   memory, nested or string tensors) misses and takes the full decoder.
+
+Only the codec (`carton_protocol._codec`) uses these caches: its callers never see which path a message took.
 """
 
 from __future__ import annotations
@@ -23,20 +26,18 @@ import numpy as np
 
 from ._framing import DIRECT_WIRE_TYPES, FIXED_WIRE_TYPES
 from ._limits import WireLimits
-from ._messages import pack_header
+from ._messages import Infer, InferReply, TensorEntry, encode
 from ._runner import Tensor
 from .errors import FrameError
 
-__all__ = ["REPLY_PREFIX", "REQUEST_PREFIX", "Plan", "Templates", "pack_id"]
+__all__ = ["REPLY_PREFIX", "REQUEST_PREFIX", "Layout", "Plan", "Templates", "pack_id"]
 
 #: ``{"op": "infer", "id": `` as msgpack (a map of 3): the start of every plain infer request.
 REQUEST_PREFIX = b"\x83\xa2op\xa5infer\xa2id"
-#: ``{"id": `` (a map of 3): the start of every plain infer reply, ``{"id": n, "ok": true, "tensors": [...]}``.
-REPLY_PREFIX = b"\x83\xa2id"
-_REQUEST_MIDDLE = b"\xa7tensors"
-_REPLY_MIDDLE = b"\xa2ok\xc3\xa7tensors"
-_REQUEST_KEYS = frozenset({"op", "id", "tensors"})
-_REPLY_KEYS = frozenset({"id", "ok", "tensors"})
+#: ``{"reply": "infer", "id": `` (a map of 3): the start of every plain infer reply.
+REPLY_PREFIX = b"\x83\xa5reply\xa5infer\xa2id"
+# What follows the id in both: the key of the third and last field.
+_MIDDLE = b"\xa7tensors"
 # Layouts remembered per cache; a peer cycling through more shapes than this just takes the full path more often.
 _MAX_TEMPLATES = 256
 # The longest msgpack encoding of an id (0xcf + 8 bytes), so a cached tail stays within max_header_bytes.
@@ -54,7 +55,7 @@ _SMALL_IDS = [bytes([value]) for value in range(128)]
 
 
 def pack_id(value: int) -> bytes:
-    """A non-negative int in msgpack's shortest encoding (as `msgpack.Packer` writes it)."""
+    """A non-negative int in msgpack's shortest encoding (as msgspec's encoder writes it)."""
     if value < 128:
         return _SMALL_IDS[value]
     if value < 1 << 8:
@@ -96,18 +97,20 @@ class Plan:
         self.items = items  # (name, dtype, shape, size, element count, is BOOL)
 
     def decode(self, frames: Sequence[Any]) -> dict[str, Tensor]:
-        """Arrays over the frame buffers, after the checks that depend on the data (frame count, sizes, BOOL)."""
+        """Arrays over the data frames' buffers (`zmq.Frame`s, or anything with a ``buffer``), after the checks
+        that depend on the data (frame count, sizes, BOOL)."""
         items = self.items
         if len(frames) != len(items):
             raise FrameError(f"message has {len(frames)} data frames, the header accounts for {len(items)}")
         tensors: dict[str, Tensor] = {}
-        for (name, dtype, shape, size, count, is_bool), frame in zip(items, frames, strict=True):
-            if len(frame) != size:
-                raise FrameError(f"tensor {name!r}: data frame is {len(frame)} bytes, header says {size}")
+        for (name, dtype, shape, size, count, is_bool), frame in zip(items, frames):  # noqa: B905 - lengths checked
+            buffer = frame.buffer
+            if len(buffer) != size:
+                raise FrameError(f"tensor {name!r}: data frame is {len(buffer)} bytes, header says {size}")
             if count == 0:
                 array = np.empty(shape, dtype)
             else:
-                array = np.frombuffer(frame, dtype, count).reshape(shape)
+                array = np.ndarray(shape, dtype, buffer)  # one call: np.frombuffer then reshape costs two
                 if is_bool and array.view(np.uint8).max() > 1:
                     raise FrameError(f"tensor {name!r}: BOOL bytes must be 0 or 1")
             tensors[name] = array
@@ -118,32 +121,22 @@ class Templates:
     """The encode and decode caches of one connection end (a socket-owning thread; not thread-safe to fill,
     but concurrent readers only ever see complete entries, so sharing one between threads is safe)."""
 
-    __slots__ = (
-        "_decode",
-        "_encode",
-        "_keys",
-        "_limits",
-        "_middle",
-        "_peer_keys",
-        "_peer_middle",
-        "_peer_prefix",
-        "_prefix",
-    )
+    __slots__ = ("_decode", "_encode", "_limits", "_message", "_peer_prefix", "_prefix")
 
-    def __init__(self, *, limits: WireLimits, sends: str) -> None:
-        """`sends` is ``"request"`` (the host: sends requests, reads replies) or ``"reply"`` (the runner)."""
-        request = (REQUEST_PREFIX, _REQUEST_MIDDLE, _REQUEST_KEYS)
-        reply = (REPLY_PREFIX, _REPLY_MIDDLE, _REPLY_KEYS)
-        mine, theirs = (request, reply) if sends == "request" else (reply, request)
-        self._prefix, self._middle, self._keys = mine
-        self._peer_prefix, self._peer_middle, self._peer_keys = theirs
+    def __init__(self, *, limits: WireLimits, sends: type[Infer] | type[InferReply]) -> None:
+        """`sends` is `Infer` (the host: sends requests, reads replies) or `InferReply` (the runner)."""
+        self._message = sends
+        self._prefix, self._peer_prefix = (
+            (REQUEST_PREFIX, REPLY_PREFIX) if sends is Infer else (REPLY_PREFIX, REQUEST_PREFIX)
+        )
         self._limits = limits
         self._encode: dict[Layout, tuple[bytes, int] | None] = {}
         self._decode: dict[bytes, Plan] = {}
 
     # --- sending ---------------------------------------------------------------------------------------------
-    def encode(self, tensors: Mapping[str, Tensor], threshold: int) -> tuple[bytes, list[Any]] | None:
-        """(header after the id, data frames) for plain contiguous arrays all under `threshold` bytes, or None."""
+    def encode(self, request_id: int, tensors: Mapping[str, Tensor], threshold: int) -> list[Any] | None:
+        """The parts of an infer message numbered `request_id` (its header, then the arrays as data frames) when
+        `tensors` are plain contiguous arrays all under `threshold` bytes in a layout seen before, else None."""
         key = []
         for name, value in tensors.items():
             if type(value) is not np.ndarray or not value.flags.c_contiguous:
@@ -155,7 +148,7 @@ class Templates:
             cached = self._learn_encoding(layout)
         if cached is None or cached[1] >= threshold:
             return None
-        return cached[0], list(tensors.values())
+        return [self._prefix + pack_id(request_id) + cached[0], *tensors.values()]
 
     def _learn_encoding(self, layout: Layout) -> tuple[bytes, int] | None:
         entries = []
@@ -169,18 +162,15 @@ class Templates:
             for dim in shape:
                 size *= dim
             largest = max(largest, size)
-            entries.append({"name": name, "datatype": wire, "shape": list(shape), "size": size})
+            entries.append(TensorEntry(name=name, datatype=wire, shape=shape, size=size))
         else:
-            # The map minus its first key: pack_header writes the same bytes for the same keys in the same order.
-            packed = pack_header({"tensors": entries})
-            result = (self._middle + packed[len(b"\x81\xa7tensors") :], largest)
+            # The whole message with id 0 (one byte), minus its prefix and that byte: the rest never depends on it.
+            packed = encode(self._message(id=0, tensors=tuple(entries)))
+            result = (packed[len(self._prefix) + 1 :], largest)
         if len(self._encode) >= _MAX_TEMPLATES:
             self._encode.clear()
         self._encode[layout] = result
         return result
-
-    def header(self, request_id: int, tail: bytes) -> bytes:
-        return self._prefix + pack_id(request_id) + tail
 
     # --- receiving -------------------------------------------------------------------------------------------
     def match(self, data: bytes) -> tuple[int, Plan] | None:
@@ -188,36 +178,42 @@ class Templates:
         prefix = self._peer_prefix
         if not data.startswith(prefix):
             return None
-        request_id, position = _unpack_id(data, len(prefix))
-        if position < 0:
-            return None
+        position = len(prefix)
+        if len(data) > position and data[position] < 0x80:  # ids up to 127 are one byte: the common case, inline
+            request_id = data[position]
+            position += 1
+        else:
+            request_id, position = _unpack_id(data, position)
+            if position < 0:
+                return None
         plan = self._decode.get(data[position:])
         if plan is None:
             return None
         return request_id, plan
 
-    def learn(self, data: bytes, header: Mapping[str, Any]) -> None:
-        """Remember the plan of `data`, a header the full decoder just accepted (with its data frames)."""
+    def learn(self, data: bytes, message: Infer | InferReply) -> None:
+        """Remember the plan of `data`, a header the full decoder just accepted (with its data frames) as
+        `message`."""
         prefix = self._peer_prefix
-        if header.keys() != self._peer_keys or not data.startswith(prefix):
+        if message.drop or not data.startswith(prefix):
             return
         if len(data) + _MAX_ID_BYTES > self._limits.max_header_bytes:
             return
         request_id, position = _unpack_id(data, len(prefix))
-        if position < 0 or not data.startswith(self._peer_middle, position) or header.get("id") != request_id:
+        if position < 0 or not data.startswith(_MIDDLE, position) or message.id != request_id:
             return
         items = []
-        for entry in header["tensors"]:
-            if entry.keys() != {"name", "datatype", "shape", "size"}:
-                return  # shared memory, nested or something newer: always decoded in full
-            dtype = FIXED_WIRE_TYPES.get(entry["datatype"])
-            if dtype is None:
+        for entry in message.tensors:
+            if entry.shm is not None or entry.nested is not None:
+                return  # shared memory or nested: always decoded in full
+            dtype = FIXED_WIRE_TYPES.get(entry.datatype or "")
+            if dtype is None or entry.name is None or entry.shape is None or entry.size is None:
                 return
-            shape = tuple(entry["shape"])
+            shape = entry.shape
             count = 1
             for dim in shape:
                 count *= dim
-            items.append((entry["name"], dtype, shape, entry["size"], count, entry["datatype"] == "BOOL"))
+            items.append((entry.name, dtype, shape, entry.size, count, entry.datatype == "BOOL"))
         if len(self._decode) >= _MAX_TEMPLATES:
             self._decode.clear()
         self._decode[data[position:]] = Plan(tuple(items))

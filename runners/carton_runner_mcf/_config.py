@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from carton.errors import MCFError, UnsupportedModel
+from carton.mcf import MCFError, UnsupportedModel
 
 __all__ = ["DecoderConfig", "parse_config"]
 

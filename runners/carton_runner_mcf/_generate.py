@@ -13,7 +13,7 @@ from numpy.typing import NDArray
 
 from ._llama import Decoder, positions_from_mask
 
-__all__ = ["SamplingParams", "generate", "sample_next"]
+__all__ = ["F32", "I64", "SamplingParams", "generate", "sample_next"]
 
 F32 = NDArray[np.float32]
 I64 = NDArray[np.int64]

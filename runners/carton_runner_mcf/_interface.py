@@ -13,9 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
-from carton.errors import ConfigError, InvalidInput
 from carton.mcf import CacheMode
-from carton_protocol import DType, OptValue, Tensor, TensorSpec
+from carton_protocol import DType, InvalidInput, InvalidOption, OptValue, Tensor, TensorSpec
 from numpy.typing import NDArray
 
 __all__ = [
@@ -87,36 +86,38 @@ def _typed(name: str, value: OptValue, kind: type) -> OptValue:
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         ok = True
     if not ok:
-        raise ConfigError(f"runner option {name!r} must be {kind.__name__}, got {value!r}")
+        raise InvalidOption(f"runner option {name!r} must be {kind.__name__}, got {value!r}", option=name)
     return value
 
 
 def _in_range(name: str, value: object) -> None:
     """Refuse values the request path would refuse on every call: better at load than at the first request."""
     if name == "processes" and isinstance(value, int) and value < 1:
-        raise ConfigError(f"runner option 'processes' must be >= 1, got {value!r}")
+        raise InvalidOption(f"runner option 'processes' must be >= 1, got {value!r}", option=name)
     if name in ("max_new_tokens", "top_k", "seed") and isinstance(value, int) and value < 0:
-        raise ConfigError(f"runner option {name!r} must be >= 0, got {value!r}")
+        raise InvalidOption(f"runner option {name!r} must be >= 0, got {value!r}", option=name)
     if name == "temperature" and isinstance(value, float) and not (math.isfinite(value) and value >= 0):
-        raise ConfigError(f"runner option 'temperature' must be a finite number >= 0, got {value!r}")
+        raise InvalidOption(f"runner option 'temperature' must be a finite number >= 0, got {value!r}", option=name)
     if name == "top_p" and isinstance(value, float) and not 0.0 < value <= 1.0:
-        raise ConfigError(f"runner option 'top_p' must be in (0, 1], got {value!r}")
+        raise InvalidOption(f"runner option 'top_p' must be in (0, 1], got {value!r}", option=name)
 
 
 def parse_options(opts: Mapping[str, OptValue]) -> tuple[RunnerOptions, list[str]]:
-    """Parse and check known options (a wrong type or value is a `ConfigError` naming the option); returns the
+    """Parse and check known options (a wrong type or value is an `InvalidOption` naming the option); returns the
     unknown names too."""
     known: dict[str, object] = {}
     unknown = []
     for name, value in opts.items():
         if name == "mode":
             if value not in tuple(Mode):
-                raise ConfigError(f"runner option 'mode' must be 'logits' or 'generate', got {value!r}")
+                raise InvalidOption(f"runner option 'mode' must be 'logits' or 'generate', got {value!r}", option=name)
             known[name] = Mode(value)
         elif name == "weight_cache":
             if value not in WEIGHT_CACHES:
                 choices = ", ".join(WEIGHT_CACHES)
-                raise ConfigError(f"runner option 'weight_cache' must be one of {choices}, got {value!r}")
+                raise InvalidOption(
+                    f"runner option 'weight_cache' must be one of {choices}, got {value!r}", option=name
+                )
             known[name] = value
         elif name == "model_file":
             known[name] = _typed(name, value, str)
@@ -132,9 +133,10 @@ def parse_options(opts: Mapping[str, OptValue]) -> tuple[RunnerOptions, list[str
         _in_range(name, known[name])
     options = RunnerOptions(**known)  # type: ignore[arg-type]
     if options.processes > 1 and options.weight_cache == "packed":
-        raise ConfigError(
+        raise InvalidOption(
             f"runner option processes={options.processes} needs weight_cache 'int8' or 'fp32': each process keeps "
-            "its part of every matrix decoded, and 'packed' decodes the whole payload on every call"
+            "its part of every matrix decoded, and 'packed' decodes the whole payload on every call",
+            option="processes",
         )
     return options, unknown
 
@@ -155,19 +157,21 @@ def check_declared_mode(mode: Mode, inputs: tuple[TensorSpec, ...], outputs: tup
     packed = next((candidate for candidate in Mode if serves(candidate)), None)
     declared = ", ".join(sorted(spec.name for spec in outputs)) or "none"
     packed_text = f"packed in {packed.value!r} mode" if packed is not None else "packed for another interface"
-    raise ConfigError(
+    raise InvalidOption(
         f"runner option mode = {mode.value!r} does not match this carton, which was {packed_text} (its outputs: "
         f"{declared}): the mode is chosen at pack time, with the interface it declares; pack the model again with "
-        f"mode = {mode.value!r} to serve it that way"
+        f"mode = {mode.value!r} to serve it that way",
+        option="mode",
     )
 
 
 def check_room_for_a_prompt(options: RunnerOptions, max_positions: int) -> None:
     """In generate mode, ``max_new_tokens`` must leave at least one position of the context for the prompt."""
     if options.mode is Mode.GENERATE and options.max_new_tokens >= max_positions:
-        raise ConfigError(
+        raise InvalidOption(
             f"runner option 'max_new_tokens' = {options.max_new_tokens} leaves no room for a prompt within "
-            f"config.json's max_position_embeddings ({max_positions})"
+            f"config.json's max_position_embeddings ({max_positions})",
+            option="max_new_tokens",
         )
 
 
@@ -178,12 +182,14 @@ def check_positions(seq: int, max_new_tokens: int | None, max_positions: int, so
         if seq > max_positions:
             raise InvalidInput(
                 f"input {source!r} has {seq} positions, more than config.json's max_position_embeddings "
-                f"({max_positions})"
+                f"({max_positions})",
+                tensor=source,
             )
     elif seq + max_new_tokens > max_positions:
         raise InvalidInput(
             f"input {source!r}: {seq} prompt positions + max_new_tokens {max_new_tokens} = {seq + max_new_tokens} "
-            f"is more than config.json's max_position_embeddings ({max_positions})"
+            f"is more than config.json's max_position_embeddings ({max_positions})",
+            tensor=source,
         )
 
 
@@ -210,7 +216,7 @@ def _one_number(inputs: Mapping[str, Tensor], name: str) -> np.generic | None:
         return None
     value = inputs[name]
     if isinstance(value, list) or value.size != 1 or value.dtype.kind not in "iuf":
-        raise InvalidInput(f"input {name!r} must be a single number")
+        raise InvalidInput(f"input {name!r} must be a single number", tensor=name)
     item: np.generic = value.reshape(-1)[0]
     return item
 
@@ -221,7 +227,7 @@ def scalar_int(inputs: Mapping[str, Tensor], name: str, default: int | None) -> 
     if item is None:
         return default
     if not float(item).is_integer():
-        raise InvalidInput(f"input {name!r} must be an integer, got {item}")
+        raise InvalidInput(f"input {name!r} must be an integer, got {item}", tensor=name)
     return int(item)
 
 
@@ -235,28 +241,31 @@ def ids_and_mask(inputs: Mapping[str, Tensor], vocab_size: int) -> tuple[NDArray
     """``input_ids`` as int64 ``[batch, seq]`` and ``attention_mask`` as bool (all true when absent), checked."""
     ids = inputs.get("input_ids")
     if ids is None:
-        raise InvalidInput("input 'input_ids' is missing")
+        raise InvalidInput("input 'input_ids' is missing", tensor="input_ids")
     if isinstance(ids, list) or ids.dtype.kind not in "iu" or ids.ndim != 2:
         kind = "a nested tensor" if isinstance(ids, list) else f"{ids.dtype} {list(ids.shape)}"
-        raise InvalidInput(f"input 'input_ids' must be an integer tensor [batch, seq], got {kind}")
+        raise InvalidInput(f"input 'input_ids' must be an integer tensor [batch, seq], got {kind}", tensor="input_ids")
     if ids.shape[0] == 0 or ids.shape[1] == 0:
-        raise InvalidInput(f"input 'input_ids' must not be empty, got shape {list(ids.shape)}")
+        raise InvalidInput(f"input 'input_ids' must not be empty, got shape {list(ids.shape)}", tensor="input_ids")
     bad = (ids < 0) | (ids >= vocab_size)
     if bad.any():
         row, col = (int(i) for i in np.argwhere(bad)[0])
         raise InvalidInput(
-            f"input 'input_ids'[{row}, {col}] = {int(ids[row, col])} is outside the vocabulary [0, {vocab_size})"
+            f"input 'input_ids'[{row}, {col}] = {int(ids[row, col])} is outside the vocabulary [0, {vocab_size})",
+            tensor="input_ids",
         )
     mask_in = inputs.get("attention_mask")
     if mask_in is None:
         return ids.astype(np.int64, copy=False), np.ones(ids.shape, dtype=bool)
     if isinstance(mask_in, list) or mask_in.shape != ids.shape or mask_in.dtype.kind not in "iub":
         got = "a nested tensor" if isinstance(mask_in, list) else f"{mask_in.dtype} {list(mask_in.shape)}"
-        raise InvalidInput(f"input 'attention_mask' must be 0/1 integers shaped like input_ids, got {got}")
+        raise InvalidInput(
+            f"input 'attention_mask' must be 0/1 integers shaped like input_ids, got {got}", tensor="attention_mask"
+        )
     if not np.isin(mask_in, (0, 1)).all():
-        raise InvalidInput("input 'attention_mask' may only hold 0 and 1")
+        raise InvalidInput("input 'attention_mask' may only hold 0 and 1", tensor="attention_mask")
     mask = mask_in.astype(bool)
     empty = np.flatnonzero(~mask.any(axis=1))
     if empty.size:
-        raise InvalidInput(f"input 'attention_mask' row {int(empty[0])} masks every token")
+        raise InvalidInput(f"input 'attention_mask' row {int(empty[0])} masks every token", tensor="attention_mask")
     return ids.astype(np.int64, copy=False), mask

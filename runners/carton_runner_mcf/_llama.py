@@ -17,7 +17,7 @@ from numpy.typing import NDArray
 from ._config import DecoderConfig
 from ._weights import Embedding, Linear
 
-__all__ = ["Decoder", "DecoderLayer", "KVCache", "LlamaModel", "chunked_prefill", "positions_from_mask"]
+__all__ = ["F32", "I64", "Decoder", "DecoderLayer", "KVCache", "LlamaModel", "chunked_prefill", "positions_from_mask"]
 
 F32 = NDArray[np.float32]
 I64 = NDArray[np.int64]

@@ -13,14 +13,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from carton.errors import MCFError, UnsupportedModel
 from carton.mcf import (
     Architecture,
     CacheMode,
+    MCFError,
     MCFFile,
     QuantMethod,
     RopeType,
     SectionType,
+    UnsupportedModel,
     payload_layout,
     row_copies,
 )
@@ -31,7 +32,7 @@ from ._llama import Decoder, DecoderLayer, LlamaModel
 from ._shards import ShardPlan
 from ._weights import BiasedLinear, Embedding, FloatEmbedding, FloatLinear, Linear, QuantizedEmbedding
 
-__all__ = ["LoadedDecoder", "build_decoder", "load_decoder", "read_config"]
+__all__ = ["F32", "LoadedDecoder", "Range", "build_decoder", "load_decoder", "read_config"]
 
 F32 = NDArray[np.float32]
 Range = tuple[int, int]

@@ -21,7 +21,8 @@ import weakref
 from collections.abc import Callable, Sequence
 
 import numpy as np
-from carton.errors import ConfigError, MCFError, UnsupportedModel
+from carton.mcf import MCFError, UnsupportedModel
+from carton_protocol import InvalidOption
 from numpy.typing import NDArray
 
 from ._config import DecoderConfig
@@ -38,7 +39,7 @@ from ._shards import (
     write_message,
 )
 
-__all__ = ["ShardedModel", "start_sharded"]
+__all__ = ["F32", "I64", "BuildShard", "ShardedModel", "start_sharded"]
 
 F32 = NDArray[np.float32]
 I64 = NDArray[np.int64]
@@ -50,7 +51,7 @@ _LOGITS_HEAD = struct.Struct("<qq")  # rows, hidden size
 _KEY = struct.Struct("<q")
 #: Errors a helper's build may raise that the parent re-raises as the same type (a bad tensor in its rows).
 _KNOWN_ERRORS: dict[str, type[Exception]] = {
-    cls.__name__: cls for cls in (MCFError, UnsupportedModel, ConfigError, MemoryError)
+    cls.__name__: cls for cls in (MCFError, UnsupportedModel, InvalidOption, MemoryError)
 }
 _STOP_GRACE_S = 5.0
 

@@ -37,12 +37,26 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from carton.errors import ConfigError
+from carton_protocol import InvalidOption
 from numpy.typing import NDArray
 
 from ._config import DecoderConfig
 
-__all__ = ["Exchange", "ShardFailed", "ShardPlan", "check_processes_supported", "plan_shards"]
+__all__ = [
+    "F32",
+    "Exchange",
+    "ShardFailed",
+    "ShardPlan",
+    "become_helper",
+    "check_processes_supported",
+    "describe_exit",
+    "exchange_floats",
+    "plan_shards",
+    "read_exact",
+    "read_message",
+    "shared_block",
+    "write_message",
+]
 
 F32 = NDArray[np.float32]
 
@@ -81,28 +95,32 @@ def check_processes_supported(processes: int) -> None:
         return
     machine = platform.machine().lower()
     if sys.platform != "linux" or machine not in ("x86_64", "amd64"):
-        raise ConfigError(
-            f"runner option processes={processes} needs Linux on x86-64 (this is {sys.platform} on {machine})"
+        raise InvalidOption(
+            f"runner option processes={processes} needs Linux on x86-64 (this is {sys.platform} on {machine})",
+            option="processes",
         )
 
 
 def plan_shards(config: DecoderConfig, count: int) -> tuple[ShardPlan, ...]:
-    """Split a decoder across ``count`` processes (a `ConfigError` naming the limit when it cannot be)."""
+    """Split a decoder across ``count`` processes (an `InvalidOption` naming the limit when it cannot be)."""
     kv, groups = config.num_kv_heads, config.num_heads // config.num_kv_heads
     if count > kv:
-        raise ConfigError(
-            f"runner option processes={count}: the model has {kv} kv head(s) and every process needs at least one"
+        raise InvalidOption(
+            f"runner option processes={count}: the model has {kv} kv head(s) and every process needs at least one",
+            option="processes",
         )
     if count > 1 and groups * config.head_dim % _ROW_STEP:
-        raise ConfigError(
+        raise InvalidOption(
             f"runner option processes={count}: a kv head's query heads span {groups * config.head_dim} values of "
-            f"the attention output, not a multiple of {_ROW_STEP}, so o_proj cannot be split between processes"
+            f"the attention output, not a multiple of {_ROW_STEP}, so o_proj cannot be split between processes",
+            option="processes",
         )
     inter = config.intermediate_size
     if inter < _ROW_STEP * count:
-        raise ConfigError(
+        raise InvalidOption(
             f"runner option processes={count}: intermediate_size {inter} is too small to give every process "
-            f"{_ROW_STEP} MLP rows"
+            f"{_ROW_STEP} MLP rows",
+            option="processes",
         )
     kv_bounds = [kv * i // count for i in range(count + 1)]
     attention_per_kv_head = config.head_dim * config.hidden_size * (2 * groups + 2)

@@ -10,7 +10,7 @@ import json
 from typing import Any
 
 import numpy as np
-from carton.errors import MCFError
+from carton.mcf import MCFError
 from numpy.typing import NDArray
 
 __all__ = ["TextCodec", "load_codec"]

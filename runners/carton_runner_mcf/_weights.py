@@ -15,14 +15,7 @@ import numpy as np
 from carton.mcf import PayloadLayout, payload_layout, row_regions
 from numpy.typing import NDArray
 
-__all__ = [
-    "BiasedLinear",
-    "Embedding",
-    "FloatEmbedding",
-    "FloatLinear",
-    "Linear",
-    "QuantizedEmbedding",
-]
+__all__ = ["F32", "BiasedLinear", "Embedding", "FloatEmbedding", "FloatLinear", "Linear", "QuantizedEmbedding"]
 
 F32 = NDArray[np.float32]
 

@@ -8,9 +8,17 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
-from carton.errors import InvalidInput, MCFError, PackError
-from carton.mcf import MCFFile, SectionType
-from carton_protocol import LoadContext, PackContext, PackResult, Runner, Tensor, TensorSpec
+from carton.mcf import MCFError, MCFFile, SectionType
+from carton_protocol import (
+    InvalidInput,
+    InvalidModel,
+    LoadContext,
+    PackContext,
+    PackResult,
+    Runner,
+    Tensor,
+    TensorSpec,
+)
 
 from ._generate import SamplingParams, generate
 from ._interface import (
@@ -116,7 +124,9 @@ class MCFRunner(Runner):
         declared = {spec.name for spec in (*context.inputs, *context.outputs)}
         takes_text = self._options.chat or not declared or bool(declared & {"prompt", "text"})
         if tokenizer_json is not None and not takes_text:
-            self._codec_error = InvalidInput("this model's declared interface takes input_ids, not a prompt")
+            self._codec_error = InvalidInput(
+                "this model's declared interface takes input_ids, not a prompt", tensor="prompt"
+            )
         elif tokenizer_json is not None:
             try:
                 self._codec = load_codec(
@@ -162,7 +172,9 @@ class MCFRunner(Runner):
         mode = self._options.mode
         unexpected = sorted(set(inputs) - set(INPUT_DTYPES[mode]))
         if unexpected:
-            raise InvalidInput(f"mcf runner in {mode} mode does not take input(s) {', '.join(unexpected)}")
+            raise InvalidInput(
+                f"mcf runner in {mode} mode does not take input(s) {', '.join(unexpected)}", tensor=unexpected[0]
+            )
         if mode is Mode.LOGITS:
             return {"logits": self._logits(inputs)}
         return self._generate(inputs)
@@ -198,14 +210,16 @@ class MCFRunner(Runner):
             if "input_ids" in inputs:
                 raise InvalidInput("give either 'prompt' or 'input_ids', not both")
             if self._codec is None:
-                raise self._codec_error or InvalidInput(f"{self._mcf.name} has no tokenizer.json; send input_ids")
+                raise self._codec_error or InvalidInput(
+                    f"{self._mcf.name} has no tokenizer.json; send input_ids", tensor="prompt"
+                )
             if isinstance(prompt, list) or prompt.dtype.kind not in "UO" or prompt.size == 0:
-                raise InvalidInput("input 'prompt' must be a non-empty string tensor")
+                raise InvalidInput("input 'prompt' must be a non-empty string tensor", tensor="prompt")
             prompt_shape = prompt.shape
             try:
                 ids, mask = self._codec.encode([str(p) for p in prompt.reshape(-1)])
             except ValueError as exc:
-                raise InvalidInput(f"input 'prompt': {exc}") from exc
+                raise InvalidInput(f"input 'prompt': {exc}", tensor="prompt") from exc
             ids, mask = ids_and_mask({"input_ids": ids, "attention_mask": mask.astype(np.int64)}, self._vocab)
         else:
             ids, mask = ids_and_mask(inputs, self._vocab)
@@ -253,7 +267,7 @@ class MCFRunner(Runner):
         _check_declared(context.outputs, OUTPUT_DTYPES[options.mode], "output", options.mode)
         declared = {spec.name for spec in (*context.inputs, *context.outputs)}
         if not has_tokenizer and declared & {"prompt", "text"}:
-            raise PackError(f"{path.name} has no tokenizer.json section, so 'prompt' and 'text' cannot be served")
+            raise InvalidModel(f"{path.name} has no tokenizer.json section, so 'prompt' and 'text' cannot be served")
         return PackResult(
             inputs=context.inputs or inputs,
             outputs=context.outputs or outputs,
@@ -265,6 +279,8 @@ def _check_declared(specs: tuple[TensorSpec, ...], allowed: Mapping[str, object]
     for spec in specs:
         if spec.name not in allowed:
             names = ", ".join(allowed)
-            raise PackError(f"declared {kind} {spec.name!r} is not served by the mcf runner in {mode} mode ({names})")
+            raise InvalidModel(
+                f"declared {kind} {spec.name!r} is not served by the mcf runner in {mode} mode ({names})"
+            )
         if spec.dtype != allowed[spec.name]:
-            raise PackError(f"declared {kind} {spec.name!r} must have dtype {allowed[spec.name]}, not {spec.dtype}")
+            raise InvalidModel(f"declared {kind} {spec.name!r} must have dtype {allowed[spec.name]}, not {spec.dtype}")

@@ -14,7 +14,7 @@ from carton_protocol import OptValue
 
 from ._errors import InvalidRunnerOption
 
-__all__ = ["GraphOptimization", "OnnxOptions", "parse_options"]
+__all__ = ["KNOWN_OPTIONS", "GraphOptimization", "OnnxOptions", "parse_options"]
 
 
 class GraphOptimization(enum.StrEnum):

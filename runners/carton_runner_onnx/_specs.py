@@ -10,7 +10,7 @@ from carton_protocol import DType, TensorSpec
 
 from ._errors import OnnxRunnerError, UnsupportedTensorType
 
-__all__ = ["Binding", "bind", "spec_from_node_arg"]
+__all__ = ["ORT_TYPES", "Binding", "bind", "spec_from_node_arg"]
 
 #: onnxruntime's type strings for the element types carton declares.
 ORT_TYPES: dict[str, DType] = {

@@ -8,7 +8,8 @@ from typing import Any
 
 import numpy as np
 import onnxruntime as ort
-from carton_protocol import LoadContext, PackContext, PackResult, Runner, Tensor
+from carton_protocol import InvalidInput, LoadContext, PackContext, PackResult, Runner, Tensor
+from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument
 
 from ._errors import InvalidRunnerOption, OnnxRunnerError
 from ._files import check_external_data, find_model_file
@@ -41,19 +42,26 @@ class OnnxRunner(Runner):
     def infer(self, inputs: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
         unexpected = sorted(set(inputs) - set(self._graph_inputs))
         if unexpected:
-            raise OnnxRunnerError(f"unknown input(s) {', '.join(map(repr, unexpected))}; "
-                                  f"the model takes {', '.join(map(repr, self._graph_inputs))}")
+            raise InvalidInput(
+                f"unknown input(s) {', '.join(map(repr, unexpected))}; "
+                f"the model takes {', '.join(map(repr, self._graph_inputs))}",
+                tensor=unexpected[0],
+            )
         feeds: dict[str, Any] = {}
         for name, graph_name in self._graph_inputs.items():
             if name not in inputs:
-                raise OnnxRunnerError(f"missing input {name!r}")
+                raise InvalidInput(f"missing input {name!r}", tensor=name)
             value = inputs[name]
             if isinstance(value, list):
-                raise OnnxRunnerError(f"input {name!r} is a nested tensor; ONNX graphs take dense tensors only")
+                raise InvalidInput(
+                    f"input {name!r} is a nested tensor; ONNX graphs take dense tensors only", tensor=name
+                )
             feeds[graph_name] = value
         try:
             results = self._session.run(self._graph_outputs, feeds)
-        except Exception as exc:  # onnxruntime's pybind errors (InvalidArgument, Fail, ...) share no public base
+        except InvalidArgument as exc:  # a dtype, rank or dimension the graph does not take: the caller's inputs
+            raise InvalidInput(f"onnxruntime refused the inputs: {exc}") from exc
+        except Exception as exc:  # onnxruntime's other pybind errors (Fail, ...) share no public base
             raise OnnxRunnerError(f"onnxruntime failed to run the model: {exc}") from exc
         return {name: _from_ort(result) for (name, _), result in zip(self._binding.outputs, results, strict=True)}
 
@@ -86,8 +94,10 @@ def _open_session(model_dir: Path, options: OnnxOptions, warn: Callable[[str], N
     if options.graph_optimization_level is not None:
         level = getattr(ort.GraphOptimizationLevel, _LEVELS[options.graph_optimization_level], None)
         if level is None:
-            raise InvalidRunnerOption(f"runner opt graph_optimization_level={options.graph_optimization_level.value!r}"
-                                      f" is not supported by onnxruntime {ort.__version__}")
+            raise InvalidRunnerOption(
+                f"runner opt graph_optimization_level={options.graph_optimization_level.value!r}"
+                f" is not supported by onnxruntime {ort.__version__}"
+            )
         session_options.graph_optimization_level = level
     try:
         return ort.InferenceSession(
@@ -102,8 +112,10 @@ def _providers(requested: tuple[str, ...], warn: Callable[[str], None]) -> list[
     available = set(ort.get_available_providers())
     missing = [name for name in requested if name not in available]
     if missing:
-        warn(f"onnxruntime runner: execution providers {', '.join(map(repr, missing))} are not available in this "
-             f"onnxruntime build (available: {', '.join(sorted(available))}); skipping them")
+        warn(
+            f"onnxruntime runner: execution providers {', '.join(map(repr, missing))} are not available in this "
+            f"onnxruntime build (available: {', '.join(sorted(available))}); skipping them"
+        )
     chosen = [name for name in requested if name in available and name != "CPUExecutionProvider"]
     return [*chosen, "CPUExecutionProvider"]
 

@@ -13,17 +13,20 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from carton_protocol import DType, LoadContext, PackContext, PackResult, Runner, Tensor, TensorSpec
+from carton_protocol import DType, InvalidInput, LoadContext, PackContext, PackResult, Runner, Tensor, TensorSpec
 
 from ._errors import UnsupportedModelFile, XGBoostRunnerError
 from ._framework import xgb
 from ._options import ModelType, XGBoostOptions, parse_options
 
-__all__ = ["XGBoostRunner"]
+__all__ = ["Predict", "XGBoostRunner"]
 
 _MODEL_SUFFIXES = (".ubj", ".json")
-_DEFAULT_OUTPUT = {ModelType.BOOSTER: "predictions", ModelType.REGRESSOR: "predictions",
-                   ModelType.CLASSIFIER: "probabilities"}
+_DEFAULT_OUTPUT = {
+    ModelType.BOOSTER: "predictions",
+    ModelType.REGRESSOR: "predictions",
+    ModelType.CLASSIFIER: "probabilities",
+}
 
 Predict = Callable[[np.ndarray], np.ndarray]
 
@@ -37,16 +40,24 @@ class XGBoostRunner(Runner):
         options = parse_options(context.opts, context.warn)
         booster = _load_booster(context.model_dir, options)
         self._predict = _predictor(booster, options)
+        self._features = booster.num_features()
         self._input_name = _single(context.inputs, "input", default="x")
         self._output_name = _single(context.outputs, "output", default=_DEFAULT_OUTPUT[options.model_type])
 
     def infer(self, inputs: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
-        if set(inputs) != {self._input_name}:
-            raise XGBoostRunnerError(f"the model takes exactly one input, {self._input_name!r}; "
-                                     f"got {', '.join(map(repr, inputs)) or 'none'}")
-        features = inputs[self._input_name]
+        name = self._input_name
+        if set(inputs) != {name}:
+            raise InvalidInput(
+                f"the model takes exactly one input, {name!r}; got {', '.join(map(repr, inputs)) or 'none'}",
+                tensor=name,
+            )
+        features = inputs[name]
         if isinstance(features, list) or features.ndim != 2:
-            raise XGBoostRunnerError(f"input {self._input_name!r} must be a 2-D [batch, n_features] array")
+            raise InvalidInput(f"input {name!r} must be a 2-D [batch, n_features] array", tensor=name)
+        if features.shape[1] != self._features:
+            raise InvalidInput(
+                f"input {name!r} has {features.shape[1]} features, the model takes {self._features}", tensor=name
+            )
         try:
             return {self._output_name: np.ascontiguousarray(self._predict(features))}
         except xgb.core.XGBoostError as exc:
@@ -61,8 +72,9 @@ class XGBoostRunner(Runner):
         probe = _predictor(booster, options)(np.zeros((1, n_features), dtype=np.float32))
         inputs = context.inputs or (TensorSpec(name="x", dtype=DType.FLOAT32, shape=("batch", n_features)),)
         outputs = context.outputs or (
-            TensorSpec(name=_DEFAULT_OUTPUT[options.model_type], dtype=DType.FLOAT32,
-                       shape=("batch", *probe.shape[1:])),
+            TensorSpec(
+                name=_DEFAULT_OUTPUT[options.model_type], dtype=DType.FLOAT32, shape=("batch", *probe.shape[1:])
+            ),
         )
         return PackResult(inputs=tuple(inputs), outputs=tuple(outputs), opts=dict(context.opts))
 
@@ -72,8 +84,10 @@ def _load_booster(model_dir: Path, options: XGBoostOptions) -> Any:
     raw = path.read_bytes()
     # JSON and UBJSON models both start with an object ('{'); pickles and the legacy binary format do not.
     if not raw.lstrip()[:1] == b"{":
-        raise UnsupportedModelFile(f"{path.name!r} is not an xgboost JSON or UBJSON model (pickles and the legacy "
-                                   f"binary format are refused); save it with booster.save_model('model.ubj')")
+        raise UnsupportedModelFile(
+            f"{path.name!r} is not an xgboost JSON or UBJSON model (pickles and the legacy "
+            f"binary format are refused); save it with booster.save_model('model.ubj')"
+        )
     try:
         booster = xgb.Booster(model_file=bytearray(raw))
     except xgb.core.XGBoostError as exc:
@@ -92,8 +106,10 @@ def _model_file(model_dir: Path, model_file: str | None) -> Path:
         found = sorted(path for path in model_dir.iterdir() if path.suffix in _MODEL_SUFFIXES)
         if len(found) != 1:
             listing = ", ".join(sorted(path.name for path in model_dir.iterdir())) or "nothing"
-            raise UnsupportedModelFile(f"expected exactly one .ubj or .json model in the model folder, found: "
-                                       f"{listing}; set runner opt 'model_file'")
+            raise UnsupportedModelFile(
+                f"expected exactly one .ubj or .json model in the model folder, found: "
+                f"{listing}; set runner opt 'model_file'"
+            )
         candidate = found[0]
     if not candidate.is_file():
         raise UnsupportedModelFile(f"model file {model_file!r} does not exist in the model folder")
@@ -142,8 +158,10 @@ def _single(specs: tuple[TensorSpec, ...], kind: str, *, default: str) -> str:
     if not specs:
         return default
     if len(specs) != 1:
-        raise XGBoostRunnerError(f"an xgboost model has exactly one {kind}; carton.toml declares "
-                                 f"{', '.join(repr(spec.name) for spec in specs)}")
+        raise XGBoostRunnerError(
+            f"an xgboost model has exactly one {kind}; carton.toml declares "
+            f"{', '.join(repr(spec.name) for spec in specs)}"
+        )
     return specs[0].name
 
 

@@ -41,8 +41,10 @@ def test_packed_logits_out_of_process_equal_in_process(mcf_model: Callable[..., 
     ids = np.random.default_rng(0).integers(0, 512, size=(2, 9), dtype=np.int64)
     with carton.load(path) as model:
         remote = model.infer({"input_ids": ids})["logits"]
-        with pytest.raises(carton.RunnerFailed, match=r"'input_ids'\[0, 0\] = 600 is outside the vocabulary"):
+        # A token outside the vocabulary is the caller's mistake, found by the runner: InvalidInput, as on the host.
+        with pytest.raises(carton.InvalidInput, match=r"'input_ids'\[0, 0\] = 600 is outside the vocabulary") as bad:
             model.infer({"input_ids": np.full((1, 2), 600, dtype=np.int64)})
+        assert bad.value.tensor == "input_ids"
         # The runner survives a bad request.
         np.testing.assert_array_equal(model.infer({"input_ids": ids})["logits"], remote)
     # Equal up to BLAS summation order (the runner process may use another thread count).
@@ -81,8 +83,9 @@ def test_unsupported_model_fails_at_pack_and_load(hf_model: Callable[..., Path],
     folder = to_mcf(hf, tmp_path / "qwen")
     with pytest.raises(carton.CartonError, match="model_type 'qwen2' is not supported by the mcf runner"):
         carton.pack(folder, tmp_path / "qwen.carton", runner_name="mcf", required_framework_version=">=0.1")
-    with pytest.raises(carton.RunnerStartError, match="model_type 'qwen2' is not supported by the mcf runner"):
+    with pytest.raises(carton.RunnerStartError, match="model_type 'qwen2' is not supported by the mcf runner") as info:
         carton.load_unpacked(folder, runner_name="mcf", required_framework_version=">=0.1")
+    assert info.value.remote_kind == "unsupported_model"  # carton.UnsupportedModel travels as its protocol kind
 
 
 def test_strict_sandbox_runs_a_converted_model(mcf_model: Callable[..., Path]) -> None:
@@ -99,13 +102,15 @@ def test_strict_sandbox_runs_a_converted_model(mcf_model: Callable[..., Path]) -
 
 
 def test_bad_runner_option_fails_the_load_out_of_process(mcf_model: Callable[..., Path]) -> None:
-    with pytest.raises(carton.RunnerStartError, match=r"ConfigError: runner option 'max_new_tokens' must be >= 0"):
+    message = r"InvalidOption: runner option 'max_new_tokens' must be >= 0"
+    with pytest.raises(carton.RunnerStartError, match=message) as info:
         carton.load_unpacked(
             mcf_model("base"),
             runner_name="mcf",
             required_framework_version=">=0.1",
             runner_opts={"mode": "generate", "max_new_tokens": -1},
         )
+    assert info.value.remote_kind == "invalid_option"
 
 
 @pytest.mark.parametrize("packed_mode, asked_mode", [("logits", "generate"), ("generate", "logits")])

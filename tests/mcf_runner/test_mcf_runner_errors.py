@@ -10,8 +10,8 @@ from pathlib import Path
 import carton.mcf
 import numpy as np
 import pytest
-from carton.errors import ConfigError, InvalidInput, MCFError, PackError, UnsupportedModel
-from carton_protocol import DType, OptValue, PackContext, TensorSpec
+from carton.mcf import MCFError, UnsupportedModel
+from carton_protocol import DType, InvalidInput, InvalidModel, InvalidOption, OptValue, PackContext, TensorSpec
 from carton_runner_mcf.runner import MCFRunner
 from mcf_runner_models import edit_config, load_runner, to_mcf
 
@@ -130,13 +130,13 @@ def test_options_are_checked(mcf_model: Callable[..., Path]):
     seen: list[str] = []
     load_runner(mcf_model("base"), seen, temprature=0.5).close()
     assert seen == ["mcf runner: unknown runner options ignored: temprature"]
-    with pytest.raises(ConfigError, match="runner option 'mode' must be 'logits' or 'generate', got 'chat'"):
+    with pytest.raises(InvalidOption, match="runner option 'mode' must be 'logits' or 'generate', got 'chat'"):
         load_runner(mcf_model("base"), mode="chat")
-    with pytest.raises(ConfigError, match="runner option 'max_new_tokens' must be int, got '8'"):
+    with pytest.raises(InvalidOption, match="runner option 'max_new_tokens' must be int, got '8'"):
         load_runner(mcf_model("base"), max_new_tokens="8")
-    with pytest.raises(ConfigError, match="runner option 'stop_at_eos' must be bool, got 1"):
+    with pytest.raises(InvalidOption, match="runner option 'stop_at_eos' must be bool, got 1"):
         load_runner(mcf_model("base"), stop_at_eos=1)
-    with pytest.raises(ConfigError, match="'weight_cache' must be one of packed, int8, fp32, got 'bf16'"):
+    with pytest.raises(InvalidOption, match="'weight_cache' must be one of packed, int8, fp32, got 'bf16'"):
         load_runner(mcf_model("base", "q8"), weight_cache="bf16")
 
 
@@ -199,13 +199,13 @@ def test_pack_checks_declared_tensors(mcf_model: Callable[..., Path]):
     generate = MCFRunner.pack(PackContext(model_dir=folder, opts={"mode": "generate"}))
     assert [s.name for s in generate.inputs] == ["input_ids"] and [s.name for s in generate.outputs] == ["output_ids"]
     assert generate.opts == {"mode": "generate"}
-    with pytest.raises(PackError, match="declared input 'pixels' is not served by the mcf runner in logits mode"):
+    with pytest.raises(InvalidModel, match="declared input 'pixels' is not served by the mcf runner in logits mode"):
         MCFRunner.pack(PackContext(model_dir=folder, opts={}, inputs=(TensorSpec(name="pixels", dtype=DType.INT64),)))
-    with pytest.raises(PackError, match="declared input 'input_ids' must have dtype int64, not float32"):
+    with pytest.raises(InvalidModel, match="declared input 'input_ids' must have dtype int64, not float32"):
         MCFRunner.pack(
             PackContext(model_dir=folder, opts={}, inputs=(TensorSpec(name="input_ids", dtype=DType.FLOAT32),))
         )
-    with pytest.raises(PackError, match=r"no tokenizer.json section"):
+    with pytest.raises(InvalidModel, match=r"no tokenizer.json section"):
         MCFRunner.pack(
             PackContext(
                 model_dir=folder, opts={"mode": "generate"}, outputs=(TensorSpec(name="text", dtype=DType.STRING),)
@@ -311,9 +311,9 @@ def test_sequences_beyond_max_position_embeddings_are_refused_before_any_work(
             runner.infer({"input_ids": np.ones((1, 10), np.int64), "max_new_tokens": np.array(7)})
     finally:
         runner.close()
-    with pytest.raises(ConfigError, match=r"runner option 'max_new_tokens' = 16 leaves no room for a prompt"):
+    with pytest.raises(InvalidOption, match=r"runner option 'max_new_tokens' = 16 leaves no room for a prompt"):
         load_runner(folder, mode="generate", max_new_tokens=16)
-    with pytest.raises(ConfigError, match=r"'max_new_tokens' = 16 leaves no room .* max_position_embeddings \(16\)"):
+    with pytest.raises(InvalidOption, match=r"'max_new_tokens' = 16 leaves no room .* max_position_embeddings \(16\)"):
         MCFRunner.pack(PackContext(model_dir=folder, opts={"mode": "generate", "max_new_tokens": 16}))
     load_runner(folder, max_new_tokens=16).close()  # logits mode generates nothing: no limit on the option
 
@@ -333,7 +333,7 @@ def test_sequences_beyond_max_position_embeddings_are_refused_before_any_work(
 def test_bad_option_values_fail_at_load(
     opts: dict[str, OptValue], message: str, mcf_model: Callable[..., Path]
 ) -> None:
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(InvalidOption, match=message):
         load_runner(mcf_model("base"), mode="generate", **opts)
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(InvalidOption, match=message):
         MCFRunner.pack(PackContext(model_dir=mcf_model("base"), opts={"mode": "generate", **opts}))

@@ -13,8 +13,8 @@ from pathlib import Path
 import carton
 import numpy as np
 import pytest
-from carton.errors import ConfigError, MCFError
-from carton.mcf import MCFFile, payload_layout
+from carton.mcf import MCFError, MCFFile, payload_layout
+from carton_protocol import InvalidOption
 from carton_runner_mcf._config import DecoderConfig
 from carton_runner_mcf._shards import (
     Exchange,
@@ -103,7 +103,7 @@ def test_plan_covers_every_row_once_and_balances_weights(count: int):
     ],
 )
 def test_plans_that_cannot_be_made_name_the_limit(changes: dict[str, object], count: int, message: str):
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(InvalidOption, match=message):
         plan_shards(_config(**changes), count)
 
 
@@ -247,13 +247,13 @@ def test_a_killed_helper_fails_the_next_call_with_its_fate(mcf_model: Callable[.
     ],
 )
 def test_bad_processes_options_are_refused_at_load(opts: dict[str, object], message: str, mcf_model):
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(InvalidOption, match=message):
         load_runner(mcf_model("base"), **opts)
 
 
 def test_more_processes_than_kv_heads_is_refused_before_any_fork(mcf_model: Callable[..., Path]):
     before = _descendants(os.getpid())
-    with pytest.raises(ConfigError, match=r"processes=2: the model has 1 kv head\(s\)"):
+    with pytest.raises(InvalidOption, match=r"processes=2: the model has 1 kv head\(s\)"):
         load_runner(mcf_model("tied_linear"), processes=2)
     assert _descendants(os.getpid()) == before
 

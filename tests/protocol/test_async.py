@@ -145,7 +145,7 @@ def test_a_cancelled_call_is_safe_and_its_late_reply_is_discarded(start_runner: 
 
 def test_a_cancelled_call_keeps_its_shared_memory_until_the_runner_answers(start_runner: Start) -> None:
     runner = start_runner("ConcurrentEcho", threads=4, shm_threshold=1024)
-    pool = runner._resources.connection.pool  # type: ignore[union-attr]
+    pool = runner._resources.connection.codec._pool  # type: ignore[union-attr]
     assert pool is not None
 
     async def main() -> None:

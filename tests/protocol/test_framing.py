@@ -6,27 +6,28 @@ import struct
 from typing import Any
 
 import ml_dtypes
-import msgpack
+import msgspec
 import numpy as np
 import pytest
-from carton_protocol import DType, FrameError, LimitExceeded, TensorSpec
+from carton_protocol import (
+    PROTOCOL_VERSION,
+    DType,
+    FrameError,
+    Hello,
+    Infer,
+    LimitExceeded,
+    Load,
+    TensorEntry,
+    TensorSpec,
+)
 from carton_protocol._dtypes import WireType, carton_dtype, from_numpy
 from carton_protocol._framing import decode_tensors, encode_tensors
 from carton_protocol._limits import DEFAULT_LIMITS, WireLimits
-from carton_protocol._messages import (
-    PROTOCOL_VERSION,
-    decode_opts,
-    decode_specs,
-    encode_specs,
-    hello_request,
-    infer_request,
-    pack_header,
-    unpack_header,
-)
+from carton_protocol._messages import check_opts, check_specs, decode_request, encode
 
 # The sample messages of docs/protocol.md, byte for byte.
 DOC_HELLO = bytes.fromhex(
-    "85 a2 6f 70 a5 68 65 6c 6c 6f a2 69 64 01 a8 70 72 6f 74 6f 63 6f 6c 01 a8 68 6f 73 74 5f 70 69 64 cd 10 92"
+    "85 a2 6f 70 a5 68 65 6c 6c 6f a2 69 64 01 a8 70 72 6f 74 6f 63 6f 6c 02 a8 68 6f 73 74 5f 70 69 64 cd 10 92"
     " ad 73 68 6d 5f 74 68 72 65 73 68 6f 6c 64 ce 00 01 00 00"
 )
 DOC_INFER_HEADER = bytes.fromhex(
@@ -34,13 +35,23 @@ DOC_INFER_HEADER = bytes.fromhex(
     " 74 79 70 65 a4 46 50 33 32 a5 73 68 61 70 65 92 01 02 a4 73 69 7a 65 08"
 )
 DOC_INFER_DATA = bytes.fromhex("00 00 80 3f 00 00 00 40")
+DOC_INFER_REPLY = bytes.fromhex(
+    "83 a5 72 65 70 6c 79 a5 69 6e 66 65 72 a2 69 64 03 a7 74 65 6e 73 6f 72 73 91 84 a4 6e 61 6d 65 a1 79 a8 64"
+    " 61 74 61 74 79 70 65 a4 46 50 33 32 a5 73 68 61 70 65 92 01 02 a4 73 69 7a 65 08"
+)
+DOC_ERROR_REPLY = bytes.fromhex(
+    "86 a5 72 65 70 6c 79 a5 65 72 72 6f 72 a2 69 64 03 a4 63 6f 64 65 ad 69 6e 76 61 6c 69 64 5f 69 6e 70 75 74"
+    " a7 6d 65 73 73 61 67 65 ad 78 20 69 73 20 6e 65 67 61 74 69 76 65 a9 65 78 63 65 70 74 69 6f 6e ac 49 6e 76"
+    " 61 6c 69 64 49 6e 70 75 74 a6 74 65 6e 73 6f 72 a1 78"
+)
 
 
 def roundtrip(tensors: dict[str, Any], limits: WireLimits = DEFAULT_LIMITS) -> dict[str, Any]:
     encoded = encode_tensors(tensors, pool=None, threshold=1 << 62)
-    header = unpack_header(pack_header(infer_request(encoded.entries)), limits)
+    message = decode_request(encode(Infer(id=1, tensors=encoded.entries)), limits)
+    assert isinstance(message, Infer)
     frames = [memoryview(as_bytes(frame)) for frame in encoded.frames]
-    decoded, segments = decode_tensors(header["tensors"], frames, limits=limits, peer=None, copy_shared=True)
+    decoded, segments = decode_tensors(message.tensors, frames, limits=limits, peer=None, copy_shared=True)
     assert segments == []
     return decoded
 
@@ -51,7 +62,11 @@ def as_bytes(frame: Any) -> bytes:
 
 
 def decode(entries: Any, frames: list[bytes], limits: WireLimits = DEFAULT_LIMITS) -> dict[str, Any]:
-    return decode_tensors(entries, [memoryview(f) for f in frames], limits=limits, peer=None, copy_shared=False)[0]
+    """Decode `entries` (plain maps, as a peer may send anything) the way a runner reads an infer request."""
+    message = decode_request(msgspec.msgpack.encode({"op": "infer", "id": 1, "tensors": entries}), limits)
+    assert isinstance(message, Infer)
+    views = [memoryview(f) for f in frames]
+    return decode_tensors(message.tensors, views, limits=limits, peer=None, copy_shared=False)[0]
 
 
 def entry(name: str = "x", datatype: str = "FP32", shape: Any = (1, 2), size: int = 8) -> dict[str, Any]:
@@ -60,27 +75,42 @@ def entry(name: str = "x", datatype: str = "FP32", shape: Any = (1, 2), size: in
 
 # --- exact bytes --------------------------------------------------------------------------------------------------
 def test_hello_bytes_match_the_documentation() -> None:
-    header = hello_request(host_pid=4242, shm_threshold=65536)
-    header["id"] = 1  # the connection numbers requests from 1; hello is always the first
-    assert pack_header(header) == DOC_HELLO
-    assert unpack_header(DOC_HELLO, DEFAULT_LIMITS) == {
-        "op": "hello", "id": 1, "protocol": PROTOCOL_VERSION, "host_pid": 4242, "shm_threshold": 65536
+    # The connection numbers requests from 1; hello is always the first.
+    hello = Hello(id=1, protocol=PROTOCOL_VERSION, host_pid=4242, shm_threshold=65536)
+    assert PROTOCOL_VERSION == 2
+    assert encode(hello) == DOC_HELLO
+    assert decode_request(DOC_HELLO, DEFAULT_LIMITS) == hello
+    assert msgspec.msgpack.decode(DOC_HELLO) == {
+        "op": "hello",
+        "id": 1,
+        "protocol": 2,
+        "host_pid": 4242,
+        "shm_threshold": 65536,
     }
 
 
 def test_infer_request_bytes_match_the_documentation() -> None:
     encoded = encode_tensors({"x": np.array([[1.0, 2.0]], dtype=np.float32)}, pool=None, threshold=1 << 62)
-    header = infer_request(encoded.entries)
-    header["id"] = 3  # hello = 1, load = 2, first infer = 3
-    assert pack_header(header) == DOC_INFER_HEADER
+    message = Infer(id=3, tensors=encoded.entries)  # hello = 1, load = 2, first infer = 3
+    assert encode(message) == DOC_INFER_HEADER
     assert [as_bytes(frame) for frame in encoded.frames] == [DOC_INFER_DATA]
-    decoded = decode(unpack_header(DOC_INFER_HEADER, DEFAULT_LIMITS)["tensors"], [DOC_INFER_DATA])
+    assert decode_request(DOC_INFER_HEADER, DEFAULT_LIMITS) == message
+    decoded = decode([{"name": "x", "datatype": "FP32", "shape": [1, 2], "size": 8}], [DOC_INFER_DATA])
     np.testing.assert_array_equal(decoded["x"], np.array([[1.0, 2.0]], dtype=np.float32))
+
+
+def test_reply_bytes_match_the_documentation() -> None:
+    from carton_protocol import ErrorReply, InferReply
+
+    reply = InferReply(id=3, tensors=(TensorEntry(name="y", datatype="FP32", shape=(1, 2), size=8),))
+    assert encode(reply) == DOC_INFER_REPLY
+    failure = ErrorReply(id=3, code="invalid_input", message="x is negative", exception="InvalidInput", tensor="x")
+    assert encode(failure) == DOC_ERROR_REPLY
 
 
 def test_bytes_tensor_layout_is_tritons() -> None:
     encoded = encode_tensors({"s": np.array(["ab", "", "é"])}, pool=None, threshold=1 << 62)
-    assert encoded.entries == [{"name": "s", "datatype": "BYTES", "shape": [3], "size": 4 + 2 + 4 + 4 + 2}]
+    assert encoded.entries == (TensorEntry(name="s", datatype="BYTES", shape=(3,), size=4 + 2 + 4 + 4 + 2),)
     assert bytes(encoded.frames[0]) == b"\x02\x00\x00\x00ab" + b"\x00\x00\x00\x00" + b"\x02\x00\x00\x00\xc3\xa9"
 
 
@@ -88,7 +118,7 @@ def test_bool_and_big_endian_are_sent_as_little_endian_bytes() -> None:
     encoded = encode_tensors(
         {"b": np.array([True, False]), "i": np.array([1, 256], dtype=">i4")}, pool=None, threshold=1 << 62
     )
-    assert [e["datatype"] for e in encoded.entries] == ["BOOL", "INT32"]
+    assert [e.datatype for e in encoded.entries] == ["BOOL", "INT32"]
     assert as_bytes(encoded.frames[0]) == b"\x01\x00"
     assert as_bytes(encoded.frames[1]) == struct.pack("<ii", 1, 256)
 
@@ -97,14 +127,24 @@ def test_bool_and_big_endian_are_sent_as_little_endian_bytes() -> None:
 @pytest.mark.parametrize(
     ("dtype", "wire"),
     [
-        (np.bool_, "BOOL"), (np.uint8, "UINT8"), (np.uint16, "UINT16"), (np.uint32, "UINT32"), (np.uint64, "UINT64"),
-        (np.int8, "INT8"), (np.int16, "INT16"), (np.int32, "INT32"), (np.int64, "INT64"), (np.float16, "FP16"),
-        (ml_dtypes.bfloat16, "BF16"), (np.float32, "FP32"), (np.float64, "FP64"),
+        (np.bool_, "BOOL"),
+        (np.uint8, "UINT8"),
+        (np.uint16, "UINT16"),
+        (np.uint32, "UINT32"),
+        (np.uint64, "UINT64"),
+        (np.int8, "INT8"),
+        (np.int16, "INT16"),
+        (np.int32, "INT32"),
+        (np.int64, "INT64"),
+        (np.float16, "FP16"),
+        (ml_dtypes.bfloat16, "BF16"),
+        (np.float32, "FP32"),
+        (np.float64, "FP64"),
     ],
 )
 def test_every_fixed_dtype_round_trips(dtype: Any, wire: str) -> None:
     value = (np.arange(24).reshape(2, 3, 4) % 2).astype(dtype)
-    assert encode_tensors({"v": value}, pool=None, threshold=1 << 62).entries[0]["datatype"] == wire
+    assert encode_tensors({"v": value}, pool=None, threshold=1 << 62).entries[0].datatype == wire
     out = roundtrip({"v": value})["v"]
     assert out.dtype == np.dtype(dtype) and out.shape == (2, 3, 4)
     np.testing.assert_array_equal(out, value)
@@ -139,9 +179,8 @@ def test_strings_scalars_empty_noncontiguous_and_nested_round_trip() -> None:
 
 def test_decoded_arrays_are_views_over_the_frames() -> None:
     frame = bytearray(DOC_INFER_DATA)
-    out = decode_tensors(
-        [entry()], [memoryview(frame)], limits=DEFAULT_LIMITS, peer=None, copy_shared=False
-    )[0]["x"]
+    entries = (TensorEntry(name="x", datatype="FP32", shape=(1, 2), size=8),)
+    out = decode_tensors(entries, [memoryview(frame)], limits=DEFAULT_LIMITS, peer=None, copy_shared=False)[0]["x"]
     frame[0:4] = struct.pack("<f", 9.0)
     assert out[0, 0] == 9.0  # no copy was made
 
@@ -177,17 +216,17 @@ FOUR = b"\x00" * 8
 @pytest.mark.parametrize(
     ("entries", "frames", "error", "message"),
     [
-        ("nope", [], FrameError, "'tensors' is missing or not a list"),
-        ([7], [], FrameError, r"tensors\[0\] is not a map"),
+        ("nope", [], FrameError, r"Expected `array`, got `str` - at `\$.tensors`"),
+        ([7], [], FrameError, r"Expected `object`, got `int` - at `\$.tensors\[0\]`"),
         ([{"datatype": "FP32"}], [], FrameError, r"'name' must be a non-empty string"),
         ([entry(), entry()], [FOUR, FOUR], FrameError, "'x' appears twice"),
         ([entry(datatype="FP128")], [FOUR], FrameError, "'x': unknown datatype 'FP128'"),
         # Found by fuzz/fuzz_wire.py: an unhashable datatype once escaped as TypeError.
-        ([{**entry(), "datatype": ["UINT8"]}], [FOUR], FrameError, "'datatype' must be a string, got list"),
-        ([{**entry(), "datatype": None}], [FOUR], FrameError, "'datatype' must be a string, got NoneType"),
-        ([{**entry(), "shape": "12"}], [FOUR], FrameError, "'x': 'shape' must be a list"),
+        ([{**entry(), "datatype": ["UINT8"]}], [FOUR], FrameError, r"got `array` - at `\$.tensors\[0\].datatype`"),
+        ([{**entry(), "datatype": None}], [FOUR], FrameError, "'x': 'datatype' is missing"),
+        ([{**entry(), "shape": "12"}], [FOUR], FrameError, r"got `str` - at `\$.tensors\[0\].shape`"),
         ([entry(shape=(1, -2))], [FOUR], FrameError, r"must hold ints from 0 to 2\*\*62"),
-        ([entry(shape=(1, 2.0))], [FOUR], FrameError, r"must hold ints from 0 to 2\*\*62"),
+        ([entry(shape=(1, 2.0))], [FOUR], FrameError, r"Expected `int`, got `float` - at `\$.tensors\[0\].shape\[1\]`"),
         ([entry(shape=(0, 1 << 63), size=0)], [b""], FrameError, r"must hold ints from 0 to 2\*\*62"),
         ([entry(shape=(0, 1 << 62, 1 << 62), size=0)], [b""], FrameError, "too large for a numpy array"),
         ([entry("s", "BYTES", (0, 1 << 62, 1 << 62), 0)], [b""], FrameError, "too large for a numpy array"),
@@ -201,10 +240,16 @@ FOUR = b"\x00" * 8
         ([entry(shape=(1 << 62, 1 << 62), size=0)], [b""], FrameError, "needs .* bytes, size says 0"),
         ([entry(size=1 << 41, shape=(1 << 39,))], [b""], LimitExceeded, "over the limit of"),
         ([entry(datatype="BOOL", shape=(2,), size=2)], [b"\x01\x02"], FrameError, "BOOL bytes must be 0 or 1"),
-        ([{"name": "x", "datatype": "FP32", "shape": [2], "size": 8, "shm": ["h0", 0]}], [], FrameError,
-         "placed in shared memory, which this connection does not use"),
-        ([{"name": "n", "nested": "x"}], [], FrameError, "'nested' must be a list"),
-        ([{"name": "n", "nested": [{"nested": []}]}], [], FrameError, "nested entries must be maps"),
+        (
+            [{"name": "x", "datatype": "FP32", "shape": [2], "size": 8, "shm": ["h0", 0]}],
+            [],
+            FrameError,
+            "placed in shared memory, which this connection does not use",
+        ),
+        ([{"name": "n", "nested": "x"}], [], FrameError, r"got `str` - at `\$.tensors\[0\].nested`"),
+        ([{"name": "n", "nested": [{"nested": []}]}], [], FrameError, "nested entries must not be nested"),
+        ([{**entry(), "shm": ["h0", -1]}], [], FrameError, "placed in shared memory"),
+        ([{**entry(), "shm": ["h0"]}], [], FrameError, r"`array` of length 2, got 1 - at `\$.tensors\[0\].shm`"),
     ],
 )
 def test_decoder_refuses(entries: Any, frames: list[bytes], error: type[Exception], message: str) -> None:
@@ -251,18 +296,29 @@ def test_counts_and_names_are_limited() -> None:
     [
         (b"", FrameError, "not valid msgpack"),
         (b"\xc1", FrameError, "not valid msgpack"),
-        (msgpack.packb([1, 2]), FrameError, "a msgpack list, expected a map"),
-        (msgpack.packb({"a": 1}) + b"\x00", FrameError, "not valid msgpack"),
-        (msgpack.packb({1: 2}), FrameError, "not valid msgpack"),
-        (b"\x91" * 100_000, FrameError, "not valid msgpack"),  # nesting deeper than msgpack's stack
-        (b"\xdd\xff\xff\xff\xff", FrameError, "not valid msgpack"),  # a 4-Gi-element array in 5 bytes
-        (msgpack.packb({"x": msgpack.ExtType(1, b"a")}), FrameError, "not valid msgpack"),
-        (b"\x80" * ((1 << 20) + 1), LimitExceeded, "over the 1048576-byte limit"),
+        (msgspec.msgpack.encode([1, 2]), FrameError, "Expected `object`, got `array`"),
+        (msgspec.msgpack.encode({"op": "close", "id": 1}) + b"\x00", FrameError, "not valid msgpack"),
+        (msgspec.msgpack.encode({1: 2}), FrameError, "Expected `str`, got `int`"),
+        # Found by test_wire_properties.py: a key that is not utf-8 once escaped as UnicodeDecodeError.
+        (b"\x81\xa2op\xa2\xe9\x80", FrameError, "not valid msgpack: 'utf-8' codec can't decode"),
+        (msgspec.msgpack.encode({"id": 1}), FrameError, "missing required field `op`"),
+        (msgspec.msgpack.encode({"op": "dance", "id": 1}), FrameError, r"Invalid value 'dance' - at `\$.op`"),
+        (msgspec.msgpack.encode({"op": "close", "id": True}), FrameError, r"Expected `int`, got `bool` - at `\$.id`"),
+        pytest.param(b"\x91" * 100_000, FrameError, "Expected `object`, got `array`", id="deep-array"),
+        # Nesting deeper than any stack, where any value may be: refused, not a RecursionError.
+        pytest.param(
+            b"\x84\xa2op\xa4load\xa2id\x01\xa9model_dir\xa1/\xa4opts\x81\xa1a" + b"\x91" * 100_000 + b"\x01",
+            FrameError,
+            "not valid msgpack: maximum recursion depth",
+            id="deep-option",
+        ),
+        (b"\xdd\xff\xff\xff\xff", FrameError, "Expected `object`, got `array`"),  # a 4-Gi-element array in 5 bytes
+        pytest.param(b"\x80" * ((1 << 20) + 1), LimitExceeded, "over the 1048576-byte limit", id="too-large"),
     ],
 )
 def test_header_refusals(data: bytes, error: type[Exception], message: str) -> None:
     with pytest.raises(error, match=message):
-        unpack_header(data, DEFAULT_LIMITS)
+        decode_request(data, DEFAULT_LIMITS)
 
 
 def test_specs_and_opts_round_trip_and_refusals() -> None:
@@ -271,20 +327,33 @@ def test_specs_and_opts_round_trip_and_refusals() -> None:
         TensorSpec(name="y", dtype=DType.STRING, shape="*", internal_name="out:0"),
         TensorSpec(name="z", dtype=DType.INT8, shape=()),
     )
-    wire = unpack_header(pack_header({"inputs": encode_specs(specs)}), DEFAULT_LIMITS)["inputs"]
-    assert decode_specs(wire, "inputs", DEFAULT_LIMITS) == specs
-    with pytest.raises(FrameError, match=r"inputs\[0\] \('x'\): unknown dtype 'complex'"):
-        decode_specs([{"name": "x", "dtype": "complex", "shape": "*"}], "inputs", DEFAULT_LIMITS)
-    with pytest.raises(FrameError, match=r"inputs\[0\]: field 'name' is missing"):
-        decode_specs([{"dtype": "float32"}], "inputs", DEFAULT_LIMITS)
     opts = {"a": 1, "b": [1.5, "x", True], "c": {"d": {"e": "f"}}}
-    assert decode_opts(opts, "opts") == opts
+    load = Load(id=2, model_dir="/m", opts=opts, inputs=specs)
+    decoded = decode_request(encode(load), DEFAULT_LIMITS)
+    assert decoded == load and isinstance(decoded, Load) and decoded.inputs == specs
+
+    def load_with(inputs: list[Any], opts: Any = None) -> bytes:
+        return msgspec.msgpack.encode({"op": "load", "id": 2, "model_dir": "/m", "opts": opts or {}, "inputs": inputs})
+
+    with pytest.raises(FrameError, match=r"Invalid enum value 'complex' - at `\$.inputs\[0\].dtype`"):
+        decode_request(load_with([{"name": "x", "dtype": "complex", "shape": "*"}]), DEFAULT_LIMITS)
+    with pytest.raises(FrameError, match=r"missing required field `name` - at `\$.inputs\[0\]`"):
+        decode_request(load_with([{"dtype": "float32"}]), DEFAULT_LIMITS)
+    with pytest.raises(LimitExceeded, match=r"inputs\[0\] \('x'\): rank 33 over 32"):
+        check_specs((TensorSpec(name="x", dtype=DType.INT8, shape=(1,) * 33),), "inputs", DEFAULT_LIMITS)
+    with pytest.raises(LimitExceeded, match="3 tensor specs, over the limit of 2"):
+        check_specs(specs, "inputs", WireLimits(max_tensors=2))
+    assert check_opts(opts, "opts") == opts
     with pytest.raises(FrameError, match=r"opts.a: a runner option cannot be a NoneType"):
-        decode_opts({"a": None}, "opts")
+        check_opts({"a": None}, "opts")
     with pytest.raises(FrameError, match=r"opts.b\[0\]: a runner option cannot be a bytes"):
-        decode_opts({"b": [b"x"]}, "opts")
+        check_opts({"b": [b"x"]}, "opts")
+    raw = decode_request(load_with([], {"x": msgspec.msgpack.Ext(1, b"a")}), DEFAULT_LIMITS)
+    assert isinstance(raw, Load)
+    with pytest.raises(FrameError, match=r"opts.x: a runner option cannot be a Ext"):
+        check_opts(raw.opts, "opts")
     deep: Any = "leaf"
     for _ in range(40):
         deep = [deep]
     with pytest.raises(LimitExceeded, match="nested deeper than 32"):
-        decode_opts({"deep": deep}, "opts")
+        check_opts({"deep": deep}, "opts")

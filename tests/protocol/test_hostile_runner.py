@@ -19,13 +19,14 @@ from dataclasses import replace
 from typing import Any
 
 import carton
-import msgpack
+import msgspec
 import numpy as np
 import pytest
 import zmq
 from carton._runtime._launch import LaunchPlan
 from carton._runtime._process import DEFAULT_SHM_THRESHOLD, RunnerProcess
-from carton_protocol._messages import PROTOCOL_VERSION, hello_request, pack_header
+from carton_protocol import PROTOCOL_VERSION, Hello, RemoteError
+from carton_protocol._messages import encode
 
 from .conftest import make_spec
 
@@ -51,14 +52,24 @@ class FakeRunner:
     def receive(self) -> tuple[bytes, dict[str, Any]]:
         frames = self.router.recv_multipart()
         self.received.append(frames[1:])
-        return frames[0], msgpack.unpackb(frames[1])
+        return frames[0], msgspec.msgpack.decode(frames[1])
 
     def reply(self, ident: bytes, header: Any, *frames: bytes, raw_header: bytes | None = None) -> None:
-        self.router.send_multipart([ident, raw_header if raw_header is not None else msgpack.packb(header), *frames])
+        data = raw_header if raw_header is not None else msgspec.msgpack.encode(header)
+        self.router.send_multipart([ident, data, *frames])
 
     def hello(self) -> None:
         ident, header = self.receive()
-        self.reply(ident, {"id": header["id"], "ok": True, "protocol": PROTOCOL_VERSION, "pid": os.getpid()})
+        self.reply(
+            ident,
+            {
+                "reply": "hello",
+                "id": header["id"],
+                "protocol": PROTOCOL_VERSION,
+                "pid": os.getpid(),
+                "entry": "fake:Runner",
+            },
+        )
 
     def close(self) -> None:
         self.context.destroy(linger=0)
@@ -100,9 +111,8 @@ def serve_one_infer(reply: Callable[[FakeRunner, bytes, dict[str, Any]], None]) 
 
 def test_the_host_sends_the_documented_hello(fake: Any) -> None:
     runner, peer = fake(lambda peer: peer.hello())
-    expected = hello_request(host_pid=os.getpid(), shm_threshold=DEFAULT_SHM_THRESHOLD)
-    expected["id"] = 1
-    assert peer.received[0] == [pack_header(expected)]
+    expected = Hello(id=1, protocol=PROTOCOL_VERSION, host_pid=os.getpid(), shm_threshold=DEFAULT_SHM_THRESHOLD)
+    assert peer.received[0] == [encode(expected)]
     assert runner.alive
 
 
@@ -115,20 +125,30 @@ def test_a_garbled_handshake_is_runner_protocol_error(fake: Any) -> None:
         fake(script)
 
 
-def test_a_handshake_from_another_version_is_protocol_mismatch(fake: Any) -> None:
+@pytest.mark.parametrize(
+    "reply",
+    [
+        {"id": 1, "ok": True, "protocol": 7},  # laid out as protocol 1 did: no tag
+        {"reply": "hello", "id": 1, "protocol": 7, "pid": 1, "entry": "fake:Runner"},
+        {"reply": "error", "id": 1, "code": "protocol", "message": "no", "protocol": 7},
+    ],
+)
+def test_a_handshake_from_another_version_is_protocol_mismatch(fake: Any, reply: dict[str, Any]) -> None:
     def script(peer: FakeRunner) -> None:
-        ident, header = peer.receive()
-        peer.reply(ident, {"id": header["id"], "ok": True, "protocol": 7})
+        ident, _ = peer.receive()
+        peer.reply(ident, reply)
 
-    with pytest.raises(carton.ProtocolMismatch, match="host speaks carton protocol 1, runner fake:Runner speaks 7"):
+    expected = f"host speaks carton protocol {PROTOCOL_VERSION}, runner fake:Runner speaks 7"
+    with pytest.raises(carton.ProtocolMismatch, match=expected) as caught:
         fake(script)
+    assert (caught.value.host_version, caught.value.runner_version) == (PROTOCOL_VERSION, 7)
 
 
 def test_stale_replies_are_skipped(fake: Any) -> None:
     def reply(peer: FakeRunner, ident: bytes, header: dict[str, Any]) -> None:
-        peer.reply(ident, {"id": header["id"] - 1, "ok": True, "tensors": []})  # a late answer to an older call
+        peer.reply(ident, {"reply": "infer", "id": header["id"] - 1, "tensors": []})  # a late answer to an older call
         entry = {"name": "y", "datatype": "INT8", "shape": [1], "size": 1}
-        peer.reply(ident, {"id": header["id"], "ok": True, "tensors": [entry]}, b"\x05")
+        peer.reply(ident, {"reply": "infer", "id": header["id"], "tensors": [entry]}, b"\x05")
 
     runner, _ = fake(serve_one_infer(reply))
     assert runner.infer({"x": np.zeros(1)})["y"].tolist() == [5]
@@ -140,22 +160,61 @@ def test_stale_replies_are_skipped(fake: Any) -> None:
         ([{"name": "y", "datatype": "FP32", "shape": [4], "size": 16}], [b"\x00" * 8], "data frame is 8 bytes"),
         ([{"name": "y", "datatype": "FP32", "shape": [1 << 40], "size": 4}], [b"\x00" * 4], "needs 4398046511104"),
         ([{"name": "y", "datatype": "BYTES", "shape": [1 << 22], "size": 1 << 24}], [b""], "BYTES elements, over"),
-        ([{"name": "y", "datatype": "FP32", "shape": [1], "size": 4, "shm": ["../../etc/passwd", 0]}], [],
-         "segment '../../etc/passwd' was never passed"),
-        ("not a list", [], "'tensors' is missing or not a list"),
+        (
+            [{"name": "y", "datatype": "FP32", "shape": [1], "size": 4, "shm": ["../../etc/passwd", 0]}],
+            [],
+            "segment '../../etc/passwd' was never passed",
+        ),
+        ("not a list", [], r"Expected `array`, got `str` - at `\$.tensors`"),
     ],
 )
-def test_lying_outputs_are_runner_protocol_errors(
-    fake: Any, tensors: Any, frames: list[bytes], message: str
-) -> None:
+def test_lying_outputs_are_runner_protocol_errors(fake: Any, tensors: Any, frames: list[bytes], message: str) -> None:
     def reply(peer: FakeRunner, ident: bytes, header: dict[str, Any]) -> None:
-        peer.reply(ident, {"id": header["id"], "ok": True, "tensors": tensors}, *frames)
+        peer.reply(ident, {"reply": "infer", "id": header["id"], "tensors": tensors}, *frames)
 
     runner, _ = fake(serve_one_infer(reply))
     begin = time.monotonic()
-    with pytest.raises(carton.RunnerProtocolError, match=f"malformed infer outputs: .*{message}"):
+    with pytest.raises(carton.RunnerProtocolError, match=f"malformed .*{message}"):
         runner.infer({"x": np.zeros(1)})
     assert time.monotonic() - begin < 3
+
+
+@pytest.mark.parametrize(
+    ("code", "error"),
+    [
+        ("invalid_input", carton.InvalidInput),
+        ("invalid_output", carton.InvalidOutput),
+        ("out_of_memory", carton.RunnerMemoryLimit),
+        ("protocol", carton.RunnerProtocolError),
+        ("unsupported_model", carton.RunnerFailed),
+        ("internal", carton.RunnerFailed),
+        ("a_code_from_a_newer_runner", carton.RunnerFailed),
+    ],
+)
+def test_error_codes_become_their_carton_exceptions(fake: Any, code: str, error: type[Exception]) -> None:
+    def reply(peer: FakeRunner, ident: bytes, header: dict[str, Any]) -> None:
+        failure = {
+            "reply": "error",
+            "id": header["id"],
+            "code": code,
+            "message": "no!",
+            "exception": "Oops",
+            "traceback": "Traceback: ...",
+            "tensor": "x",
+        }
+        peer.reply(ident, failure)
+
+    runner, _ = fake(serve_one_infer(reply))
+    with pytest.raises(error, match="no!") as caught:
+        runner.infer({"x": np.zeros(1)})
+    failure = caught.value
+    cause = failure.__cause__
+    assert isinstance(cause, RemoteError) and (cause.code, cause.exception, cause.tensor) == (code, "Oops", "x")
+    assert cause.traceback == "Traceback: ..."
+    if isinstance(failure, carton.RunnerError):
+        assert (failure.remote_kind, failure.remote_message) == (code, "no!")
+    else:
+        assert failure.tensor == "x"  # type: ignore[attr-defined]
 
 
 def _memfd(size: int, *, sealed: bool) -> int:
@@ -183,7 +242,7 @@ def test_shared_memory_the_host_cannot_trust_is_refused(
         socket.send_fds(peer.channel, [f"r0 {announced}".encode()], [fd])
         os.close(fd)
         entry = {"name": "y", "datatype": "FP32", "shape": [1], "size": 4, "shm": ["r0", offset]}
-        peer.reply(ident, {"id": header["id"], "ok": True, "tensors": [entry]})
+        peer.reply(ident, {"reply": "infer", "id": header["id"], "tensors": [entry]})
 
     runner, _ = fake(serve_one_infer(reply))
     with pytest.raises(carton.RunnerProtocolError, match=message):
@@ -205,7 +264,7 @@ def test_a_runner_truncating_its_segment_cannot_crash_the_host(fake: Any) -> Non
         except PermissionError:
             outcome.append("refused")
         entry = {"name": "y", "datatype": "FP32", "shape": [1], "size": 4, "shm": ["r0", 0]}
-        peer.reply(ident, {"id": header["id"], "ok": True, "tensors": [entry]})
+        peer.reply(ident, {"reply": "infer", "id": header["id"], "tensors": [entry]})
         peer.receive()  # the host releases the segment once it has copied the output
         os.close(fd)
 

@@ -22,7 +22,7 @@ import pytest
 from carton._runtime import _process
 from carton._runtime._launch import LaunchPlan
 from carton._runtime._process import RunnerProcess
-from carton_protocol import DType, RemoteError, TensorSpec
+from carton_protocol import PROTOCOL_VERSION, DType, RemoteError, TensorSpec
 from carton_protocol._loop import INLINE_MAX_ENV
 
 from .conftest import HERE, TEST_ENV, make_spec
@@ -232,7 +232,8 @@ def test_load_failure_is_runner_start_error_with_the_remote_traceback(start_runn
     with pytest.raises(carton.RunnerStartError, match=r"failed to load .*FileNotFoundError: no model\.bin") as info:
         runner.load(model_dir=HERE, opts={"fail_load": True}, inputs=(), outputs=())
     cause = info.value.__cause__
-    assert isinstance(cause, RemoteError) and cause.kind == "FileNotFoundError"
+    assert isinstance(cause, RemoteError) and cause.exception == "FileNotFoundError" and cause.code == "internal"
+    assert info.value.remote_kind == "internal" and info.value.remote_message == f"no model.bin in {HERE}"
     assert "runners_for_tests.py" in cause.traceback
 
 
@@ -374,15 +375,15 @@ def test_a_runner_speaking_another_version_is_refused_on_both_sides() -> None:
         plans.append(plan)
         return replace(plan, argv=(plan.argv[0], str(HERE / "other_version_runner.py"), *plan.argv[3:]))
 
-    with pytest.raises(carton.ProtocolMismatch, match=r"host speaks carton protocol 1, runner .* speaks 99"):
+    with pytest.raises(carton.ProtocolMismatch, match=rf"host speaks carton protocol {PROTOCOL_VERSION}, runner .* 99"):
         RunnerProcess.start(make_spec("runners_for_tests:Echo"), extra_env=TEST_ENV, wrap=older)
 
 
 def test_a_host_speaking_another_version_is_refused_on_both_sides(monkeypatch: pytest.MonkeyPatch) -> None:
-    import carton_protocol._messages as messages
+    import carton_protocol._codec as codec
 
-    monkeypatch.setattr(messages, "PROTOCOL_VERSION", 2)
-    monkeypatch.setattr(_process, "PROTOCOL_VERSION", 2)
+    monkeypatch.setattr(codec, "PROTOCOL_VERSION", 99)  # what the host's hello says
+    monkeypatch.setattr(_process, "PROTOCOL_VERSION", 99)  # what the host checks the reply against
     logs: list[Path] = []
 
     def remember(plan: LaunchPlan) -> LaunchPlan:
@@ -399,9 +400,10 @@ def test_a_host_speaking_another_version_is_refused_on_both_sides(monkeypatch: p
         original(self)
 
     monkeypatch.setattr(_process._Resources, "release", keep_log)
-    with pytest.raises(carton.ProtocolMismatch, match=r"host speaks carton protocol 2, runner .* speaks 1"):
+    with pytest.raises(carton.ProtocolMismatch, match=rf"host speaks carton protocol 99, runner .* {PROTOCOL_VERSION}"):
         RunnerProcess.start(make_spec("runners_for_tests:Echo"), extra_env=TEST_ENV, wrap=remember)
-    assert "host speaks carton protocol 2, this runner (runners_for_tests:Echo) speaks 1" in captured[0]
+    runner_says = f"host speaks carton protocol 99, this runner (runners_for_tests:Echo) speaks {PROTOCOL_VERSION}"
+    assert runner_says in captured[0]
     assert captured[1] == "3"
 
 

@@ -101,7 +101,7 @@ def test_requirements_pin_the_framework_and_take_only_what_the_runner_needs() ->
     onnx_requirements = runner_requirements(FRAMEWORKS["onnxruntime"], "1.19.2")
     assert onnx_requirements[0] == "onnxruntime==1.19.2"
     names = {requirement.split(">")[0].split("=")[0].split("<")[0] for requirement in onnx_requirements}
-    assert names == {"onnxruntime", "onnx", "numpy", "pluggy", "pyzmq", "msgpack"}
+    assert names == {"onnxruntime", "onnx", "numpy", "pluggy", "pyzmq", "msgspec"}
     assert not any("extra" in requirement for requirement in onnx_requirements)
     xgboost_requirements = runner_requirements(FRAMEWORKS["xgboost"], "2.1.4")
     build = "xgboost" if sys.platform == "darwin" else "xgboost-cpu"  # the build the [xgboost] extra installs

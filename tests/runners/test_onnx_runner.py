@@ -13,7 +13,16 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from carton_protocol import DType, LoadContext, PackContext, TensorSpec
+from carton_protocol import (
+    DType,
+    InvalidInput,
+    InvalidModel,
+    InvalidOption,
+    LoadContext,
+    PackContext,
+    TensorSpec,
+    UnsupportedModel,
+)
 from carton_runner_onnx import InvalidRunnerOption, OnnxRunnerError, UnsafeModelPath, UnsupportedTensorType
 from carton_runner_onnx.runner import OnnxRunner
 from onnx import TensorProto, helper
@@ -429,19 +438,27 @@ def test_unavailable_execution_providers_fall_back_to_cpu_with_a_warning(tmp_pat
 def test_infer_refuses_unknown_and_missing_inputs(tmp_path: Path) -> None:
     write_mlp(tmp_path)
     runner = _load(tmp_path)
-    with pytest.raises(OnnxRunnerError, match=r"unknown input\(s\) 'y'; the model takes 'x'"):
+    with pytest.raises(InvalidInput, match=r"unknown input\(s\) 'y'; the model takes 'x'") as info:
         runner.infer({"x": np.zeros((1, 16), np.float32), "y": np.zeros(1)})
-    with pytest.raises(OnnxRunnerError, match="missing input 'x'"):
+    assert info.value.tensor == "y"
+    with pytest.raises(InvalidInput, match="missing input 'x'"):
         runner.infer({})
-    with pytest.raises(OnnxRunnerError, match="nested tensor"):
+    with pytest.raises(InvalidInput, match="nested tensor"):
         runner.infer({"x": [np.zeros(16, np.float32)]})
 
 
 def test_infer_translates_onnxruntime_errors(tmp_path: Path) -> None:
     write_mlp(tmp_path)
     runner = _load(tmp_path)
-    with pytest.raises(OnnxRunnerError, match=r"onnxruntime failed to run the model: .*tensor\(double\)") as info:
+    # What onnxruntime refuses as an invalid argument is the caller's input: InvalidInput, not a runner failure.
+    with pytest.raises(InvalidInput, match=r"onnxruntime refused the inputs: .*tensor\(double\)") as info:
         runner.infer({"x": np.zeros((1, 16), np.float64)})
     assert info.value.__cause__ is not None
-    with pytest.raises(OnnxRunnerError, match="onnxruntime failed to run the model"):
+    with pytest.raises(InvalidInput, match="onnxruntime refused the inputs"):
         runner.infer({"x": np.zeros((1, 15), np.float32)})
+
+
+def test_the_runners_errors_carry_their_kind() -> None:
+    assert issubclass(InvalidRunnerOption, InvalidOption) and issubclass(UnsafeModelPath, InvalidModel)
+    assert issubclass(UnsupportedTensorType, UnsupportedModel)
+    assert all(issubclass(kind, OnnxRunnerError) for kind in (InvalidRunnerOption, UnsafeModelPath))

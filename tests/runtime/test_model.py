@@ -13,7 +13,8 @@ from pathlib import Path
 import carton
 import numpy as np
 import pytest
-from carton._runtime import Model, RunnerLimits, load_unpacked
+from carton._runtime import Model, RunnerLimits
+from carton._workflows import load_unpacked
 from carton.errors import (
     InvalidInput,
     InvalidOutput,

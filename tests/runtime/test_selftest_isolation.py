@@ -1,17 +1,17 @@
-"""Self-test comparisons, and the sandbox hook (`carton._sandbox.launch_wrapper`) the runtime calls."""
+"""Self-test comparisons, and the sandbox hook (`carton._sandbox.launch_wrapper`) every load calls."""
 
 from __future__ import annotations
 
 import dataclasses
-import sys
-import types
 from pathlib import Path
 
 import numpy as np
 import pytest
-from carton._runtime._isolation import RunnerLimits, SandboxPolicy, launch_wrapper
+from carton._runtime._isolation import RunnerLimits, SandboxPolicy, check_limits, sandbox_policy
 from carton._runtime._launch import LaunchPlan
 from carton._runtime._selftest import compare_outputs
+from carton._workflows import _load
+from carton.errors import SandboxConfigError
 
 from .test_model import load_affine, special
 
@@ -44,19 +44,13 @@ def test_nested_comparison() -> None:
     assert "one of actual/expected is a nested tensor" in str(compare_outputs("n", nested[0], nested))
 
 
-def test_policies_without_a_sandbox_layer(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setitem(sys.modules, "carton._sandbox", None)  # an import of it now fails, as in a build without
-    assert launch_wrapper(None, None, model_dir=tmp_path) is None
-    assert launch_wrapper("none", RunnerLimits(request_seconds=2), model_dir=tmp_path) is None
-    from carton.errors import SandboxUnavailable
-
-    for policy in ("best_effort", SandboxPolicy.STRICT):
-        with pytest.raises(SandboxUnavailable, match="needs the sandbox layer"):
-            launch_wrapper(policy, None, model_dir=tmp_path)
-    with pytest.raises(SandboxUnavailable, match="limits cpu_seconds, processes are enforced by the sandbox layer"):
-        launch_wrapper("none", RunnerLimits(cpu_seconds=1, processes=4), model_dir=tmp_path)
+def test_policies_and_limits_are_checked_before_any_runner_starts() -> None:
+    assert sandbox_policy(None) is SandboxPolicy.NONE and sandbox_policy("strict") is SandboxPolicy.STRICT
+    with pytest.raises(SandboxConfigError, match="unknown sandbox policy 'tight'"):
+        sandbox_policy("tight")
+    assert check_limits(None) is None
     with pytest.raises(TypeError, match=r"limits must be a carton\.RunnerLimits"):
-        launch_wrapper("none", {"memory_bytes": 1}, model_dir=tmp_path)  # type: ignore[arg-type]
+        check_limits({"memory_bytes": 1})
 
 
 @pytest.mark.usefixtures("runtime_plugin")
@@ -73,9 +67,7 @@ def test_a_sandbox_layer_wraps_every_runner_start(monkeypatch: pytest.MonkeyPatc
 
         return wrap
 
-    module = types.ModuleType("carton._sandbox")
-    module.launch_wrapper = provider  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "carton._sandbox", module)
+    monkeypatch.setattr(_load, "launch_wrapper", provider)
     limits = RunnerLimits(memory_bytes=1 << 30)
     with load_affine(affine_dir, sandbox="strict", limits=limits, workers=2) as model:
         model.infer({"x": special(1.0)})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import semver
-from carton._runtime._semver import Comparator, Op, VersionReq, framework_version
+from carton._semver import Comparator, Op, VersionReq, framework_version
 from carton.errors import InvalidVersion, InvalidVersionReq
 from hypothesis import given, settings
 from hypothesis import strategies as st

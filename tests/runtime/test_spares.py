@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from carton._runtime import RunnerLimits, RunnerProcess, _model, plugin_manager
 from carton._runtime._spares import SPARE_RUNNERS_ENV, spare_limit, spare_pool
+from carton._workflows import _load
 from carton.errors import CartonWarning, FormatError, RunnerStartError
 from carton_protocol import RunnerSpec, hookimpl
 
@@ -133,12 +134,12 @@ def test_a_bad_setting_warns_and_keeps_the_default(monkeypatch: pytest.MonkeyPat
 
 
 def test_unwrapped_starts_only_use_spares() -> None:
-    assert _model._unsandboxed(None, None)
-    assert _model._unsandboxed("none", RunnerLimits(request_seconds=5))
-    assert not _model._unsandboxed("strict", None)
-    assert not _model._unsandboxed("best_effort", None)
-    assert not _model._unsandboxed(None, RunnerLimits(memory_bytes=1 << 30))
-    assert not _model._unsandboxed("bogus", None)
+    assert _load._unsandboxed(None, None)
+    assert _load._unsandboxed("none", RunnerLimits(request_seconds=5))
+    assert not _load._unsandboxed("strict", None)
+    assert not _load._unsandboxed("best_effort", None)
+    assert not _load._unsandboxed(None, RunnerLimits(memory_bytes=1 << 30))
+    assert not _load._unsandboxed("bogus", None)
 
 
 def test_spares_end_when_the_interpreter_exits(tmp_path: Path, affine_dir: Path) -> None:
@@ -146,7 +147,8 @@ def test_spares_end_when_the_interpreter_exits(tmp_path: Path, affine_dir: Path)
         import sys
         sys.path.insert(0, {str(HERE.parent)!r})
         import numpy as np
-        from carton._runtime import load_unpacked, plugin_manager
+        from carton._runtime import plugin_manager
+        from carton._workflows import load_unpacked
         from carton._runtime._spares import spare_pool
         from runtime.conftest import RuntimeTestPlugin
         plugin_manager().register(RuntimeTestPlugin(), name="runtime-tests")
@@ -170,13 +172,13 @@ def test_load_overlaps_the_runner_start_with_extraction(tmp_path: Path, affine_d
     packed = carton.pack(affine_dir, tmp_path / "affine.carton", runner_name="affine",
                          required_framework_version="^1", inputs=INPUTS, outputs=OUTPUTS)
     started: list[RunnerSpec] = []
-    original = _model._start_in_background
+    original = _load._start_in_background
 
     def spy(runner: RunnerSpec, handshake_timeout: float) -> object:
         started.append(runner)
         return original(runner, handshake_timeout)
 
-    monkeypatch.setattr(_model, "_start_in_background", spy)
+    monkeypatch.setattr(_load, "_start_in_background", spy)
     with carton.load(packed) as model:
         assert started == [_resolved(AFFINE)]
         assert model.infer({"x": X})["y"].tolist() == [[1.5, 1.5]]
@@ -200,14 +202,14 @@ def test_a_carton_that_fails_to_open_leaves_no_runner_behind(tmp_path: Path, aff
     data[where:where + 3] = b"0.7"  # same size: carton.toml still reads, the MANIFEST hash no longer matches
     packed.write_bytes(bytes(data))
     started: list[object] = []
-    original = _model._start_in_background
+    original = _load._start_in_background
 
     def spy(runner: RunnerSpec, handshake_timeout: float) -> object:
         future = original(runner, handshake_timeout)
         started.append(future)
         return future
 
-    monkeypatch.setattr(_model, "_start_in_background", spy)
+    monkeypatch.setattr(_load, "_start_in_background", spy)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CartonWarning)
         with pytest.raises(FormatError):

@@ -45,16 +45,21 @@ def test_positional_inputs_follow_declared_order() -> None:
     [
         ({"z": np.zeros(1)}, "unknown input 'z'; the model's inputs are 'x', 'y', 's'"),
         ({"x": np.zeros((2, 3))}, "input 'x' has dtype float64, the model declares float32"),
-        ({"x": np.zeros((2, 4), np.float32)},
-         r"input 'x' dimension 1 is 4, the model declares 3 \(shape \['batch', 3\]\)"),
-        ({"x": np.zeros((2, 3, 1), np.float32)},
-         r"input 'x' has shape \(2, 3, 1\), the model declares 2 dimension"),
-        ({"y": np.arange(5)},
-         r"input 'y' dimension 0 is 5, but symbol 'batch' is already 2 \(from input 'x' dimension 0\)"),
+        (
+            {"x": np.zeros((2, 4), np.float32)},
+            r"input 'x' dimension 1 is 4, the model declares 3 \(shape \['batch', 3\]\)",
+        ),
+        ({"x": np.zeros((2, 3, 1), np.float32)}, r"input 'x' has shape \(2, 3, 1\), the model declares 2 dimension"),
+        (
+            {"y": np.arange(5)},
+            r"input 'y' dimension 0 is 5, but symbol 'batch' is already 2 \(from input 'x' dimension 0\)",
+        ),
         ({"y": np.arange(2, dtype=np.int32)}, "input 'y' has dtype int32, the model declares int64"),
         ({"s": np.array(["a"])}, r"input 's' has shape \(1,\), the model declares a scalar: \[\]"),
-        ({"s": np.array(b"a")},
-         r"input 's' has dtype bytes, the model declares string \(strings are numpy str arrays\)"),
+        (
+            {"s": np.array(b"a")},
+            r"input 's' has dtype bytes, the model declares string \(strings are numpy str arrays\)",
+        ),
         ({"s": "plain str"}, r"input 's' must be a numpy array .* got str; convert it with numpy.asarray"),
         ({"x": [[1.0, 2.0, 3.0]]}, "input 'x' is a list, so it must be a nested tensor .* element 0 is list"),
         ({"x": np.array([None, 1])}, "input 'x' is an object array"),
@@ -64,15 +69,18 @@ def test_positional_inputs_follow_declared_order() -> None:
 def test_bad_inputs(change: dict[object, object], message: str) -> None:
     inputs = good_inputs()
     inputs.update(change)  # type: ignore[arg-type]
-    with pytest.raises(InvalidInput, match=message):
+    with pytest.raises(InvalidInput, match=message) as refused:
         SIG.prepare_inputs(inputs)
+    named = next(iter(change))
+    assert refused.value.tensor == (named if isinstance(named, str) else None)  # the tensor at fault, as a fact
 
 
 def test_missing_input() -> None:
     inputs = good_inputs()
     del inputs["y"]
-    with pytest.raises(InvalidInput, match=r"missing input 'y' \(the model's inputs are 'x', 'y', 's'\)"):
+    with pytest.raises(InvalidInput, match=r"missing input 'y' \(the model's inputs are 'x', 'y', 's'\)") as refused:
         SIG.prepare_inputs(inputs)
+    assert refused.value.tensor == "y"
 
 
 def test_not_a_container() -> None:
@@ -83,13 +91,19 @@ def test_not_a_container() -> None:
 @pytest.mark.parametrize(
     ("outputs", "message"),
     [
-        ({"out": np.ones((3, 7), np.float32), "n": np.int32(1)},
-         r"output 'out' dimension 0 is 3, but symbol 'batch' is already 2 \(from input 'x' dimension 0\)"),
-        ({"out": np.ones((2, 7), np.float64), "n": np.int32(1)},
-         "output 'out' has dtype float64, the model declares float32"),
+        (
+            {"out": np.ones((3, 7), np.float32), "n": np.int32(1)},
+            r"output 'out' dimension 0 is 3, but symbol 'batch' is already 2 \(from input 'x' dimension 0\)",
+        ),
+        (
+            {"out": np.ones((2, 7), np.float64), "n": np.int32(1)},
+            "output 'out' has dtype float64, the model declares float32",
+        ),
         ({"out": np.ones((2, 7), np.float32)}, "the runner did not return output 'n'"),
-        ({"out": np.ones((2, 7), np.float32), "n": np.int32(1), "extra": np.ones(1)},
-         "the runner returned output 'extra', which the model does not declare"),
+        (
+            {"out": np.ones((2, 7), np.float32), "n": np.int32(1), "extra": np.ones(1)},
+            "the runner returned output 'extra', which the model does not declare",
+        ),
         ({"out": "nope", "n": np.int32(1)}, "output 'out' must be a numpy array"),
     ],
 )

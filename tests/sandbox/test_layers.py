@@ -10,6 +10,7 @@ import sys
 import textwrap
 import warnings
 from pathlib import Path
+from typing import Any
 
 import carton
 import numpy as np
@@ -302,21 +303,36 @@ def test_shim_reaper_reports_signals_like_bubblewrap() -> None:
 ])
 def test_url_loads_default_to_best_effort(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, where: str,
                                           given: str | None, expected: object) -> None:
-    import carton._format
-    from carton._runtime import _model
+    from carton._workflows import _load
+
+    info = carton.CartonInfo(spec_version=1, model_name=None, required_platforms=(), inputs=(), outputs=(),
+                             runner=carton.RunnerInfo(runner_name="adversary", required_framework_version="1",
+                                                      runner_compat_version=1, opts={}), manifest_sha256="")
 
     class Opened:
         def __init__(self) -> None:
-            self.info = carton.CartonInfo(spec_version=1, model_name=None, required_platforms=(), inputs=(),
-                                          outputs=(), runner=carton.RunnerInfo(
-                                              runner_name="adversary", required_framework_version="1",
-                                              runner_compat_version=1, opts={}), manifest_sha256="")
+            self.info = info
             self.model_dir = tmp_path
             self.verification = None
 
+    def open_carton(path_or_url: object, **options: Any) -> Opened:
+        options["on_info"](info)
+        return Opened()
+
+    class Chosen(Exception):
+        pass
+
     seen: list[object] = []
-    monkeypatch.setattr(carton._format, "open_carton", lambda path_or_url, **options: Opened())
-    monkeypatch.setattr(_model, "resolve_runner", lambda request, where: None)
-    monkeypatch.setattr(_model, "_open", lambda **kwargs: seen.append(kwargs["sandbox"]))
-    _model.load(where, sandbox=given)
+
+    def wrapper(sandbox: object, limits: object, model_dir: object) -> None:
+        seen.append(sandbox)
+        raise Chosen
+
+    monkeypatch.setattr(_load, "open_carton", open_carton)
+    spec = carton.RunnerSpec(runner_name="adversary", framework_version="1.0.0", runner_compat_version=1, entry="x:Y")
+    monkeypatch.setattr(_load, "resolve_runner", lambda request, where: spec)
+    monkeypatch.setattr(_load, "_start_in_background", lambda runner, handshake_timeout: None)
+    monkeypatch.setattr(_load, "_launch_wrapper", wrapper)
+    with pytest.raises(Chosen):
+        _load.load(where, sandbox=given)
     assert seen == [expected]

@@ -11,8 +11,8 @@ from pathlib import Path
 import carton.server._proto as proto
 import pytest
 import tritonclient.grpc.service_pb2 as triton_pb2
-from carton.errors import ServerError
 from carton.server._proto._generate import PROTO_RELATIVE, generate, render
+from carton.server.errors import ServerError
 from google.protobuf import descriptor_pool
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from packaging.requirements import Requirement

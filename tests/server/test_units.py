@@ -9,13 +9,13 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import carton
 import numpy as np
 import pytest
 from carton.errors import (
-    BadRequest,
+    CartonError,
     InvalidInput,
     ModelClosed,
-    RepositoryError,
     RunnerCrashed,
     RunnerFailed,
     RunnerMemoryLimit,
@@ -25,6 +25,16 @@ from carton.server._config import PolicyKind, parse_config
 from carton.server._datatypes import decode_bytes_elements, encode_bytes_elements
 from carton.server._inference import translate_error
 from carton.server._layout import Scrubber, sweep_stale_upload_roots, validate_model_name, write_upload
+from carton.server.errors import (
+    STATUS,
+    BadRequest,
+    ModelNotFound,
+    ModelUnavailable,
+    RepositoryError,
+    RequestTooLarge,
+    ServerError,
+    UploadDisabled,
+)
 
 
 def test_bytes_elements_exact_layout() -> None:
@@ -145,7 +155,9 @@ def test_config_parsing() -> None:
     [
         (
             RunnerTimeout(
-                "runner carton_runner_mcf.runner:MCFRunner did not answer infer within 2.5 s (timeout); it was killed"
+                "runner carton_runner_mcf.runner:MCFRunner did not answer infer within 2.5 s (timeout); it was killed",
+                limit_seconds=2.5,
+                limit_name="infer timeout",
             ),
             503,
             "model 'm' version 1 did not answer within the server's request timeout of 2.5 s; the request was "
@@ -169,11 +181,16 @@ def test_config_parsing() -> None:
             "model 'm' version 1 went over the server's memory limit for a model while running the request",
         ),
         (
-            RunnerFailed("runner pkg.mod:Runner failed during infer: Got invalid dimensions for input /srv/m/x.onnx"),
+            RunnerFailed(
+                "runner pkg.mod:Runner failed during infer: ValueError: Got invalid dimensions for input /srv/m/x.onnx",
+                remote_kind="internal",
+                remote_message="Got invalid dimensions for input /srv/m/x.onnx",
+            ),
             500,
             "model 'm' version 1 failed: Got invalid dimensions for input x.onnx",
         ),
         (InvalidInput("input 'x': expected float32"), 400, "input 'x': expected float32"),
+        (InvalidInput("token 600 of /srv/m/vocab.json is too large", tensor="ids"), 400, "token 600 of vocab.json"),
     ],
 )
 def test_runner_failures_answered_without_internals(error: Exception, status: int, expected: str) -> None:
@@ -182,3 +199,30 @@ def test_runner_failures_answered_without_internals(error: Exception, status: in
     assert answer.http_status == status and str(answer).startswith(expected), str(answer)
     for internal in ("runner", "pid", "a.b:C", "SIGSEGV", "/srv", "MCF"):
         assert internal not in str(answer)
+
+
+def test_each_server_error_has_one_http_status_and_one_grpc_code() -> None:
+    import grpc
+
+    expected = {
+        ServerError: (500, "INTERNAL"),
+        BadRequest: (400, "INVALID_ARGUMENT"),
+        RequestTooLarge: (413, "RESOURCE_EXHAUSTED"),
+        ModelNotFound: (404, "NOT_FOUND"),
+        ModelUnavailable: (503, "UNAVAILABLE"),
+        RepositoryError: (400, "INVALID_ARGUMENT"),
+        UploadDisabled: (403, "PERMISSION_DENIED"),
+    }
+    assert {kind: (status.http, status.grpc) for kind, status in STATUS.items()} == expected
+    for kind, (http, code) in expected.items():
+        error = kind("x")
+        assert (error.http_status, error.grpc_status) == (http, code)
+        assert isinstance(error, CartonError) and grpc.StatusCode[code]  # a real gRPC status code
+        assert getattr(carton, kind.__name__) is kind  # importable from carton too
+
+
+def test_a_server_error_subclass_is_answered_as_its_nearest_listed_base() -> None:
+    class Teapot(BadRequest):
+        pass
+
+    assert (Teapot("x").http_status, Teapot("x").grpc_status) == (400, "INVALID_ARGUMENT")

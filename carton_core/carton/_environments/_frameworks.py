@@ -22,6 +22,7 @@ from ..errors import EnvironmentInstallError
 __all__ = [
     "CARTON_DISTRIBUTION",
     "FRAMEWORKS",
+    "PROTOCOL_DEPENDENCIES",
     "Framework",
     "can_install",
     "carton_install_args",
@@ -34,7 +35,7 @@ __all__ = [
 CARTON_DISTRIBUTION = "carton-runtime"
 
 #: The core dependencies of carton that the runner side (`carton_protocol` and the runner loop) imports.
-PROTOCOL_DEPENDENCIES = ("numpy", "pluggy", "pyzmq", "msgpack")
+PROTOCOL_DEPENDENCIES = ("numpy", "pluggy", "pyzmq", "msgspec")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -23,7 +23,7 @@ from pathlib import Path
 from packaging.version import InvalidVersion as InvalidPep440Version
 from packaging.version import Version
 
-from .._runtime._semver import VersionReq, framework_version
+from .._semver import VersionReq, framework_version
 from ..errors import EnvironmentInstallError, InvalidVersion
 from ._frameworks import Framework, carton_install_args, framework_distributions, framework_for, runner_requirements
 from ._registry import (
@@ -38,7 +38,7 @@ from ._registry import (
     write_entry,
 )
 
-__all__ = ["available_versions", "choose_version", "install_runner", "remove_runner_environment"]
+__all__ = ["Progress", "available_versions", "choose_version", "install_runner", "remove_runner_environment"]
 
 Progress = Callable[[str], None]
 
@@ -269,7 +269,7 @@ def _describe(target: Path, framework: Framework, version: str, *, requirement_t
             f"asked pip for {framework.distribution}=={version} but the environment reports "
             f"{described['framework_version']}"
         )
-    from .. import __version__
+    from .._version import __version__
 
     return RunnerEnvironment(
         runner_name=framework.runner_name,

@@ -30,6 +30,7 @@ from ..errors import EnvironmentInstallError
 
 __all__ = [
     "ENTRY_FILE",
+    "ENTRY_FORMAT",
     "RunnerEnvironment",
     "discard",
     "environment_dir",

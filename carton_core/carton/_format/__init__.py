@@ -1,4 +1,4 @@
-"""The Carton v1 package format: reading (zip, directory, URL), verifying, materializing, packing, shrinking.
+"""The Carton v1 package format: reading (zip, directory, URL), verifying, materializing, writing, shrinking.
 
 See docs/format.md. `get_model_info` and `open_carton` never trust the archive: the zip structure is validated
 before anything is read, and every file is checked against MANIFEST before it is handed out.
@@ -7,12 +7,13 @@ before anything is read, and every file is checked against MANIFEST before it is
 from ._info import CartonInfo, Example, MiscRef, RunnerInfo, SelfTest, TensorRef
 from ._limits import DEFAULT_LIMITS, ReadLimits
 from ._open import OpenedCarton, Verification, open_carton
-from ._pack import pack, shrink
+from ._pack import CartonContents, check_links, check_specs, compression_method, default_output, shrink, write_carton
 from ._reader import get_model_info
 from ._verify import verify
 
 __all__ = [
     "DEFAULT_LIMITS",
+    "CartonContents",
     "CartonInfo",
     "Example",
     "MiscRef",
@@ -22,9 +23,13 @@ __all__ = [
     "SelfTest",
     "TensorRef",
     "Verification",
+    "check_links",
+    "check_specs",
+    "compression_method",
+    "default_output",
     "get_model_info",
     "open_carton",
-    "pack",
     "shrink",
     "verify",
+    "write_carton",
 ]

@@ -23,6 +23,8 @@ from ..errors import ConfigError, FormatError
 from ._info import RunnerInfo
 
 __all__ = [
+    "MISC_PREFIX",
+    "TENSOR_PREFIX",
     "ParsedConfig",
     "RawExample",
     "RawSelfTest",

@@ -38,7 +38,18 @@ from ._stamp import FileStat, file_stat, hash_stable, read_stamp, stamp_matches,
 from ._writeback import write_all, write_pieces
 from ._zipread import METHOD_STORED, ZipEntry
 
-__all__ = ["OpenedCarton", "Verification", "open_carton"]
+__all__ = [
+    "ENTRY_STAMP",
+    "WRITE_BEHIND_PIECE",
+    "OpenedCarton",
+    "Verification",
+    "copy_stored",
+    "dir_stamp_path",
+    "extract_stored",
+    "extract_stored_kernel_copy",
+    "models_dir",
+    "open_carton",
+]
 
 _COPY_CHUNK = 8 << 20
 #: Buffer of the one-pass stored extraction: 1 MiB measured fastest (stays in cache between read, hash and write).
@@ -106,17 +117,22 @@ def open_carton(
     limits: ReadLimits | None = None,
     cache_dir: Path | None = None,
     defer_verification: bool = False,
+    on_info: Callable[[CartonInfo], None] | None = None,
 ) -> OpenedCarton:
     """Open a .carton file, an unpacked carton directory or an http(s) URL for loading.
 
     Raises a `carton.FormatError` subclass naming the file at fault; on failure nothing is left in the cache.
     With ``defer_verification`` the model files' hashes may still be being checked when this returns
-    (`OpenedCarton.verification`; see the module docstring).
+    (`OpenedCarton.verification`; see the module docstring). ``on_info`` is called with the carton's info as soon
+    as carton.toml is read, before any model byte is: `carton.load` starts the runner from there, so carton.toml
+    is read once per load.
     """
     limits = limits or DEFAULT_LIMITS
     cache = cache_dir or _paths.cache_dir()
     with open_reader(path_or_url, limits, cache) as reader:
         info = build_info(reader)
+        if on_info is not None:
+            on_info(info)
         model_paths = sorted(p for p in reader.manifest if p.startswith("model/"))
         if isinstance(reader.store, DirStore) and all(p in reader.present for p in model_paths):
             model_dir = reader.store.root / "model"

@@ -1,4 +1,5 @@
-"""`carton.pack` and `carton.shrink`: writing cartons, deterministically and atomically.
+"""Writing cartons, deterministically and atomically: `write_carton` (what `carton.pack` ends with, in
+`carton._workflows`) and `carton.shrink`.
 
 Entry order: the content files (``model/``, ``misc/``, tensor files) sorted by path, then the small metadata
 (``carton.toml``, ``tensor_data/index.toml``, ``MANIFEST``, ``LINKS``) last, next to the central directory, so that
@@ -12,18 +13,17 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import shutil
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from carton_protocol import OptValue, TensorSpec
+from carton_protocol import TensorSpec
 
 from .. import _paths
 from .._progress import Progress
-from .._warnings import warn_user
-from ..errors import ConfigError, PackError, PlatformWarning, UnsafeArchive
+from ..errors import ConfigError, PackError, UnsafeArchive
 from ._config import RawExample, RawSelfTest, serialize_carton_toml
 from ._config import _tensor_spec as tensor_spec_from_table
 from ._info import MiscRef, RunnerInfo, SelfTest, TensorRef
@@ -35,7 +35,15 @@ from ._tensor_data import INDEX_PATH, TensorWriter
 from ._zipread import METHOD_STORED, normalize_name
 from ._zipwrite import COMPRESSION_METHODS, ZipWriter
 
-__all__ = ["pack", "shrink"]
+__all__ = [
+    "CartonContents",
+    "check_links",
+    "check_specs",
+    "compression_method",
+    "default_output",
+    "shrink",
+    "write_carton",
+]
 
 _METADATA_LAST = ("carton.toml", INDEX_PATH)
 _CHUNK = 4 << 20
@@ -65,7 +73,7 @@ def _model_files(model_dir: Path) -> dict[str, Path]:
     return files
 
 
-def _check_specs(name: str, specs: Sequence[TensorSpec] | None) -> tuple[TensorSpec, ...]:
+def check_specs(name: str, specs: Sequence[TensorSpec] | None) -> tuple[TensorSpec, ...]:
     """The specs as carton.toml will hold them, checked by the same rules the reader applies (dtype, shape, name)."""
     if specs is None:
         return ()
@@ -221,139 +229,67 @@ def _atomic_output(output: Path) -> Iterator[BinaryIO]:
         raise
 
 
-def _default_output(model_dir: Path) -> Path:
+def default_output(model_dir: Path) -> Path:
     """``<model_dir>.carton`` beside the folder, as `carton pack` does without ``-o``."""
     folder = model_dir.resolve()
     return folder.with_name(f"{folder.name}.carton")
 
 
-def pack(
-    model_dir_or_object: str | os.PathLike[str] | object,
-    output: str | os.PathLike[str] | None = None,
-    *,
-    runner_name: str,
-    required_framework_version: str,
-    runner_compat_version: int | None = None,
-    model_name: str | None = None,
-    model_description: str | None = None,
-    short_description: str | None = None,
-    license: str | None = None,
-    repository: str | None = None,
-    homepage: str | None = None,
-    required_platforms: Sequence[str] = (),
-    inputs: Sequence[TensorSpec] | None = None,
-    outputs: Sequence[TensorSpec] | None = None,
-    self_tests: Sequence[SelfTest | Mapping[str, Any]] = (),
-    examples: Sequence[Any] = (),
-    misc_files: Mapping[str, bytes | os.PathLike[str]] | None = None,
-    linked_files: Mapping[str, Sequence[str]] | None = None,
-    runner_opts: Mapping[str, OptValue] | None = None,
-    compression: str = "zstd",
-    validate: bool = True,
-) -> Path:
-    """Pack a model folder (or an in-memory model object) into a .carton file and return its path.
-
-    ``validate=True`` runs the runner's own packing step in a runner process (it checks the folder, may fill in
-    ``inputs``/``outputs`` and options, and supplies ``runner_compat_version``); with ``validate=False`` nothing
-    runs and ``runner_compat_version`` must be given. Self tests are ``{"name", "description", "inputs",
-    "expected_out"}`` mappings, examples ``{"name", "description", "inputs", "sample_out"}``; tensors are numpy
-    arrays, strings, (nested) lists, or lists of arrays for nested tensors; example values may also be misc files
-    (bytes or a path). ``linked_files`` maps sha256 to URLs: files with those hashes are left out of the zip and
-    listed in LINKS. ``output=None`` writes ``<model_dir>.carton`` beside a model folder (a model object needs an
-    explicit ``output``). Raises `carton.PackError`.
-    """
-    method = COMPRESSION_METHODS.get(compression)
+def compression_method(name: str) -> int:
+    """The zip method of a ``compression`` name; `PackError` listing the names otherwise."""
+    method = COMPRESSION_METHODS.get(name)
     if method is None:
-        raise PackError(f"compression {compression!r} is not one of {', '.join(COMPRESSION_METHODS)}")
-    _warn_if_foreign(required_platforms)
-    inputs_t, outputs_t = _check_specs("inputs", inputs), _check_specs("outputs", outputs)
-    is_folder = isinstance(model_dir_or_object, str | os.PathLike)
-    if output is None and not is_folder:
-        raise PackError("pack(model_object): output= is required (there is no model folder to write beside)")
+        raise PackError(f"compression {name!r} is not one of {', '.join(COMPRESSION_METHODS)}")
+    return method
+
+
+def check_links(linked_files: Mapping[str, Sequence[str]] | None) -> None:
+    """LINKS may only hold http(s) URLs, at least one per file; `PackError` naming the hash otherwise."""
     for digest, targets in (linked_files or {}).items():
         _check_urls(digest, targets, "linked_files")
-    destination = Path(output) if output is not None else _default_output(Path(model_dir_or_object))  # type: ignore[arg-type]
-    opts: dict[str, OptValue] = dict(runner_opts or {})
-    with tempfile.TemporaryDirectory(prefix="carton-pack-") as staging_name:
-        staging = Path(staging_name) / "model"
-        if is_folder:
-            model_dir = Path(model_dir_or_object)  # type: ignore[arg-type]
-            if not model_dir.is_dir():
-                raise PackError(f"{model_dir}: not a directory (pack takes a model folder or a model object)")
-        else:
-            from .._runtime import serialize_model
-
-            staging.mkdir()
-            recorded = serialize_model(model_dir_or_object, runner_name=runner_name, model_dir=staging)
-            opts = {**dict(recorded or {}), **opts}
-            model_dir = staging
-        if validate:
-            from .._runtime import pack_in_runner
-
-            if model_dir != staging:
-                # The runner's pack step may rewrite files: give it a copy, never the caller's folder.
-                shutil.copytree(model_dir, staging, symlinks=False)
-                model_dir = staging
-            try:
-                packed = pack_in_runner(
-                    runner_name=runner_name,
-                    required_framework_version=required_framework_version,
-                    model_dir=model_dir,
-                    opts=opts,
-                    inputs=inputs_t,
-                    outputs=outputs_t,
-                )
-            except PackError as exc:
-                # The runner saw our private copy; name the caller's folder (or object) instead.
-                shown = str(Path(model_dir_or_object)) if is_folder else "the serialized model object"  # type: ignore[arg-type]
-                message = str(exc).replace(str(staging.resolve()), shown).replace(str(staging), shown)
-                raise PackError(message) from exc
-            inputs_t = inputs_t or tuple(packed.result.inputs)
-            outputs_t = outputs_t or tuple(packed.result.outputs)
-            opts = dict(packed.result.opts)
-            if runner_compat_version is None:
-                runner_compat_version = packed.runner.runner_compat_version
-        if runner_compat_version is None:
-            raise PackError("runner_compat_version is required when validate=False (no runner is asked for it)")
-        if isinstance(runner_compat_version, bool) or not isinstance(runner_compat_version, int):
-            raise PackError(f"runner_compat_version must be an int, not {type(runner_compat_version).__name__}")
-        contents = _Contents()
-        for name, value in sorted((misc_files or {}).items()):
-            contents.add_misc(name, value, f"misc_files[{name!r}]")
-        raw_tests, raw_examples = _build_tests(contents, self_tests, examples, inputs_t, outputs_t)
-        contents.files.update(contents.tensors.files())
-        try:
-            contents.files["carton.toml"] = serialize_carton_toml(
-                metadata={"model_name": model_name, "short_description": short_description,
-                          "model_description": model_description, "license": license, "repository": repository,
-                          "homepage": homepage},
-                required_platforms=list(required_platforms),
-                inputs=inputs_t,
-                outputs=outputs_t,
-                self_tests=raw_tests,
-                examples=raw_examples,
-                runner=RunnerInfo(runner_name=runner_name, required_framework_version=required_framework_version,
-                                  runner_compat_version=runner_compat_version, opts=opts),
-            )  # fmt: skip
-        except (TypeError, ValueError) as exc:
-            raise PackError(f"carton.toml cannot hold these values: {exc}") from exc
-        _write(destination, _model_files(model_dir), contents.files, dict(linked_files or {}), method)
-    return destination
 
 
-def _warn_if_foreign(required_platforms: Sequence[str]) -> None:
-    """Packing for other machines is legitimate, but a carton this machine cannot load is worth saying at once."""
-    if not required_platforms:
-        return
-    from .._runtime import target_triple
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CartonContents:
+    """What a carton holds besides its model folder: carton.toml's fields and the files they reference.
 
-    host = target_triple()
-    if host not in required_platforms:
-        warn_user(
-            f"required_platforms allows only {', '.join(required_platforms)} and this machine is {host}: the carton "
-            f"will not load here (add {host} to required_platforms to load it on this machine too)",
-            PlatformWarning,
+    ``metadata`` holds carton.toml's descriptive fields (``model_name``, ``short_description``,
+    ``model_description``, ``license``, ``repository``, ``homepage``); the rest are as `carton.pack` takes them.
+    """
+
+    runner: RunnerInfo
+    metadata: Mapping[str, str | None] = field(default_factory=dict)
+    required_platforms: tuple[str, ...] = ()
+    inputs: tuple[TensorSpec, ...] = ()
+    outputs: tuple[TensorSpec, ...] = ()
+    self_tests: Sequence[SelfTest | Mapping[str, Any]] = ()
+    examples: Sequence[Any] = ()
+    misc_files: Mapping[str, bytes | os.PathLike[str]] = field(default_factory=dict)
+    linked_files: Mapping[str, Sequence[str]] = field(default_factory=dict)
+
+
+def write_carton(destination: Path, model_dir: Path, contents: CartonContents, *, method: int) -> None:
+    """Write `model_dir` and `contents` to the .carton file `destination`, atomically; `PackError` on failure."""
+    files = _Contents()
+    for name, value in sorted(contents.misc_files.items()):
+        files.add_misc(name, value, f"misc_files[{name!r}]")
+    raw_tests, raw_examples = _build_tests(
+        files, contents.self_tests, contents.examples, contents.inputs, contents.outputs
+    )
+    files.files.update(files.tensors.files())
+    try:
+        files.files["carton.toml"] = serialize_carton_toml(
+            metadata=dict(contents.metadata),
+            required_platforms=list(contents.required_platforms),
+            inputs=contents.inputs,
+            outputs=contents.outputs,
+            self_tests=raw_tests,
+            examples=raw_examples,
+            runner=contents.runner,
         )
+    except (TypeError, ValueError) as exc:
+        raise PackError(f"carton.toml cannot hold these values: {exc}") from exc
+    _write(destination, _model_files(model_dir), files.files, dict(contents.linked_files), method)
 
 
 def _write(

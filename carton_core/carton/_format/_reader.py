@@ -30,7 +30,7 @@ from ._source import Source, open_source
 from ._tensor_data import INDEX_PATH, IndexEntry, load_tensor, parse_index
 from ._zipread import ZipEntry, ZipReader
 
-__all__ = ["CartonReader", "DirStore", "ZipStore", "build_info", "get_model_info", "located", "open_reader"]
+__all__ = ["CartonReader", "DirStore", "Store", "ZipStore", "build_info", "get_model_info", "located", "open_reader"]
 
 _CHUNK = 4 << 20
 

@@ -21,7 +21,7 @@ from ..errors import PackError, TensorDataError
 from ._config import parse_toml
 from ._zipread import normalize_name
 
-__all__ = ["INDEX_PATH", "IndexEntry", "TensorWriter", "load_tensor", "parse_index"]
+__all__ = ["INDEX_PATH", "NESTED", "IndexEntry", "TensorWriter", "load_tensor", "parse_index"]
 
 INDEX_PATH = "tensor_data/index.toml"
 NESTED = "nested"

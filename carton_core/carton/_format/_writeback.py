@@ -14,6 +14,8 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
+__all__ = ["INLINE_BELOW", "Hasher", "write_all", "write_pieces"]
+
 #: Below this many bytes a file is written inline: starting a thread costs more than the overlap saves.
 INLINE_BELOW = 4 << 20
 #: Pieces the decoder may run ahead of the writer.

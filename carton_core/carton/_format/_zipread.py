@@ -22,7 +22,15 @@ from ._codecs import DecodeError, Decoder, RawDeflate, Zstd
 from ._limits import ReadLimits
 from ._source import Source
 
-__all__ = ["METHOD_DEFLATE", "METHOD_STORED", "METHOD_ZSTD", "QUIRK_ROOT_NAMES", "ZipEntry", "ZipReader"]
+__all__ = [
+    "METHOD_DEFLATE",
+    "METHOD_STORED",
+    "METHOD_ZSTD",
+    "QUIRK_ROOT_NAMES",
+    "ZipEntry",
+    "ZipReader",
+    "normalize_name",
+]
 
 METHOD_STORED = 0
 METHOD_DEFLATE = 8

@@ -18,7 +18,7 @@ from typing import BinaryIO, Protocol
 from ._codecs import zstd
 from ._zipread import METHOD_DEFLATE, METHOD_STORED, METHOD_ZSTD
 
-__all__ = ["COMPRESSION_METHODS", "DATA_ALIGNMENT", "ZipWriter"]
+__all__ = ["COMPRESSION_METHODS", "DATA_ALIGNMENT", "ZSTD_LEVEL", "ZipWriter"]
 
 #: ``compression=`` names accepted by `carton.pack`.
 COMPRESSION_METHODS = {"stored": METHOD_STORED, "deflate": METHOD_DEFLATE, "zstd": METHOD_ZSTD}

@@ -1,42 +1,53 @@
-"""Runner resolution (plugins, Cargo version requirements, target triples), runner processes and `Model`."""
+"""Runner resolution (plugins, Cargo version requirements, target triples), runner processes and `Model`.
 
+`carton.load` itself is a workflow above this layer (`carton._workflows`): it reads the carton and picks the
+sandbox, then hands a `Model` its `LoadSettings`.
+"""
+
+from .._semver import Comparator, VersionReq, framework_version
 from ._hookspecs import hookspec
-from ._isolation import RunnerLimits, SandboxPolicy
-from ._model import Model, load, load_unpacked
+from ._isolation import RunnerLimits, SandboxPolicy, check_limits, sandbox_policy
+from ._model import Model, close_started
 from ._pack import PackOutcome, pack_in_runner, serialize_model
 from ._platform import target_triple
 from ._plugins import Discovery, PluginProblem, discover, discover_runners, plugin_manager, reset_plugins
 from ._prestart import prestart
 from ._process import RunnerProcess
-from ._resolve import Rejection, RunnerRequest, resolve_runner, select_runner
+from ._resolve import RunnerRequest, requirement_source, resolve_runner, select_runner
 from ._selftest import SelfTestResult
-from ._semver import Comparator, VersionReq, framework_version
+from ._settings import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_LOAD_TIMEOUT, LoadSettings
+from ._spares import spare_pool
 
 __all__ = [
+    "DEFAULT_HANDSHAKE_TIMEOUT",
+    "DEFAULT_LOAD_TIMEOUT",
     "Comparator",
     "Discovery",
+    "LoadSettings",
     "Model",
     "PackOutcome",
     "PluginProblem",
-    "Rejection",
     "RunnerLimits",
     "RunnerProcess",
     "RunnerRequest",
     "SandboxPolicy",
     "SelfTestResult",
     "VersionReq",
+    "check_limits",
+    "close_started",
     "discover",
     "discover_runners",
     "framework_version",
     "hookspec",
-    "load",
-    "load_unpacked",
     "pack_in_runner",
     "plugin_manager",
     "prestart",
+    "requirement_source",
     "reset_plugins",
     "resolve_runner",
+    "sandbox_policy",
     "select_runner",
     "serialize_model",
+    "spare_pool",
     "target_triple",
 ]

@@ -5,6 +5,9 @@ includes the runner's pidfd, so a runner that dies fails the call at once instea
 
 asyncio callers get an `AsyncChannel` per event loop instead: one DEALER whose file descriptor, and a duplicate of
 the runner's pidfd, are readers of the loop. Calls in flight on it are told apart by request id.
+
+Both hand bytes to and from the connection's `carton_protocol.HostCodec`, which hides how a message is encoded
+(header templates or the full encoder) and where its tensors lie (frames or shared memory).
 """
 
 from __future__ import annotations
@@ -19,16 +22,22 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import msgspec
 import zmq
-from carton_protocol import ProtocolError
-from carton_protocol._limits import WireLimits
-from carton_protocol._messages import pack_header, unpack_header
-from carton_protocol._shm import FdChannel, PeerSegments, SegmentPool
-from carton_protocol._templates import Plan, Templates
-from carton_protocol._zmqio import recv_message, send_message
+from carton_protocol import (
+    ErrorReply,
+    HostCodec,
+    ProtocolError,
+    Received,
+    Reply,
+    Request,
+    Tensor,
+    recv_message,
+    send_message,
+)
 from zmq.backend import zmq_poll
 
-__all__ = ["AsyncChannel", "CallTimeout", "Connection", "PeerGone", "Reply"]
+__all__ = ["AsyncChannel", "CallTimeout", "Connection", "PeerGone"]
 
 # Without a pidfd, a waiting call checks the process this often.
 _LIVENESS_SLICE_MS = 100
@@ -42,18 +51,6 @@ class PeerGone(Exception):
 
 class CallTimeout(Exception):
     """No reply arrived within the call's timeout."""
-
-
-class Reply:
-    """A reply to our request: its header bytes, and either its decoded header or the plan its cached bytes match."""
-
-    __slots__ = ("data", "frames", "header", "plan")
-
-    def __init__(self, data: bytes, header: dict[str, Any] | None, plan: Plan | None, frames: list[zmq.Frame]):
-        self.data = data
-        self.header = header
-        self.plan = plan
-        self.frames = frames
 
 
 class _ThreadSocket:
@@ -72,17 +69,9 @@ def _close_socket(sock: zmq.Socket[Any]) -> None:
 class Connection:
     """Request/reply with one runner; safe to use from any number of threads at once."""
 
-    def __init__(
-        self,
-        *,
-        endpoint: str,
-        pidfd: int | None,
-        is_alive: Callable[[], bool],
-        limits: WireLimits,
-        channel: FdChannel | None,
-    ) -> None:
+    def __init__(self, *, endpoint: str, pidfd: int | None, is_alive: Callable[[], bool], codec: HostCodec) -> None:
         self.endpoint = endpoint
-        self.limits = limits
+        self.codec = codec
         self._pidfd = pidfd
         self.pidfd = pidfd
         self._is_alive = is_alive
@@ -92,12 +81,6 @@ class Connection:
         self._sockets_lock = threading.Lock()
         self._sockets: set[zmq.Socket[Any]] = set()
         self._ids = itertools.count(1)
-        self.channel = channel
-        self.templates = Templates(limits=limits, sends="request")
-        self.pool = SegmentPool("h", channel) if channel is not None else None
-        self.peer = (
-            PeerSegments(channel, writable=False, max_segments=limits.max_segments) if channel is not None else None
-        )
 
     def _thread_socket(self) -> _ThreadSocket:
         state: _ThreadSocket | None = getattr(self._local, "state", None)
@@ -126,21 +109,18 @@ class Connection:
             self._sockets.discard(sock)
         _close_socket(sock)
 
-    def call(
-        self, header: dict[str, Any], frames: Sequence[Any] = (), *, timeout: float | None
-    ) -> tuple[dict[str, Any], list[zmq.Frame]]:
-        """Send a request and wait for its reply: (header, data frames). Raises PeerGone or CallTimeout."""
+    def call(self, request: Request, *, timeout: float | None) -> Reply:
+        """Send a request that is not an ``infer`` (its ``id`` is set here) and wait for its reply.
+        Raises PeerGone or CallTimeout, or `carton_protocol.ProtocolError` for a reply that cannot be read."""
         request_id = self.next_id()
-        header["id"] = request_id
-        self._attach_drops(header)
-        reply = self.exchange([pack_header(header), *frames], request_id, timeout=timeout)
-        decoded = reply.header if reply.header is not None else unpack_header(reply.data, self.limits)
-        return decoded, reply.frames
+        data = self.codec.encode(msgspec.structs.replace(request, id=request_id))
+        reply: Reply = self.exchange([data], request_id, timeout=timeout).message
+        return reply
 
     def next_id(self) -> int:
         return next(self._ids)
 
-    def exchange(self, parts: Sequence[Any], request_id: int, *, timeout: float | None) -> Reply:
+    def exchange(self, parts: Sequence[Any], request_id: int, *, timeout: float | None) -> Received:
         """Send a ready message (header bytes with `request_id`, then data frames) and wait for its reply."""
         state: _ThreadSocket | None = getattr(self._local, "state", None)
         if state is None:
@@ -181,31 +161,28 @@ class Connection:
             if deadline is not None and time.monotonic() >= deadline:
                 raise CallTimeout
 
-    def _receive(self, sock: zmq.Socket[Any], request_id: int) -> Reply | None:
-        frames = recv_message(sock)
-        data = frames[0].bytes
-        matched = self.templates.match(data)
-        if matched is not None:
-            if matched[0] == request_id:
-                return Reply(data, None, matched[1], frames[1:])
-            return None
-        header = unpack_header(data, self.limits)
-        reply_id = header.get("id")
-        if reply_id == request_id or (reply_id == -1 and header.get("ok") is False):
-            return Reply(data, header, None, frames[1:])
-        return None  # the late reply of an earlier call on this thread that timed out
+    def _receive(self, sock: zmq.Socket[Any], request_id: int) -> Received | None:
+        received = self.codec.decode(recv_message(sock))
+        message = received.message
+        if message.id == request_id or (message.id == -1 and isinstance(message, ErrorReply)):
+            return received
+        self.release(received, sock)  # the late reply of an earlier call on this thread that timed out
+        return None
 
-    def send(self, header: dict[str, Any]) -> None:
-        """Send a request that has no reply (``release``)."""
-        sock = self._thread_socket().socket
-        header["id"] = next(self._ids)
-        sock.send(pack_header(header))
+    def outputs(self, received: Received) -> dict[str, Tensor]:
+        """The tensors of an infer reply (ordinary arrays the caller owns); the runner may then reuse whatever
+        held them. `carton_protocol.ProtocolError` when they break a rule of the wire."""
+        try:
+            return self.codec.tensors(received)
+        finally:
+            self.release(received)
 
-    def _attach_drops(self, header: dict[str, Any]) -> None:
-        if self.pool is not None:
-            dropped = self.pool.take_dropped()
-            if dropped:
-                header["drop"] = dropped
+    def release(self, received: Received, sock: zmq.Socket[Any] | None = None) -> None:
+        """Tell the runner that the shared memory a reply used is free again (nothing to say for most replies)."""
+        data = self.codec.release(received, self.next_id)
+        if data is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                (sock if sock is not None else self._thread_socket().socket).send(data)
 
     def close(self) -> None:
         with self._sockets_lock:
@@ -213,12 +190,7 @@ class Connection:
         for sock in sockets:
             _close_socket(sock)
         self._context.destroy(linger=0)
-        if self.pool is not None:
-            self.pool.close()
-        if self.peer is not None:
-            self.peer.close()
-        if self.channel is not None:
-            self.channel.close()
+        self.codec.close()
 
 
 _async_context: tuple[int, zmq.Context[Any]] | None = None
@@ -247,9 +219,8 @@ class AsyncChannel:
         assert connection.pidfd is not None
         self.closed = False
         self._connection = connection
-        self._templates = connection.templates
-        self._limits = connection.limits
-        self._pending: dict[int, asyncio.Future[Reply]] = {}
+        self._codec = connection.codec
+        self._pending: dict[int, asyncio.Future[Received]] = {}
         # Requests given up (cancelled) whose shared-memory input the runner may still read: released on their reply.
         self._orphans: dict[int, Callable[[], None]] = {}
         self._loop = weakref.ref(loop)
@@ -272,12 +243,12 @@ class AsyncChannel:
         # A loop that ends (asyncio.run returns) before the runner does: its channel's socket and pidfd go with it.
         self._finalizer = weakref.finalize(loop, _close_quietly, sock, self._pidfd)
 
-    async def call(self, parts: Sequence[Any], request_id: int, *, timeout: float | None) -> Reply:
+    async def call(self, parts: Sequence[Any], request_id: int, *, timeout: float | None) -> Received:
         """Send a ready request and wait for its reply. Raises PeerGone, CallTimeout or ProtocolError."""
         if self.closed:
             raise PeerGone
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[Reply] = loop.create_future()
+        future: asyncio.Future[Received] = loop.create_future()
         self._pending[request_id] = future
         timer = None if timeout is None else loop.call_later(timeout, self._expire, request_id)
         try:
@@ -311,53 +282,30 @@ class AsyncChannel:
                 raise
 
     def _dispatch(self, frames: list[zmq.Frame]) -> None:
-        data = frames[0].bytes
-        matched = self._templates.match(data)
-        request_id: object
-        header: dict[str, Any] | None = None
-        plan: Plan | None = None
-        if matched is not None:
-            request_id, plan = matched
-        else:
-            try:
-                header = unpack_header(data, self._limits)
-            except ProtocolError as exc:
-                # A reply we cannot read belongs to no call in particular: the runner is broken for all of them.
-                self._fail_all(exc)
-                return
-            request_id = header.get("id")
-            if request_id == -1 and header.get("ok") is False:
-                for future in self._pending.values():
-                    if not future.done():
-                        future.set_result(Reply(data, header, None, frames[1:]))
-                return
-        waiting = self._pending.get(request_id) if type(request_id) is int else None
-        if waiting is None or waiting.done():
-            self._discard(request_id, header)
+        try:
+            received = self._codec.decode(frames)
+        except ProtocolError as exc:
+            # A reply we cannot read belongs to no call in particular: the runner is broken for all of them.
+            self._fail_all(exc)
             return
-        waiting.set_result(Reply(data, header, plan, frames[1:]))
+        message = received.message
+        if message.id == -1 and isinstance(message, ErrorReply):
+            for future in self._pending.values():
+                if not future.done():
+                    future.set_result(received)
+            return
+        waiting = self._pending.get(message.id)
+        if waiting is None or waiting.done():
+            self._discard(received)
+            return
+        waiting.set_result(received)
 
-    def _discard(self, request_id: object, header: dict[str, Any] | None) -> None:
+    def _discard(self, received: Received) -> None:
         """The late reply of a call given up: free what it holds on both sides, use nothing else of it."""
-        release = self._orphans.pop(request_id, None) if type(request_id) is int else None
+        release = self._orphans.pop(received.message.id, None)
         if release is not None:
             release()
-        if header is None:
-            return
-        connection = self._connection
-        drop = header.get("drop")
-        if type(drop) is list and connection.peer is not None:
-            connection.peer.drop([item for item in drop if type(item) is str])
-        used = []
-        tensors = header.get("tensors")
-        for entry in tensors if type(tensors) is list else ():
-            placement = entry.get("shm") if type(entry) is dict else None
-            if type(placement) is list and placement and type(placement[0]) is str:
-                used.append(placement[0])
-        if used:
-            request = {"op": "release", "id": connection.next_id(), "segments": used}
-            with contextlib.suppress(zmq.ZMQError):
-                self._sock.send(pack_header(request))
+        self._connection.release(received, self._sock)
 
     def _fail_all(self, error: BaseException) -> None:
         for future in self._pending.values():

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from carton_protocol._reaper import kill_tree
+from carton_protocol import kill_tree
 
 from ._connection import Connection
 from ._launch import remove_runtime_dir

@@ -1,31 +1,24 @@
-"""The sandbox policy and resource limits `carton.load` accepts, and how they become a launch-plan wrapper.
+"""The sandbox policy and resource limits `carton.load` accepts.
 
-The wrapper itself is the sandbox layer's job (``carton._sandbox``): when that module provides
-``launch_wrapper(policy, limits, *, model_dir) -> Callable[[LaunchPlan], LaunchPlan] | None`` it is used for every
-runner process a model starts. Without it, the ``none`` policy runs runners unwrapped and any other policy, or a
-limit that needs the sandbox (memory, CPU time, processes), raises `SandboxUnavailable`. The per-request wall-time
-limit needs no sandbox: it is the default timeout of every `Model.infer` call.
+The wrapper that enforces them is the sandbox layer's (`carton._sandbox.launch_wrapper`), which the load workflow
+(`carton._workflows`) calls with what `sandbox_policy` and `check_limits` accepted: the runtime only ever sees the
+resulting ``wrap(plan) -> plan`` (`LoadSettings.wrap`). The per-request wall-time limit needs no sandbox: it is
+the default timeout of every `Model.infer` call (`LoadSettings.request_timeout`).
 """
 
 from __future__ import annotations
 
 import enum
-import importlib
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
-from ..errors import SandboxConfigError, SandboxUnavailable
-from ._launch import LaunchPlan
+from ..errors import SandboxConfigError
 
-__all__ = ["RunnerLimits", "SandboxPolicy", "launch_wrapper"]
-
-LaunchWrapper = Callable[[LaunchPlan], LaunchPlan]
+__all__ = ["RunnerLimits", "SandboxPolicy", "check_limits", "sandbox_policy"]
 
 
 class SandboxPolicy(enum.StrEnum):
-    """How a model's runner processes are isolated (issue 8 describes the layers)."""
+    """How a model's runner processes are isolated (docs/sandbox.md describes the layers)."""
 
     NONE = "none"
     BEST_EFFORT = "best_effort"
@@ -62,7 +55,8 @@ class RunnerLimits:
         )
 
 
-def _policy(value: SandboxPolicy | str | None) -> SandboxPolicy:
+def sandbox_policy(value: SandboxPolicy | str | None) -> SandboxPolicy:
+    """The policy `value` names (``None``: ``none``); `SandboxConfigError` listing the policies otherwise."""
     if value is None:
         return SandboxPolicy.NONE
     try:
@@ -72,30 +66,8 @@ def _policy(value: SandboxPolicy | str | None) -> SandboxPolicy:
         raise SandboxConfigError(f"unknown sandbox policy {value!r} (choose one of {choices})") from None
 
 
-def launch_wrapper(
-    sandbox: SandboxPolicy | str | None, limits: RunnerLimits | None, *, model_dir: Path
-) -> LaunchWrapper | None:
-    """The ``wrap=`` for `RunnerProcess.start` under ``sandbox`` and ``limits`` (``None``: start unwrapped)."""
-    policy = _policy(sandbox)
+def check_limits(limits: object) -> RunnerLimits | None:
+    """`limits` when it is a `RunnerLimits` (or ``None``); `TypeError` otherwise."""
     if limits is not None and not isinstance(limits, RunnerLimits):
         raise TypeError(f"limits must be a carton.RunnerLimits, got {type(limits).__name__}")
-    needs = limits.needs_sandbox() if limits is not None else ()
-    try:
-        sandbox_module = importlib.import_module("carton._sandbox")
-    except ImportError:
-        sandbox_module = None
-    provider = getattr(sandbox_module, "launch_wrapper", None)
-    if callable(provider):
-        wrapper: LaunchWrapper | None = provider(policy, limits, model_dir=model_dir)
-        return wrapper
-    if policy is not SandboxPolicy.NONE:
-        raise SandboxUnavailable(
-            f"sandbox policy {policy.value!r} needs the sandbox layer (carton._sandbox), which this build does not "
-            "have; use sandbox='none' to run the model unsandboxed"
-        )
-    if needs:
-        raise SandboxUnavailable(
-            f"limits {', '.join(needs)} are enforced by the sandbox layer (carton._sandbox), which this build does "
-            "not have; only request_seconds is available without it"
-        )
-    return None
+    return limits

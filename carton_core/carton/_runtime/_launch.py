@@ -23,7 +23,15 @@ from pathlib import Path
 import carton_protocol
 from carton_protocol import RunnerSpec
 
-__all__ = ["LaunchPlan", "build_launch_plan", "make_runtime_dir", "remove_runtime_dir", "spawn"]
+__all__ = [
+    "LaunchPlan",
+    "LaunchWrapper",
+    "build_launch_plan",
+    "make_runtime_dir",
+    "read_log_tail",
+    "remove_runtime_dir",
+    "spawn",
+]
 
 _DIR_PREFIX = "carton-"
 _SOCKET_NAME = "runner.sock"
@@ -62,6 +70,10 @@ class LaunchPlan:
     #: Set by a wrapper that reports its runner's death by signal N as exit status ``exit_signal_base + N``
     #: (bubblewrap and the sandbox shim use 128).
     exit_signal_base: int | None = None
+
+
+#: What a sandbox supplies: a function that rewrites the plan of every runner process a model starts.
+LaunchWrapper = Callable[[LaunchPlan], LaunchPlan]
 
 
 def _runtime_base() -> Path:

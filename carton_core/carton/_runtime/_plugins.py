@@ -20,7 +20,7 @@ from carton_protocol import RunnerSpec
 from ..errors import CartonWarning
 from . import _hookspecs
 
-__all__ = ["Discovery", "PluginProblem", "discover", "discover_runners", "plugin_manager", "reset_plugins"]
+__all__ = ["PROJECT", "Discovery", "PluginProblem", "discover", "discover_runners", "plugin_manager", "reset_plugins"]
 
 #: The pluggy project name and the entry-point group.
 PROJECT = "carton"

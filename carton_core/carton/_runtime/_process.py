@@ -1,65 +1,75 @@
 """`RunnerProcess`: one runner subprocess, from start and handshake to load, infer and close.
 
-Every failure becomes a `carton.RunnerError` subclass naming the runner, the operation and the limit or signal:
-a runner that dies fails the calls in flight with `RunnerCrashed` within milliseconds (its pidfd is polled with
-the socket), one that does not answer in time is killed with its whole process tree (`RunnerTimeout`), and the
-process, its descendants and its runtime directory are cleaned up on close, on garbage collection and at exit.
+Every failure becomes a `carton` exception naming the runner, the operation and the limit or signal: a runner that
+dies fails the calls in flight with `RunnerCrashed` within milliseconds (its pidfd is polled with the socket), one
+that does not answer in time is killed with its whole process tree (`RunnerTimeout`), a failure the runner reports
+becomes the exception its code maps to (`_failures.remote_failure`), and the process, its descendants and its
+runtime directory are cleaned up on close, on garbage collection and at exit. Exceptions of the layers below (the
+wire, ZeroMQ, the operating system) are translated in one place, `RunnerProcess._failure`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import functools
 import os
 import signal
-import socket
 import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import zmq
-from carton_protocol import OptValue, PackResult, ProtocolError, RemoteError, RunnerSpec, Tensor, TensorSpec
-from carton_protocol._framing import decode_tensors, encode_tensors
-from carton_protocol._limits import DEFAULT_LIMITS, WireLimits
-from carton_protocol._messages import (
+from carton_protocol import (
     PROTOCOL_VERSION,
-    Op,
-    decode_opts,
-    decode_specs,
-    encode_specs,
-    hello_request,
-    infer_request,
-    pack_header,
+    Close,
+    ErrorReply,
+    HelloReply,
+    HostCodec,
+    InferReply,
+    Load,
+    LoadReply,
+    OptValue,
+    Outgoing,
+    Pack,
+    PackReply,
+    PackResult,
+    ProtocolError,
+    Received,
+    Reply,
+    Request,
+    RunnerSpec,
+    Tensor,
+    TensorSpec,
+    VersionMismatch,
+    WireLimits,
 )
-from carton_protocol._shm import SHM_AVAILABLE, FdChannel, Segment
 
 from .._warnings import warn_user
 from ..errors import (
+    CartonError,
     InvalidInput,
-    InvalidOutput,
     ModelClosed,
     ProtocolMismatch,
     RunnerCPULimit,
     RunnerCrashed,
     RunnerError,
-    RunnerFailed,
     RunnerMemoryLimit,
     RunnerProtocolError,
     RunnerStartError,
     RunnerTimeout,
     RunnerWarning,
 )
-from ._connection import AsyncChannel, CallTimeout, Connection, PeerGone, Reply
+from ._connection import AsyncChannel, CallTimeout, Connection, PeerGone
 from ._exits import Resources as _Resources
 from ._exits import describe_exit as _describe_exit
 from ._exits import exit_signal as _exit_signal
 from ._exits import memory_limit_hit as _memory_limit_hit
+from ._failures import Operation, remote_failure
 from ._launch import LaunchPlan, build_launch_plan, make_runtime_dir, read_log_tail, spawn
 
 __all__ = ["DEFAULT_SHM_THRESHOLD", "LaunchPlan", "RunnerProcess"]
@@ -71,36 +81,36 @@ DEFAULT_SHM_THRESHOLD = 1 << 16
 # Threads of the pool behind infer_async's fallback (large tensors, no pidfd).
 _ASYNC_THREADS = 64
 # infer_async requests moving at least this many bytes run on the thread pool: their copies to and from shared
-# memory (a few ms per 64 MiB) would stall the event loop, and next to them a thread hand-off costs nothing.
+# memory would stall the event loop, and next to them a thread hand-off costs nothing.
 _ASYNC_COPY_BYTES = 1 << 20
 
-_PROTOCOL_KINDS = frozenset({"ProtocolError", "FrameError", "LimitExceeded"})
+#: What the layers below raise while a call waits; `RunnerProcess._failure` turns each into a `carton` exception.
+_FOREIGN = (PeerGone, CallTimeout, ProtocolError, zmq.ZMQError, OSError)
+
+
+def _cause(exc: BaseException) -> BaseException | None:
+    """What a translated exception is raised from: nothing for the host's own wake-ups, else the original."""
+    return None if isinstance(exc, PeerGone | CallTimeout) else exc
 
 
 class RunnerProcess:
     """One runner in its own process. `infer` is thread-safe: several calls may be in flight at once."""
 
-    def __init__(self, spec: RunnerSpec, plan: LaunchPlan, resources: _Resources, limits: WireLimits) -> None:
+    def __init__(self, spec: RunnerSpec, plan: LaunchPlan, resources: _Resources) -> None:
         self.spec = spec
         self.plan = plan
         self._resources = resources
-        self._limits = limits
-        self._threshold = DEFAULT_SHM_THRESHOLD
         self._lock = threading.Condition()
         self._inflight = 0
         self._closed = False
         self._fate: RunnerError | None = None  # why the host killed the process, for calls that were waiting
         self._executor: ThreadPoolExecutor | None = None
-        self._channels: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncChannel] = (
-            weakref.WeakKeyDictionary()
-        )
+        self._channels: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncChannel] = weakref.WeakKeyDictionary()
         self._last_channel: tuple[weakref.ref[asyncio.AbstractEventLoop], AsyncChannel] | None = None
         self._finalizer = weakref.finalize(self, resources.release)
         self.pid: int = resources.process.pid
         self.runner_pid: int | None = None
         self.concurrent = spec.concurrent
-        seconds = plan.limits.get("request_seconds")
-        self._request_seconds: float | None = None if seconds is None else float(seconds)
 
     # --- start ---------------------------------------------------------------------------------------------------
     @classmethod
@@ -113,7 +123,7 @@ class RunnerProcess:
         handshake_timeout: float = 30.0,
         model_dir: Path | None = None,
         shm_threshold: int | None = DEFAULT_SHM_THRESHOLD,
-        limits: WireLimits = DEFAULT_LIMITS,
+        limits: WireLimits | None = None,
         threads: int = 8,
     ) -> RunnerProcess:
         """Start `spec`'s runner and complete the version handshake.
@@ -121,22 +131,18 @@ class RunnerProcess:
         `wrap` may rewrite the launch plan (a sandbox). `model_dir`, when known, is recorded in the plan so a
         sandbox can expose it. `shm_threshold=None` keeps every tensor in the message (no shared memory).
         """
+        limits = limits if limits is not None else WireLimits()
         try:
             runtime_dir = make_runtime_dir()
         except OSError as exc:
             raise RunnerStartError(f"cannot create a runtime directory for runner {spec.entry}: {exc}") from exc
         resources = _Resources(runtime_dir)
-        use_shm = shm_threshold is not None and SHM_AVAILABLE
-        host_end: socket.socket | None = None
-        runner_end: socket.socket | None = None
+        codec = HostCodec(limits=limits, shm_threshold=shm_threshold)
         try:
-            if use_shm:
-                host_end, runner_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-                runner_end.set_inheritable(True)
             plan = build_launch_plan(
                 spec,
                 runtime_dir=runtime_dir,
-                channel_fd=runner_end.fileno() if runner_end is not None else None,
+                channel_fd=codec.runner_fd,
                 extra_env=extra_env,
                 model_dir=model_dir,
                 threads=threads,
@@ -148,29 +154,21 @@ class RunnerProcess:
             except OSError as exc:
                 raise RunnerStartError(f"cannot start runner {spec.entry} ({plan.argv[0]}): {exc}") from exc
         except BaseException:
-            for end in (host_end, runner_end):
-                if end is not None:
-                    end.close()
+            codec.close()
             resources.release()
             raise
-        if runner_end is not None:
-            runner_end.close()
+        codec.started()
         process = resources.process
         try:
             resources.pidfd = os.pidfd_open(process.pid)
         except (OSError, AttributeError):
             resources.pidfd = None  # no pidfd (old kernel): calls poll the process instead
         resources.connection = Connection(
-            endpoint=plan.endpoint,
-            pidfd=resources.pidfd,
-            is_alive=lambda: process.poll() is None,
-            limits=limits,
-            channel=FdChannel(host_end) if host_end is not None else None,
+            endpoint=plan.endpoint, pidfd=resources.pidfd, is_alive=lambda: process.poll() is None, codec=codec
         )
-        runner = cls(spec, plan, resources, limits)
-        runner._threshold = shm_threshold if use_shm and shm_threshold is not None else 0
+        runner = cls(spec, plan, resources)
         try:
-            runner._handshake(handshake_timeout, use_shm)
+            runner._handshake(codec, handshake_timeout)
         except (ProtocolMismatch, RunnerStartError, RunnerMemoryLimit):
             # The runner answered and is on its way out: let it finish saying why (its log) before cleanup.
             with contextlib.suppress(Exception):
@@ -182,67 +180,28 @@ class RunnerProcess:
             raise
         return runner
 
-    def _handshake(self, timeout: float, use_shm: bool) -> None:
-        header = hello_request(host_pid=os.getpid(), shm_threshold=self._threshold if use_shm else None)
-        try:
-            reply, _ = self._connection("handshake").call(header, timeout=timeout)
-        except PeerGone:
-            text = f"runner {self.spec.entry} {self._exit_text()} before completing the handshake"
-            raise self._start_error(text, self._log_text(), read_log_tail(self.plan.log_path, 1 << 16)) from None
-        except CallTimeout:
-            self._resources.kill()
-            raise RunnerTimeout(
-                f"runner {self.spec.entry} did not complete the handshake within {timeout:g} s "
-                f"(handshake_timeout); it was killed{self._log_text()}"
-            ) from None
-        except ProtocolError as exc:
-            raise RunnerProtocolError(f"runner {self.spec.entry} sent a malformed handshake: {exc}") from exc
-        remote = reply.get("protocol")
-        if remote != PROTOCOL_VERSION:
-            raise ProtocolMismatch(
-                f"host speaks carton protocol {PROTOCOL_VERSION}, runner {self.spec.entry} speaks {remote!r}"
-            )
-        if reply.get("ok") is not True:
-            error = self._remote_error(reply)
-            text = f"runner {self.spec.entry} failed to start"
-            raise self._start_error(text, f": {error.kind}: {error}", error.traceback) from error
-        pid = reply.get("pid")
-        self.runner_pid = pid if type(pid) is int else None
-        self.concurrent = reply.get("concurrent") is True
+    def _handshake(self, codec: HostCodec, timeout: float) -> None:
+        reply = self._call(codec.hello(host_pid=os.getpid()), Operation.START, timeout, "handshake_timeout")
+        remote = reply.protocol if isinstance(reply, HelloReply | ErrorReply) else None
+        if remote is not None and remote != PROTOCOL_VERSION:
+            raise self._mismatch(remote)
+        match reply:
+            case HelloReply(pid=pid, concurrent=concurrent):
+                self.runner_pid = pid
+                self.concurrent = concurrent
+            case ErrorReply():
+                raise self._remote_failure(reply, Operation.START)
+            case _:
+                raise self._unexpected(reply, "the handshake")
+
+    def _mismatch(self, remote: object) -> ProtocolMismatch:
+        return ProtocolMismatch(
+            f"host speaks carton protocol {PROTOCOL_VERSION}, runner {self.spec.entry} speaks {remote!r}",
+            host_version=PROTOCOL_VERSION,
+            runner_version=remote if type(remote) is int else None,
+        )
 
     # --- calls ---------------------------------------------------------------------------------------------------
-    def _connection(self, what: str = "call it") -> Connection:
-        connection = self._resources.connection
-        if connection is None or self._closed:
-            raise ModelClosed(f"runner {self.spec.entry} is closed; cannot {what}")
-        return connection
-
-    def _request(
-        self, what: str, header: dict[str, Any], frames: list[Any], timeout: float | None, limit_name: str
-    ) -> tuple[dict[str, Any], list[zmq.Frame]]:
-        connection = self._enter(what)
-        try:
-            return connection.call(header, frames, timeout=timeout)
-        except (PeerGone, CallTimeout) as exc:
-            raise self._translate(exc, what, timeout, limit_name) from None
-        except (ProtocolError, zmq.ZMQError) as exc:
-            raise self._translate(exc, what, timeout, limit_name) from exc
-        finally:
-            self._leave()
-
-    def _exchange(
-        self, connection: Connection, parts: list[Any], request_id: int, timeout: float | None, limit_name: str
-    ) -> Reply:
-        self._enter("infer")
-        try:
-            return connection.exchange(parts, request_id, timeout=timeout)
-        except (PeerGone, CallTimeout) as exc:
-            raise self._translate(exc, "infer", timeout, limit_name) from None
-        except (ProtocolError, zmq.ZMQError) as exc:
-            raise self._translate(exc, "infer", timeout, limit_name) from exc
-        finally:
-            self._leave()
-
     def _enter(self, what: str) -> Connection:
         with self._lock:
             connection = self._resources.connection
@@ -257,41 +216,81 @@ class RunnerProcess:
             if self._closed:
                 self._lock.notify_all()
 
-    def _translate(self, exc: Exception, what: str, timeout: float | None, limit_name: str) -> Exception:
-        """The error a failed exchange raises."""
-        if isinstance(exc, PeerGone):
-            return self._gone_error(what)
-        if isinstance(exc, CallTimeout):
-            fate = RunnerTimeout(
-                f"runner {self.spec.entry} did not answer {what} within {timeout:g} s ({limit_name}); it was killed"
-            )
-            self._kill(fate)
-            return fate
-        if isinstance(exc, ProtocolError):
-            return RunnerProtocolError(f"runner {self.spec.entry} sent a malformed reply to {what}: {exc}")
-        if self._closed:
-            return ModelClosed(f"runner {self.spec.entry} was closed during {what}")
-        return RunnerProtocolError(f"runner {self.spec.entry}: transport failed during {what}: {exc}")
+    def _call(self, request: Request, operation: Operation, timeout: float | None, limit_name: str) -> Reply:
+        """Send a request that is not an ``infer`` and return its reply; failures to get one are translated."""
+        connection = self._enter("complete the handshake" if operation is Operation.START else str(operation))
+        try:
+            return connection.call(request, timeout=timeout)
+        except _FOREIGN as exc:
+            raise self._failure(exc, operation, timeout, limit_name) from _cause(exc)
+        finally:
+            self._leave()
+
+    def _failure(self, exc: BaseException, operation: Operation, timeout: float | None, limit_name: str) -> CartonError:
+        """The one translation of what the layers below raise (the wire, ZeroMQ, the system, the host's own
+        wake-ups) into the `carton` exception a call raises; sync and async calls alike."""
+        entry = self.spec.entry
+        starting = operation is Operation.START
+        match exc:
+            case PeerGone() if starting:
+                text = f"runner {entry} {self._exit_text()} before completing the handshake"
+                return self._start_error(text, self._log_text(), read_log_tail(self.plan.log_path, 1 << 16))
+            case PeerGone():
+                return self._gone_error(str(operation))
+            case CallTimeout():
+                what = "complete the handshake" if starting else f"answer {operation}"
+                fate = RunnerTimeout(
+                    f"runner {entry} did not {what} within {timeout:g} s ({limit_name}); it was killed"
+                    + (self._log_text() if starting else ""),
+                    limit_seconds=timeout,
+                    limit_name=limit_name,
+                )
+                self._kill(fate)
+                return fate
+            case VersionMismatch():
+                return self._mismatch(exc.remote)
+            case ProtocolError():
+                what = "a malformed handshake" if starting else f"a malformed reply to {operation}"
+                return RunnerProtocolError(f"runner {entry} sent {what}: {exc}")
+            case _ if self._closed:
+                return ModelClosed(f"runner {entry} was closed during {operation}")
+            case _:
+                return RunnerProtocolError(f"runner {entry}: transport failed during {operation}: {exc}")
+
+    def _remote_failure(self, reply: ErrorReply, operation: Operation, subject: str = "") -> CartonError:
+        return remote_failure(
+            reply, runner=self.spec.entry, operation=operation, subject=subject, limits=self.plan.limits
+        )
+
+    def _unexpected(self, reply: Reply, what: str) -> RunnerProtocolError:
+        return RunnerProtocolError(f"runner {self.spec.entry} answered {what} with a {type(reply).__name__}")
 
     def _gone_error(self, what: str) -> RunnerError:
         if self._fate is not None:
-            fate = self._fate
-            return type(fate)(f"{fate} (while waiting for {what})")
+            failure = copy.copy(self._fate)  # the same type and facts (a timeout's limit), told for this call
+            failure.args = (f"{self._fate} (while waiting for {what})",)
+            return failure
         if self._closed:
             return ModelClosed(f"runner {self.spec.entry} was closed during {what}")
         text = f"runner {self.spec.entry} (pid {self.pid}) {self._exit_text()} during {what}"
-        signum = _exit_signal(self.returncode, self.plan.exit_signal_base)
+        returncode = self.returncode
+        signum = _exit_signal(returncode, self.plan.exit_signal_base)
         cpu = self.plan.limits.get("cpu_seconds")
         if cpu is not None and signum in (signal.SIGXCPU, signal.SIGKILL):
             # SIGXCPU at the soft limit; SIGKILL at the hard one (a second later) if the runner caught SIGXCPU.
-            return RunnerCPULimit(f"{text}: it went over its CPU-time limit (cpu_seconds={cpu:g}){self._log_text()}")
-        return RunnerCrashed(f"{text}{self._log_text()}")
+            return RunnerCPULimit(
+                f"{text}: it went over its CPU-time limit (cpu_seconds={cpu:g}){self._log_text()}", limit_seconds=cpu
+            )
+        return RunnerCrashed(f"{text}{self._log_text()}", returncode=returncode, signal=signum)
 
     def _start_error(self, what: str, reason: str, detail: str) -> RunnerError:
         """`RunnerStartError`, or `RunnerMemoryLimit` naming the limit when the failure shows it was out of memory."""
         limit = _memory_limit_hit(self.plan.limits, reason, detail)
         if limit is not None:
-            return RunnerMemoryLimit(f"{what}: it ran out of memory under its memory limit ({limit}){reason}")
+            return RunnerMemoryLimit(
+                f"{what}: it ran out of memory under its memory limit ({limit}){reason}",
+                limit_bytes=self.plan.limits.get("memory_bytes"),
+            )
         return RunnerStartError(f"{what}{reason}")
 
     def _kill(self, fate: RunnerError) -> None:
@@ -310,14 +309,23 @@ class RunnerProcess:
         timeout: float | None = None,
     ) -> None:
         """Load the model in the runner; its failure is `RunnerStartError` with the runner's message."""
-        header = self._model_header(Op.LOAD, model_dir, opts, inputs, outputs)
-        header["scratch_dir"] = str(self.plan.scratch_dir)
-        reply, _ = self._request("load", header, [], timeout, "load timeout")
-        self._raise_warnings(reply)
-        if reply.get("ok") is not True:
-            error = self._remote_error(reply)
-            text = f"runner {self.spec.entry} failed to load {model_dir}"
-            raise self._start_error(text, f": {error.kind}: {error}", error.traceback) from error
+        request = Load(
+            id=0,
+            model_dir=str(model_dir),
+            opts=dict(opts),
+            inputs=tuple(inputs),
+            outputs=tuple(outputs),
+            scratch_dir=str(self.plan.scratch_dir),
+        )
+        reply = self._call(request, Operation.LOAD, timeout, "load timeout")
+        match reply:
+            case LoadReply(warnings=warnings):
+                self._raise_warnings(warnings)
+            case ErrorReply(warnings=warnings):
+                self._raise_warnings(warnings)
+                raise self._remote_failure(reply, Operation.LOAD, str(model_dir))
+            case _:
+                raise self._unexpected(reply, "load")
 
     def pack(
         self,
@@ -329,119 +337,56 @@ class RunnerProcess:
         timeout: float | None = None,
     ) -> PackResult:
         """Run the runner class's `pack` on `model_dir`; its failure is `RunnerFailed` with the runner's message."""
-        header = self._model_header(Op.PACK, model_dir, opts, inputs, outputs)
-        reply, _ = self._request("pack", header, [], timeout, "pack timeout")
-        self._raise_warnings(reply)
-        if reply.get("ok") is not True:
-            raise RunnerFailed(
-                f"runner {self.spec.entry} failed to pack {model_dir}: {self._remote_text(reply)}"
-            ) from self._remote_error(reply)
-        try:
-            return PackResult(
-                inputs=decode_specs(reply.get("inputs"), "pack inputs", self._limits),
-                outputs=decode_specs(reply.get("outputs"), "pack outputs", self._limits),
-                opts=decode_opts(reply.get("opts"), "pack opts"),
-            )
-        except ProtocolError as exc:
-            raise RunnerProtocolError(f"runner {self.spec.entry} sent a malformed pack result: {exc}") from exc
+        request = Pack(id=0, model_dir=str(model_dir), opts=dict(opts), inputs=tuple(inputs), outputs=tuple(outputs))
+        reply = self._call(request, Operation.PACK, timeout, "pack timeout")
+        match reply:
+            case PackReply(warnings=warnings):
+                self._raise_warnings(warnings)
+                return PackResult(inputs=reply.inputs, outputs=reply.outputs, opts=reply.opts)
+            case ErrorReply(warnings=warnings):
+                self._raise_warnings(warnings)
+                raise self._remote_failure(reply, Operation.PACK, str(model_dir))
+            case _:
+                raise self._unexpected(reply, "pack")
 
     def infer(self, tensors: Mapping[str, Tensor], *, timeout: float | None = None) -> dict[str, Tensor]:
-        """Run one inference; thread-safe. Outputs are ordinary numpy arrays the caller owns."""
-        connection = self._connection("infer")
-        parts, request_id, segment = self._encode_request(connection, tensors)
-        limit_name = "infer timeout"
-        if timeout is None and self._request_seconds is not None:
-            timeout, limit_name = self._request_seconds, "its request_seconds limit"
+        """Run one inference; thread-safe. Outputs are ordinary numpy arrays the caller owns. ``timeout`` is in
+        seconds (``None``: no limit); a runner that does not answer within it is killed (`RunnerTimeout`)."""
+        connection = self._enter("infer")
         try:
-            reply = self._exchange(connection, parts, request_id, timeout, limit_name)
-        finally:
-            if segment is not None and connection.pool is not None:
-                connection.pool.release(segment.id)
-        return self._outputs(connection, reply)
-
-    def _encode_request(
-        self, connection: Connection, tensors: Mapping[str, Tensor]
-    ) -> tuple[list[Any], int, Segment | None]:
-        """The parts of an infer request (header bytes, data frames), its id, and the segment it fills, if any."""
-        pool = connection.pool
-        if pool is None or not pool.has_dropped:
-            template = connection.templates.encode(tensors, self._threshold or 1 << 62)
-            if template is not None:
-                request_id = connection.next_id()
-                return [connection.templates.header(request_id, template[0]), *template[1]], request_id, None
-        try:
-            encoded = encode_tensors(tensors, pool=pool, threshold=self._threshold or 1 << 62)
-        except ProtocolError as exc:
-            raise InvalidInput(str(exc)) from exc
-        header = infer_request(encoded.entries)
-        request_id = header["id"] = connection.next_id()
-        if pool is not None:
-            dropped = pool.take_dropped()
-            if dropped:
-                header["drop"] = dropped
-        try:
-            data = pack_header(header)
-        except ProtocolError as exc:
-            if encoded.segment is not None and pool is not None:
-                pool.release(encoded.segment.id)
-            raise InvalidInput(str(exc)) from exc
-        return [data, *encoded.frames], request_id, encoded.segment
-
-    def _outputs(self, connection: Connection, reply: Reply) -> dict[str, Tensor]:
-        if reply.plan is not None:
+            outgoing = self._encode(connection, tensors)
             try:
-                return reply.plan.decode([frame.buffer for frame in reply.frames])
-            except ProtocolError as exc:
-                raise RunnerProtocolError(f"runner {self.spec.entry} sent malformed infer outputs: {exc}") from exc
-        header = reply.header
-        assert header is not None
-        if header.get("ok") is not True:
-            raise self._infer_error(header)
-        outputs = self._decode_outputs(connection, header, reply.frames)
-        connection.templates.learn(reply.data, header)
-        return outputs
-
-    def _decode_outputs(
-        self, connection: Connection, reply: dict[str, Any], frames: list[zmq.Frame]
-    ) -> dict[str, Tensor]:
-        if "drop" in reply and connection.peer is not None:
-            drop = reply["drop"]
-            if type(drop) is list:
-                connection.peer.drop([item for item in drop if type(item) is str])
-        used: list[str] = []
-        try:
-            outputs, used = decode_tensors(
-                reply.get("tensors"),
-                [frame.buffer for frame in frames],
-                limits=self._limits,
-                peer=connection.peer,
-                copy_shared=True,
-            )
-        except ProtocolError as exc:
-            raise RunnerProtocolError(f"runner {self.spec.entry} sent malformed infer outputs: {exc}") from exc
+                received = connection.exchange(outgoing.parts, outgoing.id, timeout=timeout)
+            finally:
+                outgoing.done()
+            return self._outputs(connection, received)
+        except _FOREIGN as exc:
+            raise self._failure(exc, Operation.INFER, timeout, "infer timeout") from _cause(exc)
         finally:
-            if used:
-                with contextlib.suppress(zmq.ZMQError):
-                    connection.send({"op": Op.RELEASE.value, "id": 0, "segments": used})
-        return outputs
+            self._leave()
 
-    def _infer_error(self, reply: dict[str, Any]) -> Exception:
-        error = reply.get("error")
-        kind = error.get("kind") if isinstance(error, dict) else None
-        text = self._remote_text(reply)
-        cause = self._remote_error(reply)
-        if kind == "InvalidOutput":
-            failure: Exception = InvalidOutput(f"runner {self.spec.entry}: {text}")
-        elif isinstance(kind, str) and kind.endswith("MemoryError"):
-            memory = self.plan.limits.get("memory_bytes")
-            limit = f"its memory limit (memory_bytes={memory:.0f})" if memory is not None else "memory"
-            failure = RunnerMemoryLimit(f"runner {self.spec.entry} ran out of {limit} during infer: {text}")
-        elif kind in _PROTOCOL_KINDS:
-            failure = RunnerProtocolError(f"runner {self.spec.entry} rejected the request: {text}")
-        else:
-            failure = RunnerFailed(f"runner {self.spec.entry} failed during infer: {text}")
-        failure.__cause__ = cause
-        return failure
+    @staticmethod
+    def _encode(connection: Connection, tensors: Mapping[str, Tensor]) -> Outgoing:
+        """The request carrying `tensors`; what the wire cannot carry is the caller's `InvalidInput`."""
+        try:
+            return connection.codec.encode_tensors(connection.next_id(), tensors)
+        except ProtocolError as exc:
+            raise InvalidInput(str(exc)) from exc
+
+    def _outputs(self, connection: Connection, received: Received) -> dict[str, Tensor]:
+        reply = received.message
+        match reply:
+            case InferReply():
+                try:
+                    return connection.outputs(received)
+                except ProtocolError as exc:
+                    raise RunnerProtocolError(f"runner {self.spec.entry} sent malformed infer outputs: {exc}") from exc
+            case ErrorReply():
+                connection.release(received)
+                raise self._remote_failure(reply, Operation.INFER)
+            case _:
+                connection.release(received)
+                raise self._unexpected(reply, "infer")
 
     async def infer_async(self, tensors: Mapping[str, Tensor], *, timeout: float | None = None) -> dict[str, Tensor]:
         """`infer` without blocking the event loop; any number of calls may be in flight.
@@ -456,30 +401,29 @@ class RunnerProcess:
             loop = asyncio.get_running_loop()
             call = functools.partial(self.infer, tensors, timeout=timeout)
             return await loop.run_in_executor(self._async_pool(), call)
-        connection = self._connection("infer")
-        parts, request_id, segment = self._encode_request(connection, tensors)
-        limit_name = "infer timeout"
-        if timeout is None and self._request_seconds is not None:
-            timeout, limit_name = self._request_seconds, "its request_seconds limit"
+        # Not counted in flight: the loop's channel owns its socket, which `close` does not tear down under it.
+        connection = self._resources.connection
+        if connection is None or self._closed:
+            raise ModelClosed(f"runner {self.spec.entry} is closed; cannot infer")
         try:
-            reply = await channel.call(parts, request_id, timeout=timeout)
-        except asyncio.CancelledError:
-            if segment is not None and connection.pool is not None:
-                # The runner may still be reading the input: the segment is reused only once its reply is in.
-                channel.orphan(request_id, functools.partial(connection.pool.release, segment.id))
-                segment = None
-            raise
+            outgoing = self._encode(connection, tensors)
+            try:
+                received = await channel.call(outgoing.parts, outgoing.id, timeout=timeout)
+            except asyncio.CancelledError:
+                # The runner may still be reading the input: what it lies in is freed only once its reply is in.
+                channel.orphan(outgoing.id, outgoing.done)
+                raise
+            except BaseException:
+                outgoing.done()
+                raise
+            outgoing.done()
+            return self._outputs(connection, received)
         except CallTimeout as exc:
             # Killing the runner's tree waits for it to go: not on the loop.
-            raise await asyncio.to_thread(self._translate, exc, "infer", timeout, limit_name) from None
-        except PeerGone as exc:
-            raise self._translate(exc, "infer", timeout, limit_name) from None
-        except (ProtocolError, zmq.ZMQError) as exc:
-            raise self._translate(exc, "infer", timeout, limit_name) from exc
-        finally:
-            if segment is not None and connection.pool is not None:
-                connection.pool.release(segment.id)
-        return self._outputs(connection, reply)
+            failure = await asyncio.to_thread(self._failure, exc, Operation.INFER, timeout, "infer timeout")
+            raise failure from None
+        except _FOREIGN as exc:
+            raise self._failure(exc, Operation.INFER, timeout, "infer timeout") from _cause(exc)
 
     def _async_channel(self, tensors: Mapping[str, Tensor]) -> AsyncChannel | None:
         """This loop's channel to the runner, or None when the call should run on the thread pool instead."""
@@ -489,17 +433,15 @@ class RunnerProcess:
             channel: AsyncChannel | None = last[1]
         else:
             channel = self._new_async_channel(loop)
-        if channel is not None and self._threshold:
-            size = 0
-            for value in tensors.values():
-                if type(value) is np.ndarray:
-                    size += value.nbytes
-            if size >= _ASYNC_COPY_BYTES:
-                return None
+        connection = self._resources.connection
+        if channel is None or connection is None or connection.codec.copied_bytes(tensors) >= _ASYNC_COPY_BYTES:
+            return None
         return channel
 
     def _new_async_channel(self, loop: asyncio.AbstractEventLoop) -> AsyncChannel | None:
-        connection = self._connection("infer")
+        connection = self._resources.connection
+        if connection is None or self._closed:
+            raise ModelClosed(f"runner {self.spec.entry} is closed; cannot infer")
         if connection.pidfd is None:
             return None
         with self._lock:
@@ -547,8 +489,8 @@ class RunnerProcess:
         connection = self._resources.connection
         if process is not None and process.poll() is None and connection is not None:
             give_up = time.monotonic() + timeout
-            with contextlib.suppress(PeerGone, CallTimeout, ProtocolError, zmq.ZMQError):
-                connection.call({"op": Op.CLOSE.value, "id": 0}, timeout=timeout)
+            with contextlib.suppress(*_FOREIGN):
+                connection.call(Close(id=0), timeout=timeout)
             with contextlib.suppress(Exception):
                 # After its reply the runner still kills its descendants and tears down its sockets.
                 process.wait(timeout=max(0.2, give_up - time.monotonic()))
@@ -573,23 +515,6 @@ class RunnerProcess:
         return f"<RunnerProcess {self.spec.runner_name} {self.spec.entry} pid={self.pid} {state}>"
 
     # --- helpers -------------------------------------------------------------------------------------------------
-    def _model_header(
-        self,
-        op: Op,
-        model_dir: Path,
-        opts: Mapping[str, OptValue],
-        inputs: tuple[TensorSpec, ...],
-        outputs: tuple[TensorSpec, ...],
-    ) -> dict[str, Any]:
-        return {
-            "op": op.value,
-            "id": 0,
-            "model_dir": str(model_dir),
-            "opts": dict(opts),
-            "inputs": encode_specs(inputs),
-            "outputs": encode_specs(outputs),
-        }
-
     def _exit_text(self) -> str:
         process = self._resources.process
         returncode = None
@@ -602,24 +527,6 @@ class RunnerProcess:
         tail = read_log_tail(self.plan.log_path)
         return f"; runner log ends with:\n{tail}" if tail else ""
 
-    @staticmethod
-    def _remote_error(reply: dict[str, Any]) -> RemoteError:
-        error = reply.get("error")
-        if not isinstance(error, dict):
-            return RemoteError("runner reported a failure without details", kind="unknown")
-        kind, message, trace = error.get("kind"), error.get("message"), error.get("traceback")
-        return RemoteError(
-            message if isinstance(message, str) else repr(message),
-            kind=kind if isinstance(kind, str) else "unknown",
-            traceback=trace if isinstance(trace, str) else "",
-        )
-
-    def _remote_text(self, reply: dict[str, Any]) -> str:
-        error = self._remote_error(reply)
-        return f"{error.kind}: {error}"
-
-    def _raise_warnings(self, reply: dict[str, Any]) -> None:
-        messages = reply.get("warnings")
-        if type(messages) is list:
-            for message in messages:
-                warn_user(f"runner {self.spec.runner_name}: {message}", RunnerWarning)
+    def _raise_warnings(self, messages: tuple[str, ...]) -> None:
+        for message in messages:
+            warn_user(f"runner {self.spec.runner_name}: {message}", RunnerWarning)

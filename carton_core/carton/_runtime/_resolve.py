@@ -11,7 +11,6 @@ Among the runners that match, the order of preference is (docs/runners.md has th
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,15 +21,15 @@ from carton_protocol import RunnerSpec
 from packaging.version import InvalidVersion as _InvalidPep440
 from packaging.version import Version as _Pep440Version
 
-from ..errors import CartonError, InvalidVersionReq, NoCompatibleRunner
+from .._semver import VersionReq, framework_version
+from ..errors import CartonError, InvalidVersionReq, NoCompatibleRunner, Rejection
 from ._platform import target_triple
 from ._plugins import PluginProblem, discover
-from ._semver import VersionReq, framework_version
 
 if TYPE_CHECKING:
     from .._format import CartonInfo
 
-__all__ = ["Rejection", "RunnerRequest", "describe_spec", "resolve_runner", "select_runner"]
+__all__ = ["RunnerRequest", "requirement_source", "resolve_runner", "select_runner"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -69,22 +68,6 @@ class RunnerRequest:
         return text
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Rejection:
-    """A discovered runner that cannot run the model, with every reason."""
-
-    spec: RunnerSpec
-    reasons: tuple[str, ...]
-
-    def __str__(self) -> str:
-        return f"{describe_spec(self.spec)}: {'; '.join(self.reasons)}"
-
-
-def describe_spec(spec: RunnerSpec) -> str:
-    """``onnxruntime 1.32.0 (compat 1, plugin onnxruntime (carton 0.1.0))``."""
-    return f"{spec.runner_name} {spec.framework_version} (compat {spec.runner_compat_version}, {spec.source})"
-
-
 def _reasons(request: RunnerRequest, requirement: VersionReq, spec: RunnerSpec, host: str) -> list[str]:
     reasons: list[str] = []
     if spec.runner_name != request.runner_name:
@@ -120,21 +103,21 @@ def _pep440_rank(text: str) -> tuple[int, _Pep440Version]:
 
 def _preference(order: int, spec: RunnerSpec) -> tuple[object, ...]:
     in_host = spec.python is None and spec.environment is None
-    return (framework_version(spec.framework_version), _pep440_rank(spec.framework_version),
-            spec.runner_compat_version, in_host, -order)
+    return (
+        framework_version(spec.framework_version),
+        _pep440_rank(spec.framework_version),
+        spec.runner_compat_version,
+        in_host,
+        -order,
+    )
 
 
 def _install_hint(request: RunnerRequest) -> str | None:
     """The command that would build an environment satisfying the request, when one could."""
+    from .._environments import can_install  # only when no runner matched: not on the path of a load
+
     try:
-        environments = importlib.import_module("carton._environments")
-    except ImportError:
-        return None
-    can_install = getattr(environments, "can_install", None)
-    if not callable(can_install):
-        return None
-    try:
-        installable = bool(can_install(request.runner_name))
+        installable = can_install(request.runner_name)
     except Exception:  # a hint must never turn a clear resolution error into another one
         return None
     if not installable:
@@ -183,7 +166,7 @@ def select_runner(
         else:
             matches.append((order, spec))
     if not matches:
-        raise NoCompatibleRunner(_no_match_message(request, host, rejections, problems))
+        raise NoCompatibleRunner(_no_match_message(request, host, rejections, problems), rejected=tuple(rejections))
     return max(matches, key=lambda item: _preference(*item))[1]
 
 

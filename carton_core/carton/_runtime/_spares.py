@@ -1,8 +1,8 @@
 """Spare runner processes: started and handshaken ahead of time, so the next `carton.load` skips the start-up.
 
 Starting a runner costs an interpreter start plus the imports of numpy, pyzmq, carton_protocol, the runner module
-and its framework (the runner entry is imported before the handshake answers): about 0.25 s on an idle machine,
-several times more under load, which is most of what `carton.load` of an already extracted model costs. After a
+and its framework (the runner entry is imported before the handshake answers): most of what `carton.load` of an
+already extracted model costs (docs/runners.md, "Load time"; docs/performance.md, "Built-in runners"). After a
 runner is used by an unsandboxed load, the pool starts one idle process for that runner in the background; the next
 load for the same `RunnerSpec` takes it (waiting for it if it is still starting) and only sends ``load``.
 
@@ -28,7 +28,7 @@ from carton_protocol import RunnerSpec
 from ..errors import CartonWarning
 from ._process import RunnerProcess
 
-__all__ = ["DEFAULT_SPARE_RUNNERS", "SPARE_RUNNERS_ENV", "SparePool", "spare_pool"]
+__all__ = ["DEFAULT_SPARE_RUNNERS", "SPARE_RUNNERS_ENV", "SparePool", "spare_limit", "spare_pool"]
 
 #: Environment variable: the most spare runner processes kept (one per runner; ``0`` disables).
 SPARE_RUNNERS_ENV = "CARTON_SPARE_RUNNERS"
@@ -103,6 +103,22 @@ class SparePool:
                 _close_quietly(process)
         return RunnerProcess.start(spec, handshake_timeout=handshake_timeout), False
 
+    def take_later(self, spec: RunnerSpec, *, handshake_timeout: float) -> Future[tuple[RunnerProcess, bool]]:
+        """`take` on a helper thread: the caller collects ``(process, was a spare)`` (or the start's error) with
+        ``result()``, and owns the process (a done-callback must close it if the caller gives up)."""
+        future: Future[tuple[RunnerProcess, bool]] = Future()
+
+        def start() -> None:
+            try:
+                taken = self.take(spec, handshake_timeout=handshake_timeout)
+            except BaseException as exc:
+                future.set_exception(exc)
+            else:
+                future.set_result(taken)
+
+        threading.Thread(target=start, name="carton-prestart", daemon=True).start()
+        return future
+
     def replenish(self, spec: RunnerSpec) -> Future[RunnerProcess] | None:
         """Make sure a spare for ``spec`` exists or is starting (in a background thread); evict the least recently
         used spares beyond the limit. Returns the spare's future (it completes when the process is up, or with the
@@ -131,9 +147,7 @@ class SparePool:
         for future in evicted:
             future.add_done_callback(_close_done)
         if started is not None:
-            threading.Thread(
-                target=self._start, args=(spec, started), name="carton-spare-runner", daemon=True
-            ).start()
+            threading.Thread(target=self._start, args=(spec, started), name="carton-spare-runner", daemon=True).start()
         return kept
 
     def _start(self, spec: RunnerSpec, future: Future[RunnerProcess]) -> None:

@@ -11,7 +11,8 @@ nested tensor is not bound).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -83,7 +84,7 @@ class _Checker:
         self.itemsize = 0 if self.dtype is DType.STRING else _NUMPY[self.dtype].itemsize
         self.shape: Shape = spec.shape
         self.label = f"{role} {spec.name!r}"
-        self.error = error
+        self.error: Callable[[str], InvalidInput | InvalidOutput] = functools.partial(error, tensor=spec.name)
         self.whole_symbol: str | None = None
         self.dims: tuple[int | str, ...] | None = None
         if isinstance(spec.shape, str):
@@ -146,8 +147,9 @@ class _Checker:
     ) -> None:
         bound = bindings.get(symbol)
         if bound is None:
-            bindings[symbol] = _Binding(value, self.label, axis if isinstance(axis, str) else f"dimension {axis}",
-                                        where)
+            bindings[symbol] = _Binding(
+                value, self.label, axis if isinstance(axis, str) else f"dimension {axis}", where
+            )
         elif bound.value != value:
             here = _Binding(value, self.label, axis if isinstance(axis, str) else f"dimension {axis}", where)
             raise self.error(
@@ -155,11 +157,12 @@ class _Checker:
             )
 
 
-def _as_tensor(value: object, label: str, error: type[InvalidInput] | type[InvalidOutput]) -> Tensor:
+def _as_tensor(value: object, name: str, role: str, error: type[InvalidInput] | type[InvalidOutput]) -> Tensor:
     """The value as a tensor: an ndarray (numpy scalars become 0-d arrays) or a list of ndarrays (nested)."""
+    label = f"{role} {name!r}"
     if isinstance(value, np.ndarray):
         if value.dtype.kind == "O":
-            raise error(f"{label} is an object array; carton tensors are numeric or str arrays")
+            raise error(f"{label} is an object array; carton tensors are numeric or str arrays", tensor=name)
         return value
     if isinstance(value, np.generic):
         return np.asarray(value)
@@ -168,12 +171,14 @@ def _as_tensor(value: object, label: str, error: type[InvalidInput] | type[Inval
             if not isinstance(inner, np.ndarray) or inner.dtype.kind == "O":
                 raise error(
                     f"{label} is a list, so it must be a nested tensor (a list of numpy arrays), but element "
-                    f"{index} is {type(inner).__name__}"
+                    f"{index} is {type(inner).__name__}",
+                    tensor=name,
                 )
         return value
     raise error(
         f"{label} must be a numpy array (or a list of numpy arrays for a nested tensor), got "
-        f"{type(value).__name__}; convert it with numpy.asarray(value, dtype=...)"
+        f"{type(value).__name__}; convert it with numpy.asarray(value, dtype=...)",
+        tensor=name,
     )
 
 
@@ -195,19 +200,22 @@ class Signature:
         named = self._name_inputs(inputs)
         tensors: dict[str, Tensor] = {}
         for name, value in named.items():
-            tensors[name] = _as_tensor(value, f"input {name!r}", InvalidInput)
+            tensors[name] = _as_tensor(value, name, "input", InvalidInput)
         bindings: dict[str, _Binding] = {}
         if not self._inputs:
             return tensors, bindings
         unknown = [name for name in tensors if name not in self._inputs]
         if unknown:
             raise InvalidInput(
-                f"unknown input {unknown[0]!r}; the model's inputs are {', '.join(map(repr, self.input_names))}"
+                f"unknown input {unknown[0]!r}; the model's inputs are {', '.join(map(repr, self.input_names))}",
+                tensor=unknown[0],
             )
         missing = [name for name in self.input_names if name not in tensors]
         if missing:
-            raise InvalidInput(f"missing input {missing[0]!r} (the model's inputs are "
-                               f"{', '.join(map(repr, self.input_names))})")
+            raise InvalidInput(
+                f"missing input {missing[0]!r} (the model's inputs are {', '.join(map(repr, self.input_names))})",
+                tensor=missing[0],
+            )
         for name, checker in self._inputs.items():
             checker.check(tensors[name], bindings)
         return tensors, bindings
@@ -216,18 +224,19 @@ class Signature:
         """Check what the runner returned, continuing the inputs' symbol bindings."""
         tensors: dict[str, Tensor] = {}
         for name, value in outputs.items():
-            tensors[name] = _as_tensor(value, f"output {name!r}", InvalidOutput)
+            tensors[name] = _as_tensor(value, name, "output", InvalidOutput)
         if not self._outputs:
             return tensors
         for name in tensors:
             if name not in self._outputs:
                 raise InvalidOutput(
                     f"the runner returned output {name!r}, which the model does not declare (declared: "
-                    f"{', '.join(map(repr, self.output_names))})"
+                    f"{', '.join(map(repr, self.output_names))})",
+                    tensor=name,
                 )
         for name, checker in self._outputs.items():
             if name not in tensors:
-                raise InvalidOutput(f"the runner did not return output {name!r}")
+                raise InvalidOutput(f"the runner did not return output {name!r}", tensor=name)
             checker.check(tensors[name], bindings)
         return tensors
 

@@ -1,7 +1,7 @@
 """Isolated execution of untrusted models: policies, limits, layer detection and the exec shim (docs/sandbox.md).
 
-`carton.load(..., sandbox=..., limits=...)` reaches `launch_wrapper` through ``carton._runtime._isolation``; the
-wrapper rewrites each runner's launch plan so that it is exec'd through the shim inside bubblewrap or unshare.
+`carton.load(..., sandbox=..., limits=...)` calls `launch_wrapper` (from ``carton._workflows``); the wrapper rewrites
+each runner's launch plan so that it is exec'd through the shim inside bubblewrap or unshare.
 """
 
 from .._runtime._isolation import RunnerLimits, SandboxPolicy

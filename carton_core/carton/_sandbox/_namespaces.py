@@ -41,7 +41,7 @@ TYPE_CHECKING = False  # typing is not imported at run time (start-up cost, as p
 if TYPE_CHECKING:
     from typing import Any, NoReturn
 
-__all__ = ["SANDBOX_ID", "NamespaceError", "enter", "namespace_config"]
+__all__ = ["DEVICES", "HOSTNAME", "NEW_ROOT", "SANDBOX_ID", "NamespaceError", "enter", "namespace_config"]
 
 #: uid and gid of the runner inside a user namespace (the host is not root): "nobody", mapped to the caller.
 SANDBOX_ID = 65534

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import carton_protocol
 
-__all__ = ["import_roots", "system_paths"]
+__all__ = ["ETC_FILES", "SYSTEM_DIRS", "SYS_FILES", "import_roots", "system_paths"]
 
 #: Top-level directories bound read-only when they exist (a symlink stays a symlink, as in merged-/usr systems).
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/opt/conda")

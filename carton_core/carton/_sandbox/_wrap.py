@@ -13,12 +13,12 @@ import json
 import os
 import sys
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 
 from .._runtime._isolation import RunnerLimits, SandboxPolicy
-from .._runtime._launch import LaunchPlan
+from .._runtime._launch import LaunchPlan, LaunchWrapper
 from ..errors import SandboxError, SandboxUnavailable, SandboxWarning
 from ._layers import SHIM, Backend, Layer, LayerStatus, MachineSupport, fresh_uid, machine_support
 from ._namespaces import namespace_config
@@ -26,7 +26,6 @@ from ._paths import import_roots, system_paths
 
 __all__ = ["BACKEND_ENV", "SandboxSetup", "forced_backend", "launch_wrapper", "plan_setup"]
 
-LaunchWrapper = Callable[[LaunchPlan], LaunchPlan]
 
 #: Environment variable forcing a backend (``bwrap`` or ``unshare``), for tests and for machines where one misbehaves.
 BACKEND_ENV = "CARTON_SANDBOX_BACKEND"
@@ -234,7 +233,7 @@ def _has(layers: list[LayerStatus], layer: Layer) -> bool:
 def launch_wrapper(policy: SandboxPolicy, limits: RunnerLimits | None, *, model_dir: Path) -> LaunchWrapper | None:
     """The ``wrap=`` for every runner process of a model (``None``: run unwrapped, the `none` policy without limits).
 
-    Called by `carton.load` through ``carton._runtime._isolation``; `model_dir` is bound read-only into the view.
+    Called by `carton.load` (``carton._workflows``); `model_dir` is bound read-only into the view.
     """
     del model_dir  # each launch plan carries it
     if policy is SandboxPolicy.NONE and (limits is None or not _needs_shim(limits)):

@@ -12,7 +12,7 @@ from typing import TextIO
 
 from ..errors import CartonError
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main"]
 
 #: Modules under carton.cli, each with ``register(subparsers) -> None`` adding subcommands whose handler is stored
 #: as ``func`` (``(args) -> int``). Add a module here when its file exists.
@@ -20,7 +20,8 @@ _COMMAND_MODULES: tuple[str, ...] = ("_format", "_mcf", "_environments", "_serve
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .. import __version__
+    """The ``carton`` argument parser: every area's module (`_COMMAND_MODULES`) registers its subcommands."""
+    from .._version import __version__
 
     parser = argparse.ArgumentParser(
         prog="carton",
@@ -46,6 +47,8 @@ def _show_warning(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``carton`` command with `argv` (default: ``sys.argv[1:]``) and return its exit status: 0 on success,
+    1 for a `carton.CartonError` (printed as one line), 2 for a usage error, 130 when interrupted."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

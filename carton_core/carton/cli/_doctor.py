@@ -11,6 +11,7 @@ __all__ = ["register"]
 
 
 def register(subparsers: Any) -> None:
+    """Add ``carton doctor`` to the ``carton`` parser's `subparsers` (called by `build_parser`)."""
     doctor = subparsers.add_parser(
         "doctor",
         help="report, layer by layer, which sandbox protections this machine supports",

@@ -15,6 +15,7 @@ __all__ = ["register"]
 
 
 def register(subparsers: Any) -> None:
+    """Add ``carton runner install|list|remove`` to the ``carton`` parser's `subparsers` (called by `build_parser`)."""
     parser = subparsers.add_parser(
         "runner",
         help="install, list and remove isolated runner environments",

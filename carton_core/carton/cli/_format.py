@@ -12,16 +12,19 @@ from typing import Any
 
 from carton_protocol import DType, OptValue, Shape, TensorSpec
 
-from .._format import CartonInfo, get_model_info, pack, shrink, verify
+from .._format import CartonInfo, get_model_info, shrink, verify
 from .._format._info import MiscRef, TensorRef
+from .._workflows import pack
 from ..errors import PackError
 
-__all__ = ["register"]
+__all__ = ["info_to_json", "register"]
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 def register(subparsers: Any) -> None:
+    """Add ``carton info``, ``verify``, ``pack`` and ``shrink`` to the ``carton`` parser's `subparsers` (called
+    by `build_parser`)."""
     info = subparsers.add_parser(
         "info",
         help="show a carton's metadata (reads no model bytes)",
@@ -111,6 +114,8 @@ def _ref_json(ref: TensorRef | MiscRef) -> str:
 
 
 def info_to_json(info: CartonInfo) -> dict[str, Any]:
+    """`info` as the JSON document ``carton info --json`` prints: carton.toml's fields, the model hash and the files."""
+
     def spec(s: TensorSpec) -> dict[str, Any]:
         return {"name": s.name, "dtype": str(s.dtype), "shape": s.shape if isinstance(s.shape, str) else
                 list(s.shape), "description": s.description, "internal_name": s.internal_name}  # fmt: skip

@@ -17,6 +17,7 @@ _METHOD_CHOICES = ["none", *(m.value for m in QuantMethod)]
 
 
 def register(subparsers: Any) -> None:
+    """Add ``carton mcf convert|info`` to the ``carton`` parser's `subparsers` (called by `build_parser`)."""
     parser = subparsers.add_parser(
         "mcf",
         help="convert Hugging Face safetensors models to MCF and inspect MCF files",

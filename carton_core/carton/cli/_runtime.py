@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 from carton_protocol import OptValue, Tensor
 
-from .._runtime import Model, discover, load, target_triple
+from .._runtime import Model, discover, target_triple
+from .._workflows import load
 from ..errors import InvalidInput, InvalidOutput
 
 __all__ = ["register"]
@@ -23,6 +24,8 @@ _SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
 
 
 def register(subparsers: Any) -> None:
+    """Add ``carton runners``, ``selftest`` and ``infer`` to the ``carton`` parser's `subparsers` (called by
+    `build_parser`)."""
     runners = subparsers.add_parser(
         "runners",
         help="list the runners installed plugins and runner environments provide",

@@ -44,6 +44,7 @@ def _positive(text: str) -> float:
 
 
 def register(subparsers: Any) -> None:
+    """Add ``carton serve`` to the ``carton`` parser's `subparsers` (called by `build_parser`)."""
     parser = subparsers.add_parser(
         "serve",
         help="serve a repository of cartons over the KServe v2 / Triton protocol (HTTP and gRPC)",

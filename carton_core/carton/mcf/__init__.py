@@ -10,6 +10,7 @@ The container (header, sections, ModelInfo, QuantInfo, TensorIndex, TensorData, 
 `MCFFile` and written by `MCFWriter` / `write_mcf`; `convert` builds an MCF from a safetensors model folder.
 """
 
+from ..errors import MCFError, UnsupportedModel
 from ._container import MCFHeader, QuantRecord, SectionEntry, TensorEntry
 from ._convert import ConvertReport, TensorClass, classify_tensor, convert, model_info_from_config
 from ._decode import dequantize
@@ -29,6 +30,7 @@ __all__ = [
     "ConvertReport",
     "KVValue",
     "MCFDType",
+    "MCFError",
     "MCFFile",
     "MCFHeader",
     "MCFWriter",
@@ -47,6 +49,7 @@ __all__ = [
     "SectionType",
     "TensorClass",
     "TensorEntry",
+    "UnsupportedModel",
     "classify_tensor",
     "convert",
     "dequantize",

@@ -17,17 +17,34 @@ from ..errors import MCFError
 from ._types import MCFDType, QuantDomain, QuantMethod, SectionType
 
 __all__ = [
+    "BLOCK_SIZE",
     "FLAG_TENSOR_DATA_ALIGNED64",
     "HEADER_SIZE",
     "MAGIC",
     "MAJOR_VERSION",
     "MINOR_VERSION",
+    "NUMPY_DTYPES",
     "RESOURCE_FILES",
+    "SECTION_ENTRY_SIZE",
+    "SUPER_SIZE",
+    "TENSOR_INDEX_FLAG_SORTED",
+    "TENSOR_INDEX_FLAG_UTF8",
     "MCFHeader",
     "QuantRecord",
+    "RawTensorEntry",
     "SectionEntry",
     "TensorEntry",
     "align",
+    "decode_directory",
+    "decode_header",
+    "decode_quant_info",
+    "decode_tensor_index",
+    "encode_directory",
+    "encode_header",
+    "encode_quant_info",
+    "encode_tensor_index",
+    "plain_data_size",
+    "quant_method_of",
 ]
 
 MAGIC = b"MCF\x00"

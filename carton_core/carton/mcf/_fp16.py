@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["f16_bits_to_f32", "f32_to_f16_nearest", "f32_to_f16_truncate"]
+__all__ = ["F16_MAX", "f16_bits_to_f32", "f32_to_f16_nearest", "f32_to_f16_truncate"]
 
 F16_MAX = 65504.0
 

@@ -40,7 +40,7 @@ from carton.mcf._packing import BLOCK
 from carton.mcf._quant import QuantizedTensor
 from carton.mcf._types import QuantDomain, QuantMethod
 
-__all__ = ["CacheMode", "QuantizedLinear", "matmul"]
+__all__ = ["DEFAULT_GEMV_MAX_BATCH", "DEFAULT_TILE_BYTES", "CacheMode", "Payload", "QuantizedLinear", "matmul"]
 
 CacheMode = Literal["packed", "int8", "fp32"]
 _CACHE_MODES = ("packed", "int8", "fp32")

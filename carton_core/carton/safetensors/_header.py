@@ -19,7 +19,18 @@ import numpy as np
 
 from ..errors import SafetensorsError
 
-__all__ = ["DTYPES", "MAX_HEADER_SIZE", "DTypeInfo", "Header", "TensorInfo", "build_header", "parse_header"]
+__all__ = [
+    "DTYPES",
+    "MAX_HEADER_SIZE",
+    "DTypeInfo",
+    "Header",
+    "TensorInfo",
+    "build_header",
+    "byte_size",
+    "dtype_for_array",
+    "fits_numpy",
+    "parse_header",
+]
 
 MAX_HEADER_SIZE = 100_000_000
 _U64_MAX = 2**64 - 1

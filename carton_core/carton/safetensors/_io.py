@@ -29,7 +29,7 @@ from ..errors import (
 from ._files import create_temp_beside, describe_os_error, output_problem
 from ._header import DTypeInfo, Header, TensorInfo, build_header, dtype_for_array, parse_header
 
-__all__ = ["SafeOpen", "TensorSlice", "load", "load_file", "safe_open", "save", "save_file"]
+__all__ = ["Array", "SafeOpen", "TensorSlice", "load", "load_file", "safe_open", "save", "save_file"]
 
 Array = np.ndarray[Any, Any]
 

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 from carton_protocol import Tensor
 
-from ..errors import InvalidOutput, ModelNotFound
+from ..errors import InvalidOutput
 from ._stats import VersionStats
+from .errors import ModelNotFound
 
 __all__ = ["DynamicBatcher"]
 

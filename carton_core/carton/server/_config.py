@@ -23,8 +23,8 @@ from typing import Any
 
 from carton_protocol import TensorSpec
 
-from ..errors import RepositoryError
 from ._datatypes import DATATYPE_OF
+from .errors import RepositoryError
 
 __all__ = ["DynamicBatching", "ModelConfig", "PolicyKind", "TensorConfig", "VersionPolicy", "parse_config"]
 
@@ -45,6 +45,8 @@ _KNOWN_FIELDS = frozenset(
 
 
 class PolicyKind(enum.StrEnum):
+    """Triton's ``version_policy`` kinds: the latest N versions, all of them, or specific ones."""
+
     LATEST = "latest"
     ALL = "all"
     SPECIFIC = "specific"
@@ -59,6 +61,7 @@ class VersionPolicy:
     versions: tuple[int, ...] = ()
 
     def select(self, available: Sequence[int]) -> list[int]:
+        """The versions to serve among `available`, in ascending order."""
         ordered = sorted(available)
         if self.kind is PolicyKind.ALL:
             return ordered
@@ -67,6 +70,7 @@ class VersionPolicy:
         return ordered[-self.num_versions :]
 
     def to_json(self) -> dict[str, Any]:
+        """The policy as Triton's JSON ``version_policy`` (what the model configuration endpoints return)."""
         if self.kind is PolicyKind.ALL:
             return {"all": {}}
         if self.kind is PolicyKind.SPECIFIC:
@@ -76,6 +80,8 @@ class VersionPolicy:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DynamicBatching:
+    """Triton's ``dynamic_batching``: how long a request may wait to be batched, and the batch sizes preferred."""
+
     max_queue_delay_microseconds: int = 0
     preferred_batch_sizes: tuple[int, ...] = ()
 
@@ -90,6 +96,9 @@ class TensorConfig:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelConfig:
+    """A model's ``config.json`` (Triton's model configuration, the fields this server implements), checked
+    against the carton's declared tensors by `parse_config`."""
+
     max_batch_size: int = 0
     dynamic_batching: DynamicBatching | None = None
     instance_count: int | None = None

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 from carton_protocol import DType
 
-from ..errors import BadRequest
+from .errors import BadRequest
 
 __all__ = [
     "DATATYPE_OF",

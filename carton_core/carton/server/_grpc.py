@@ -2,8 +2,9 @@
 
 Handlers are registered by hand (`grpc.method_handlers_generic_handler`) under the protocol's service name, against
 the messages generated from ``_proto/kserve_v2.proto`` into carton's own proto package (see `._proto` for why).
-Failures map to gRPC status codes the way Triton maps them: bad input ``INVALID_ARGUMENT``, unknown model
-``NOT_FOUND``, upload disabled ``PERMISSION_DENIED``, a request timeout ``UNAVAILABLE``, anything else ``INTERNAL``.
+Failures map to gRPC status codes the way Triton maps them, by `carton.server.errors.STATUS`: bad input
+``INVALID_ARGUMENT``, unknown model ``NOT_FOUND``, upload disabled ``PERMISSION_DENIED``, a request timeout
+``UNAVAILABLE``, anything else ``INTERNAL``.
 Outputs always travel in ``raw_output_contents``, as Triton sends them.
 """
 
@@ -18,7 +19,6 @@ import numpy as np
 from carton_protocol import DType
 from grpc import aio
 
-from ..errors import BadRequest, ServerError
 from ._datatypes import DATATYPE_OF, NUMPY_OF, counted
 from ._handle import metadata_shape
 from ._http import EXTENSIONS
@@ -36,17 +36,9 @@ from ._inference import (
 )
 from ._proto import SERVICE_NAME, message_class
 from ._repository import ModelRepository, ServedVersion
+from .errors import BadRequest, ServerError
 
 __all__ = ["GrpcService"]
-
-_STATUS = {
-    400: grpc.StatusCode.INVALID_ARGUMENT,
-    403: grpc.StatusCode.PERMISSION_DENIED,
-    404: grpc.StatusCode.NOT_FOUND,
-    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    501: grpc.StatusCode.UNIMPLEMENTED,
-    503: grpc.StatusCode.UNAVAILABLE,
-}
 
 # Which typed-contents field carries each datatype when a client does not send raw bytes.
 _CONTENTS_FIELD = {
@@ -103,6 +95,7 @@ class GrpcService:
         self.server_version = server_version
 
     def handler(self) -> grpc.GenericRpcHandler[Any, Any]:
+        """The handler of every method of ``inference.GRPCInferenceService``, for ``add_generic_rpc_handlers``."""
         unary = {
             "ServerLive": self.server_live,
             "ServerReady": self.server_ready,
@@ -139,24 +132,29 @@ class GrpcService:
                 return await function(request)
             except ServerError as exc:
                 # Safe as composed (see `HttpApp.__call__`): client names are echoed verbatim.
-                await context.abort(_STATUS.get(exc.http_status, grpc.StatusCode.INTERNAL), str(exc))
+                await context.abort(grpc.StatusCode[exc.grpc_status], str(exc))
 
         return guarded
 
     # ---- health and metadata -------------------------------------------------------------------------------------
     async def server_live(self, request: Any) -> Any:
+        """``ServerLive``: always live while the server runs."""
         return _M["ServerLiveResponse"](live=True)
 
     async def server_ready(self, request: Any) -> Any:
+        """``ServerReady``: ready once no model is loading or unloading."""
         return _M["ServerReadyResponse"](ready=self.repository.is_ready())
 
     async def model_ready(self, request: Any) -> Any:
+        """``ModelReady``: whether the named model (version) is ready."""
         return _M["ModelReadyResponse"](ready=self.repository.model_ready(request.name, request.version))
 
     async def server_metadata(self, request: Any) -> Any:
+        """``ServerMetadata``: the server's name, version and extensions."""
         return _M["ServerMetadataResponse"](name="carton", version=self.server_version, extensions=EXTENSIONS)
 
     async def model_metadata(self, request: Any) -> Any:
+        """``ModelMetadata``: a model's versions and declared tensors (``NOT_FOUND`` if unknown)."""
         served = self.repository.get(request.name, request.version)
         response = _M["ModelMetadataResponse"](
             name=served.model,
@@ -170,6 +168,7 @@ class GrpcService:
         return response
 
     async def model_config(self, request: Any) -> Any:
+        """``ModelConfig``: the model's configuration as Triton reports it."""
         from google.protobuf import json_format
 
         from ._http import model_config_json
@@ -180,6 +179,7 @@ class GrpcService:
         return response
 
     async def model_statistics(self, request: Any) -> Any:
+        """``ModelStatistics``: inference statistics of one model (version) or of all."""
         from google.protobuf import json_format
 
         if request.name:
@@ -193,12 +193,14 @@ class GrpcService:
 
     # ---- repository ----------------------------------------------------------------------------------------------
     async def repository_index(self, request: Any) -> Any:
+        """``RepositoryIndex``: every model of the repository and its state."""
         response = _M["RepositoryIndexResponse"]()
         for entry in self.repository.index(ready_only=request.ready):
             response.models.add(**entry)
         return response
 
     async def repository_load(self, request: Any) -> Any:
+        """``RepositoryModelLoad``: (re)load a model, optionally with a config and uploaded files."""
         config: str | None = None
         files: dict[str, bytes] = {}
         for key, parameter in request.parameters.items():
@@ -217,6 +219,7 @@ class GrpcService:
         return _M["RepositoryModelLoadResponse"]()
 
     async def repository_unload(self, request: Any) -> Any:
+        """``RepositoryModelUnload``: unload a model (``unload_dependents`` is accepted)."""
         dependents = False
         if "unload_dependents" in request.parameters:
             parameter = request.parameters["unload_dependents"]
@@ -228,6 +231,7 @@ class GrpcService:
 
     # ---- inference -----------------------------------------------------------------------------------------------
     async def model_infer(self, request: Any) -> Any:
+        """``ModelInfer``: one inference; failures are answered with the status of `carton.server.errors.STATUS`."""
         started = time.perf_counter_ns()
         served = self.repository.acquire(request.model_name, request.model_version)
         try:
@@ -266,6 +270,7 @@ class GrpcService:
     async def model_stream_infer(
         self, requests: AsyncIterator[Any], context: aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[Any]:
+        """``ModelStreamInfer``: each request answered in turn; a failure becomes that response's ``error_message``."""
         async for request in requests:
             try:
                 response = await self.model_infer(request)

@@ -21,14 +21,22 @@ class ModelHandle(Protocol):
     """A loaded model: its declared tensors, an async `infer`, and `close`."""
 
     @property
-    def inputs(self) -> tuple[TensorSpec, ...]: ...
+    def inputs(self) -> tuple[TensorSpec, ...]:
+        """The declared inputs."""
+        ...
 
     @property
-    def outputs(self) -> tuple[TensorSpec, ...]: ...
+    def outputs(self) -> tuple[TensorSpec, ...]:
+        """The declared outputs."""
+        ...
 
-    async def infer(self, inputs: dict[str, np.ndarray]) -> Mapping[str, Tensor]: ...
+    async def infer(self, inputs: dict[str, np.ndarray]) -> Mapping[str, Tensor]:
+        """Run one inference without blocking the event loop."""
+        ...
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Stop the model's runner processes."""
+        ...
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -74,7 +82,7 @@ def load_carton(spec: LoadSpec, *, limits: Any = None) -> ModelHandle:
     """Load with `carton.load` (imported here: the runtime is a peer module, not a dependency of the protocol code).
 
     `limits` (a `carton.RunnerLimits`, from ``carton serve``'s limit flags) applies to every model."""
-    from .._runtime import load
+    from .._workflows import load
 
     options: dict[str, Any] = {"workers": spec.workers}
     if limits is not None:

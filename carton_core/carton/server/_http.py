@@ -20,7 +20,6 @@ from urllib.parse import unquote
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from ..errors import BadRequest, RequestTooLarge, ServerError
 from ._config import ModelConfig
 from ._datatypes import DATATYPE_OF
 from ._handle import metadata_shape
@@ -28,8 +27,9 @@ from ._http_codec import encode_infer_response, parse_infer_request
 from ._inference import request_failed, request_succeeded, select_outputs
 from ._repository import ModelRepository, ServedVersion
 from ._stats import ServerMetrics
+from .errors import BadRequest, RequestTooLarge, ServerError
 
-__all__ = ["EXTENSIONS", "HttpApp", "model_config_json", "model_metadata_json"]
+__all__ = ["EXTENSIONS", "HttpApp", "Message", "Receive", "Scope", "Send", "model_config_json", "model_metadata_json"]
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -62,6 +62,7 @@ class _HttpError(Exception):
 
 
 def model_metadata_json(served: ServedVersion, versions: list[str]) -> dict[str, Any]:
+    """A model version's metadata as KServe v2's JSON (its versions, declared inputs and outputs)."""
     return {
         "name": served.model,
         "versions": versions,

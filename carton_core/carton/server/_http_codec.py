@@ -17,7 +17,6 @@ import numpy as np
 import orjson
 from carton_protocol import DType, Tensor
 
-from ..errors import BadRequest
 from ._datatypes import DATATYPE_OF, NUMPY_OF, counted
 from ._inference import (
     check_complete,
@@ -30,6 +29,7 @@ from ._inference import (
     output_tensor,
 )
 from ._repository import ServedVersion
+from .errors import BadRequest
 
 __all__ = ["InferBody", "encode_infer_response", "parse_infer_request"]
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -15,21 +14,19 @@ import numpy as np
 from carton_protocol import DType, Tensor
 
 from ..errors import (
-    BadRequest,
     CartonError,
     InvalidInput,
     InvalidOutput,
     ModelClosed,
-    ModelUnavailable,
     RunnerCPULimit,
     RunnerCrashed,
     RunnerFailed,
     RunnerMemoryLimit,
     RunnerTimeout,
-    ServerError,
 )
 from ._datatypes import DATATYPE_OF, NUMPY_OF, datatype_of_array, decode_bytes_elements, encode_bytes_elements
 from ._repository import ServedVersion
+from .errors import BadRequest, ModelUnavailable, ServerError
 
 __all__ = [
     "ModelUnavailable",
@@ -41,19 +38,17 @@ __all__ = [
     "from_raw",
     "json_elements",
     "output_tensor",
+    "request_failed",
+    "request_succeeded",
     "select_outputs",
     "translate_error",
 ]
 
 _log = logging.getLogger("carton.server")
 
-# How the runtime's messages name the runner ("runner pkg.module:Class (pid 12) failed during infer: ..."), and the
-# limit it names in a timeout ("within 5 s"): clients get the model's own words without the server's internals.
-_RUNNER_LEAD = re.compile(r"^runner [\w.]+:[\w.]+(?: \(pid \d+\))?(?: failed during infer)?:? *")
-_WITHIN = re.compile(r"within ([0-9]+(?:\.[0-9]+)?(?:e[+-]?[0-9]+)?) s\b")
-
 
 def element_count(shape: Sequence[int], *, tensor: str) -> int:
+    """The number of elements of `shape`; `BadRequest` naming `tensor` if it is not a list of sizes >= 0."""
     for dim in shape:
         if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
             raise BadRequest(f"input {tensor!r}: shape {list(shape)} must be a list of non-negative integers")
@@ -100,6 +95,7 @@ def from_bytes_elements(elements: Sequence[bytes], shape: Sequence[int], *, tens
 
 
 def check_complete(served: ServedVersion, inputs: Mapping[str, object]) -> None:
+    """`BadRequest` naming the inputs `served` declares that `inputs` lacks."""
     missing = sorted(set(served.input_specs) - set(inputs))
     if missing:
         raise BadRequest(
@@ -125,6 +121,7 @@ def select_outputs(
 
 
 def check_requested(served: ServedVersion, requested: Iterable[str]) -> None:
+    """`BadRequest` naming the first requested output that `served` does not declare."""
     declared = {spec.name for spec in served.output_specs}
     for name in requested:
         if name not in declared:
@@ -148,9 +145,10 @@ def output_tensor(name: str, tensor: Tensor) -> tuple[str, np.ndarray, bytes | m
 def translate_error(exc: BaseException, scrub: Callable[[str], str], served: ServedVersion) -> ServerError:
     """The `ServerError` to answer a failed inference of `served` with.
 
-    Messages say what happened to the model in the server's words: no runner entry points, pids, runner logs or
-    server paths (the model's own error text is kept, scrubbed of paths). A request timeout is a 503, like
-    Triton's; a runner that died or went over a limit is a 500; unknown failures are not detailed.
+    Messages say what happened to the model in the server's words, from the exception's attributes: no runner entry
+    points, pids, runner logs or server paths (the model's own error text is kept, scrubbed of paths). Inputs the
+    host or the runner refused are the client's fault (400); a request timeout is a 503, like Triton's; a runner
+    that died or went over a limit is a 500; unknown failures are not detailed.
     """
     if isinstance(exc, ServerError):
         return exc
@@ -158,8 +156,8 @@ def translate_error(exc: BaseException, scrub: Callable[[str], str], served: Ser
         return BadRequest(scrub(str(exc)))
     model = f"model {served.model!r} version {served.version_str}"
     if isinstance(exc, RunnerTimeout):
-        limit = _WITHIN.search(str(exc))
-        within = f" within the server's request timeout of {limit.group(1)} s" if limit else " in time"
+        limit = exc.limit_seconds
+        within = f" within the server's request timeout of {limit:g} s" if limit is not None else " in time"
         _log.warning("%s: %s", model, exc)
         return ModelUnavailable(
             f"{model} did not answer{within}; the request was abandoned and the model is restarted for the next one"
@@ -172,8 +170,10 @@ def translate_error(exc: BaseException, scrub: Callable[[str], str], served: Ser
             return ServerError(f"{model} went over the server's memory limit for a model while running the request")
         what = "went over the server's CPU-time limit for a model" if isinstance(exc, RunnerCPULimit) else "crashed"
         return ServerError(f"{model} {what} while running the request; it is restarted for the next request")
-    if isinstance(exc, (RunnerFailed, InvalidOutput)):
-        return ServerError(f"{model} failed: {scrub(_RUNNER_LEAD.sub('', str(exc)))}")
+    if isinstance(exc, RunnerFailed) and exc.remote_message is not None:
+        return ServerError(f"{model} failed: {scrub(exc.remote_message)}")
+    if isinstance(exc, InvalidOutput):
+        return ServerError(f"{model} failed: {scrub(str(exc))}")
     if isinstance(exc, CartonError):
         _log.error("%s failed", model, exc_info=exc)
         return ServerError(f"{model} failed while running the request (see the server log)")

@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Mapping
 from pathlib import Path
 
-from ..errors import BadRequest, RepositoryError
+from .errors import BadRequest, RepositoryError
 
 __all__ = [
     "Scrubber",

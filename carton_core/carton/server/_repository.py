@@ -30,12 +30,13 @@ from pathlib import Path
 import numpy as np
 from carton_protocol import Tensor, TensorSpec
 
-from ..errors import BadRequest, CartonError, ModelNotFound, RepositoryError, ServerError, UploadDisabled
+from ..errors import CartonError
 from ._batcher import DynamicBatcher
 from ._config import ModelConfig, parse_config
 from ._handle import LoadSpec, ModelHandle, ModelLoader
 from ._layout import Scrubber, list_models, scan_model_folder, scan_versions, validate_model_name, write_upload
 from ._stats import ServerMetrics, VersionStats
+from .errors import BadRequest, ModelNotFound, RepositoryError, ServerError, UploadDisabled
 
 __all__ = ["ModelRepository", "ModelState", "RepositoryOptions", "ServedVersion"]
 
@@ -43,6 +44,8 @@ _log = logging.getLogger("carton.server")
 
 
 class ModelState(enum.StrEnum):
+    """A model version's state, as the repository index reports it."""
+
     READY = "READY"
     LOADING = "LOADING"
     UNLOADING = "UNLOADING"
@@ -65,7 +68,7 @@ class RepositoryOptions:
 
 
 #: The reason of a version (or model) that is unavailable because it was unloaded, as Triton words it.
-UNLOADED = "unloaded"
+_UNLOADED = "unloaded"
 
 
 class ServedVersion:
@@ -102,11 +105,13 @@ class ServedVersion:
             )
 
     def enter(self) -> None:
+        """A request starts using this version (an unload waits for it to `exit`)."""
         self.in_flight += 1
         self._idle.clear()
         self.stats.series.in_flight += 1
 
     def exit(self) -> None:
+        """A request is done with this version."""
         self.in_flight -= 1
         self.stats.series.in_flight -= 1
         if self.in_flight == 0:
@@ -175,15 +180,15 @@ class _Model:
         # What the index reports per version, including versions that are not serving (failed, unloaded).
         self.statuses: dict[int, tuple[ModelState, str]] = {}
         # Why the last load failed before any version was chosen (a bad config.json, no version folder), or
-        # `UNLOADED` once an unload has cleared that; None when the model's versions say it all.
+        # `_UNLOADED` once an unload has cleared that; None when the model's versions say it all.
         self.failure: str | None = None
         self.upload_dir: Path | None = None
 
     def failed(self) -> bool:
         """Whether a load of this model failed and no later load or unload settled it (strict readiness)."""
-        if self.failure not in (None, UNLOADED):
+        if self.failure not in (None, _UNLOADED):
             return True
-        return any(state is not ModelState.READY and reason != UNLOADED for state, reason in self.statuses.values())
+        return any(state is not ModelState.READY and reason != _UNLOADED for state, reason in self.statuses.values())
 
 
 class ModelRepository:
@@ -234,6 +239,8 @@ class ModelRepository:
         return (self.root / name).is_dir() or (self.root / f"{name}.carton").exists()
 
     def acquire(self, name: str, version: str = "") -> ServedVersion:
+        """The ready version serving `name` (the given one, else the latest), entered for one request: the caller
+        must `ServedVersion.exit` it. `ModelNotFound` if there is none."""
         served = self.get(name, version)
         served.enter()
         return served
@@ -247,16 +254,19 @@ class ModelRepository:
         return not any(model.failed() for model in self._models.values())
 
     def model_ready(self, name: str, version: str = "") -> bool:
+        """Whether `name` (at `version`, else its latest) is ready to serve."""
         try:
             return self.get(name, version).state is ModelState.READY
         except (ModelNotFound, BadRequest):
             return False
 
     def versions(self, name: str) -> list[ServedVersion]:
+        """The versions `name` serves, in ascending order (none for an unknown model)."""
         model = self._models.get(name)
         return [model.serving[v] for v in sorted(model.serving)] if model is not None else []
 
     def all_served(self) -> list[ServedVersion]:
+        """Every version of every model being served, by model name then version."""
         return [version for name in sorted(self._models) for version in self.versions(name)]
 
     # ---- index ---------------------------------------------------------------------------------------------------
@@ -298,6 +308,7 @@ class ModelRepository:
         await self._load(name, config=config, files=files)
 
     async def load_at_startup(self, name: str) -> None:
+        """Load `name` from the repository as the server starts (its files as they are on disk)."""
         await self._load(validate_model_name(name), config=None, files=None)
 
     async def _load(self, name: str, *, config: str | None, files: Mapping[str, bytes] | None) -> None:
@@ -463,10 +474,10 @@ class ModelRepository:
             # Failed loads are settled too: the model is no longer asked for (Triton keeps their reasons, so its
             # strict readiness stays false until the server restarts).
             if model.failure is not None:
-                model.failure = UNLOADED
+                model.failure = _UNLOADED
             for version, (state, _) in model.statuses.items():
                 if state is ModelState.UNAVAILABLE:
-                    model.statuses[version] = (ModelState.UNAVAILABLE, UNLOADED)
+                    model.statuses[version] = (ModelState.UNAVAILABLE, _UNLOADED)
             for old in retiring:
                 model.statuses[old.version] = (ModelState.UNLOADING, "")
             self._transitions += 1
@@ -501,7 +512,7 @@ class ModelRepository:
                     continue
                 self._metrics.forget(model.name, served.version_str)
                 if model.statuses.get(served.version, (None,))[0] is not ModelState.READY:
-                    model.statuses[served.version] = (ModelState.UNAVAILABLE, UNLOADED)
+                    model.statuses[served.version] = (ModelState.UNAVAILABLE, _UNLOADED)
             if upload_dir is not None:
                 shutil.rmtree(upload_dir, ignore_errors=True)
         finally:

@@ -18,19 +18,21 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import ServerError
 from ._handle import ModelLoader, load_carton
 from ._http import HttpApp
 from ._layout import list_models, make_upload_root, sweep_stale_upload_roots
 from ._repository import ModelRepository, RepositoryOptions
 from ._stats import ServerMetrics
+from .errors import ServerError
 
-__all__ = ["ModelControlMode", "Server", "ServerOptions", "run_server", "serve_in_thread"]
+__all__ = ["ModelControlMode", "Server", "ServerOptions", "listening_text", "run_server", "serve_in_thread"]
 
 _log = logging.getLogger("carton.server")
 
 
 class ModelControlMode(enum.StrEnum):
+    """Triton's ``--model-control-mode``: which models load at start, and whether the load/unload API works."""
+
     #: Every model of the repository is loaded at start; the load/unload API is refused.
     NONE = "none"
     #: Only ``load_models`` are loaded at start (``"*"``: all); the load/unload API is available.
@@ -60,7 +62,7 @@ class ServerOptions:
 
 
 def _version() -> str:
-    from .. import __version__
+    from .._version import __version__
 
     return __version__
 
@@ -104,6 +106,8 @@ class Server:
         self._grpc: object | None = None
 
     async def start(self) -> None:
+        """Bind the HTTP (and gRPC) ports and load the models the options name; raise `ServerError` if a port
+        cannot be bound."""
         import uvicorn
         from grpc import aio
 
@@ -171,6 +175,7 @@ class Server:
                 _log.error("model %r failed to load: %s", name, result)
 
     async def stop(self) -> None:
+        """Stop accepting requests, unload every model (closing its runners) and close the ports."""
         if self._grpc is not None:
             await self._grpc.stop(1.0)  # type: ignore[attr-defined]
         if self._uvicorn is not None and self._uvicorn_task is not None:

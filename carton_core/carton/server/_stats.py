@@ -120,6 +120,7 @@ class ServerMetrics:
         )
 
     def series(self, model: str, version: str) -> _Series:
+        """The Prometheus series of one model version (made on first use)."""
         found = self._series.get((model, version))
         if found is None:
             found = self._series[(model, version)] = _Series()
@@ -193,6 +194,7 @@ class VersionStats:
         self.series.compute.observe(infer_ns)
 
     def record_success(self, *, total_ns: int, input_ns: int, output_ns: int) -> None:
+        """Count a successful inference and its durations (nanoseconds: in total, decoding inputs, encoding outputs)."""
         self.last_inference_ms = time.time_ns() // 1_000_000
         self.success.add(total_ns)
         self.compute_input.add(input_ns)
@@ -201,6 +203,7 @@ class VersionStats:
         self.series.duration.observe(total_ns)
 
     def record_failure(self, *, total_ns: int) -> None:
+        """Count a failed inference and how long it took (nanoseconds)."""
         self.last_inference_ms = time.time_ns() // 1_000_000
         self.fail.add(total_ns)
         self.series.failure += 1

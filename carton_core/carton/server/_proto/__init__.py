@@ -16,7 +16,7 @@ import importlib
 from types import ModuleType
 from typing import Any
 
-from ...errors import ServerError
+from ..errors import ServerError
 
 __all__ = ["PACKAGE", "SERVICE_NAME", "message_class", "messages"]
 

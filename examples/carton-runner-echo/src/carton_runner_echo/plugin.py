@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from carton_protocol import RunnerSpec, hookimpl
 
-__all__ = ["carton_runners"]
+__all__ = ["FRAMEWORK_VERSION", "carton_runners"]
 
 #: The echo runner has no framework; its "framework version" is this package's version, so models can pin it.
 FRAMEWORK_VERSION = "1.0.0"

@@ -23,7 +23,7 @@ import semver
 from packaging.version import InvalidVersion as _InvalidPep440
 from packaging.version import Version as _Pep440Version
 
-from ..errors import InvalidVersion, InvalidVersionReq
+from .errors import InvalidVersion, InvalidVersionReq
 
 __all__ = ["Comparator", "Op", "VersionReq", "framework_version"]
 
@@ -110,9 +110,7 @@ class Comparator:
 
     def matches(self, version: semver.Version) -> bool:
         """Whether this comparator alone accepts ``version`` (pre-release rule included)."""
-        return self._matches_ignoring_pre_rule(version) and (
-            not version.prerelease or self._pre_is_compatible(version)
-        )
+        return self._matches_ignoring_pre_rule(version) and (not version.prerelease or self._pre_is_compatible(version))
 
     def _matches_ignoring_pre_rule(self, version: semver.Version) -> bool:
         match self.op:
@@ -320,10 +318,17 @@ def _identifier(text: str, pos: _Position) -> tuple[str, str]:
 
 
 def _op(text: str) -> tuple[Op, str, bool]:
-    for token, op in ((">=", Op.GREATER_EQ), ("<=", Op.LESS_EQ), ("=", Op.EXACT), (">", Op.GREATER),
-                      ("<", Op.LESS), ("~", Op.TILDE), ("^", Op.CARET)):
+    for token, op in (
+        (">=", Op.GREATER_EQ),
+        ("<=", Op.LESS_EQ),
+        ("=", Op.EXACT),
+        (">", Op.GREATER),
+        ("<", Op.LESS),
+        ("~", Op.TILDE),
+        ("^", Op.CARET),
+    ):
         if text.startswith(token):
-            return op, text[len(token):], False
+            return op, text[len(token) :], False
     return Op.CARET, text, True
 
 

@@ -1,0 +1,145 @@
+"""A/B of the wire: this checkout's `RunnerProcess` against another checkout's, alternating, in the same run.
+
+    git worktree add --detach ../carton-base <commit>       # the code before a change
+    python bench/bench_ab.py --baseline ../carton-base [--rounds 8] [--calls 3000]
+
+Every round starts one child process per side, in alternating order (baseline first in even rounds): the child has
+that side's ``carton_core``, ``protocol`` and ``runners`` first on ``PYTHONPATH``, starts the side's own Echo test
+runner, and times, after a warm-up:
+
+* ``small``: `RunnerProcess.infer` of one ``[1,16]`` float32 tensor (the header-template path);
+* ``small async``: the same through `RunnerProcess.infer_async` on an asyncio loop;
+* ``small strings``: ``[1,16]`` float32 plus a 2-element string tensor (never templated: the full encoder and
+  decoder on both ends);
+* ``large``: 64 MiB in and 64 MiB out (shared memory).
+
+Each round gives a p50 per row and side. The ``cpu`` rows are the CPU time one call costs, the host process and the
+runner process together (every thread: ZeroMQ's I/O threads too), over the same calls: on a loaded machine a
+round trip's wall time is mostly waiting to be scheduled, while the CPU a call burns is what the code decides. The
+table shows the median over rounds of each side's figure and of the per-round ratio (this checkout / baseline), with
+its range, and the load average before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROWS = ("small", "small async", "small strings", "large", "small cpu", "small strings cpu")
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process `pid`, all its threads (from /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _child(tree: Path, calls: int) -> None:
+    import asyncio
+
+    import numpy as np
+    from _timing import timed, timed_async
+    from carton._runtime._process import RunnerProcess
+    from carton_protocol import RunnerSpec
+
+    spec = RunnerSpec(runner_name="bench", framework_version="1.0.0", runner_compat_version=1,
+                      entry="runners_for_tests:Echo")  # fmt: skip
+    runner = RunnerProcess.start(spec, extra_env={"PYTHONPATH": str(tree / "tests" / "protocol")})
+    runner.load(model_dir=tree, opts={}, inputs=(), outputs=())
+    x = np.random.default_rng(0).random((1, 16), dtype=np.float32)
+    words = np.array(["hello", "wire"])
+    big = np.random.default_rng(0).random((64 << 20) // 4, dtype=np.float32)
+    assert runner.runner_pid is not None
+    runner_pid = runner.runner_pid
+
+    def cpu_per_call(call: Callable[[], object]) -> float:
+        for _ in range(calls // 10):
+            call()
+        host, remote = time.process_time(), _cpu_seconds(runner_pid)
+        for _ in range(calls):
+            call()
+        return (time.process_time() - host + _cpu_seconds(runner_pid) - remote) / calls
+
+    try:
+        samples = {
+            "small": statistics.median(timed(lambda: runner.infer({"x": x}), calls, calls // 10)),
+            "small async": statistics.median(
+                asyncio.run(timed_async(lambda: runner.infer_async({"x": x}), calls, calls // 10))
+            ),
+            "small strings": statistics.median(
+                timed(lambda: runner.infer({"x": x, "words": words}), calls, calls // 10)
+            ),
+            "large": statistics.median(timed(lambda: runner.infer({"x": big}), 10, 2)),
+            "small cpu": cpu_per_call(lambda: runner.infer({"x": x})),
+            "small strings cpu": cpu_per_call(lambda: runner.infer({"x": x, "words": words})),
+        }
+    finally:
+        runner.close()
+    print(json.dumps(samples))
+
+
+def _run_side(tree: Path, calls: int) -> dict[str, float]:
+    paths = [str(tree / part) for part in ("carton_core", "protocol", "runners")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+    out = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "--child", str(tree), "--calls", str(calls)],
+        env=env, capture_output=True, text=True, check=False, cwd=HERE,
+    )  # fmt: skip
+    if out.returncode != 0:
+        raise SystemExit(f"the child for {tree} failed:\n{out.stderr}")
+    result: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--baseline", type=Path, help="the other checkout (its root folder)")
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--calls", type=int, default=3000, help="timed calls per small row and round")
+    parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child is not None:
+        _child(args.child, args.calls)
+        return
+    if args.baseline is None:
+        parser.error("--baseline is required")
+    ours = HERE.parent
+    baseline = args.baseline.resolve()
+    load_before = os.getloadavg()
+    figures: dict[str, dict[str, list[float]]] = {side: {row: [] for row in ROWS} for side in ("base", "new")}
+    for index in range(args.rounds):
+        order = [("base", baseline), ("new", ours)]
+        if index % 2:
+            order.reverse()
+        for side, tree in order:
+            for row, value in _run_side(tree, args.calls).items():
+                figures[side][row].append(value)
+    load_after = os.getloadavg()
+    print(
+        f"# bench_ab: {ours.name} against {baseline.name}, {args.rounds} alternating rounds, python "
+        f"{sys.version.split()[0]}; load average {load_before[0]:.2f} before, {load_after[0]:.2f} after\n"
+    )
+    print("| row | baseline | this checkout | ratio (median of rounds) | ratio range |")
+    print("|---|---|---|---|---|")
+    for row in ROWS:
+        base, new = figures["base"][row], figures["new"][row]
+        ratios = [b / a for a, b in zip(base, new, strict=True)]
+        unit, scale = ("ms", 1e3) if row == "large" else ("us", 1e6)
+        what = "CPU per call" if row.endswith("cpu") else "p50"
+        print(
+            f"| {row} ({what}) | {statistics.median(base) * scale:.1f} {unit} | "
+            f"{statistics.median(new) * scale:.1f} {unit} | {statistics.median(ratios):.3f}x | "
+            f"{min(ratios):.2f}-{max(ratios):.2f}x |"
+        )
+
+
+if __name__ == "__main__":
+    main()
