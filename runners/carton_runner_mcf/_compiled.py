@@ -30,21 +30,27 @@ import numpy as np
 from numba import prange
 
 from ._simd import (
+    broadcast,
     fma,
     hsum,
     iadd,
     lane_order,
     load_f16,
+    load_f16x8,
+    load_f32x8,
     load_i16x16,
+    load_u8x8,
     madd,
+    mul,
     splat,
+    store_f32x8,
     store_scaled,
     to_float,
     unpack_codes,
     zeros,
 )
 
-__all__ = ["LANE_ORDERS", "BlockKernels", "block_kernels", "decode_int_rows", "quantize_activations"]
+__all__ = ["LANE_ORDERS", "MAX_THREADS", "BlockKernels", "block_kernels", "decode_int_rows", "quantize_activations"]
 
 if "NUMBA_THREADING_LAYER" not in os.environ:
     # numba's fallback layer (workqueue) aborts on concurrent calls from two threads and starts a parallel region
@@ -55,6 +61,8 @@ _JIT = {"nogil": True, "cache": True, "fastmath": True, "error_model": "numpy", 
 _INV32767 = np.float32(1.0 / 32767.0)
 _SUB_SCALE = np.float32(1.0 / 32.0)
 
+#: Threads in numba's pool (``NUMBA_NUM_THREADS``, by default the CPU count): the most a product can use.
+MAX_THREADS = int(numba.config.NUMBA_NUM_THREADS)
 #: bit width -> code index held by each of a block's 32 lanes (int64, for the kernels' reordering).
 LANE_ORDERS = {width: np.array(lane_order(width), dtype=np.int64) for width in (2, 3, 4, 6, 8)}
 
@@ -82,23 +90,27 @@ def quantize_activations(x, order, xq, xs):  # type: ignore[no-untyped-def]
 @numba.njit(inline="always", **_JIT)
 def _row_scales(payload, meta, row, kfamily, scales):  # type: ignore[no-untyped-def]
     """The float32 scales of the part's blocks of ``row`` into ``scales`` (q*: the fp16 block scales; k*: fp16
-    super-scale x sub-scale / 32). Converted a row at a time: one conversion per block inside the product loop
-    costs several times more (docs/performance.md)."""
+    super-scale x sub-scale / 32), eight blocks per vector operation where the part allows."""
     scale_at, sub_at, blocks_full, supers_full, block0 = meta[1], meta[2], meta[3], meta[4], meta[6]
+    blocks = scales.size
+    vector_end = blocks - blocks % 8
     if kfamily:
         subs = sub_at + row * blocks_full + block0
         supers = scale_at + 2 * row * supers_full
-        b = 0
-        while b < scales.size:  # one super-scale per run of up to 8 blocks (the part may start mid-super-block)
-            block = block0 + b
-            run = min(8 - block % 8, scales.size - b)
-            scale = load_f16(payload, supers + 2 * (block // 8)) * _SUB_SCALE
-            for i in range(run):
-                scales[b + i] = scale * np.float32(payload[subs + b + i])
-            b += run
+        if block0 % 8 == 0:  # super-blocks line up with groups of eight blocks
+            for b in range(0, vector_end, 8):
+                scale = load_f16(payload, supers + 2 * ((block0 + b) // 8)) * _SUB_SCALE
+                store_f32x8(scales, b, mul(load_u8x8(payload, subs + b), splat(scale)))
+        else:
+            vector_end = 0
+        for b in range(vector_end, blocks):
+            scale = load_f16(payload, supers + 2 * ((block0 + b) // 8)) * _SUB_SCALE
+            scales[b] = scale * np.float32(payload[subs + b])
     else:
         first = scale_at + 2 * (row * blocks_full + block0)
-        for b in range(scales.size):
+        for b in range(0, vector_end, 8):
+            store_f32x8(scales, b, load_f16x8(payload, first + 2 * b))
+        for b in range(vector_end, blocks):
             scales[b] = load_f16(payload, first + 2 * b)
 
 
@@ -110,36 +122,55 @@ def _dot(low, high, xq, at):  # type: ignore[no-untyped-def]
 
 @numba.njit(**_JIT)
 def _matmul_rows(payload, meta, xq, xs, y, first, last, width, kfamily):  # type: ignore[no-untyped-def]
-    """Rows ``first..last`` (of the part) of ``y [m, rows] = x @ W.T``; ``meta`` describes the part (`PartMeta`)."""
+    """Rows ``first..last`` (of the part) of ``y [m, rows] = x @ W.T``; ``meta`` describes the part."""
     data_at, blocks_full, row0, block0, blocks = meta[0], meta[3], meta[5], meta[6], meta[7]
     block_bytes = 4 * width
     m, stride = xq.shape
     scales = np.empty(blocks, dtype=np.float32)
+    # weight scale x activation scale of every (activation row, block), made once per weight row so that the
+    # product loop broadcasts it straight from memory
+    both = np.empty(m * blocks, dtype=np.float32)
+    vector_end = blocks - blocks % 8
     for r in range(first, last):
         row = row0 + r
         at = data_at + row * blocks_full * block_bytes + block0 * block_bytes
         _row_scales(payload, meta, row, kfamily, scales)
+        for j in range(m):
+            for b in range(0, vector_end, 8):
+                store_f32x8(both, j * blocks + b, mul(load_f32x8(scales, b), load_f32x8(xs, j * blocks + b)))
+            for b in range(vector_end, blocks):
+                both[j * blocks + b] = scales[b] * xs[j, b]
         j = 0
         while j + 4 <= m:  # four activation rows share each unpacked block
             a0, a1, a2, a3 = zeros(), zeros(), zeros(), zeros()
             for b in range(blocks):
-                scale = scales[b]
                 low = unpack_codes(payload, at + b * block_bytes, width, 0)
                 high = unpack_codes(payload, at + b * block_bytes, width, 1)
                 x0 = j * stride + b * 32
-                a0 = fma(_dot(low, high, xq, x0), splat(scale * xs[j, b]), a0)
-                a1 = fma(_dot(low, high, xq, x0 + stride), splat(scale * xs[j + 1, b]), a1)
-                a2 = fma(_dot(low, high, xq, x0 + 2 * stride), splat(scale * xs[j + 2, b]), a2)
-                a3 = fma(_dot(low, high, xq, x0 + 3 * stride), splat(scale * xs[j + 3, b]), a3)
+                s0 = j * blocks + b
+                a0 = fma(_dot(low, high, xq, x0), broadcast(both, s0), a0)
+                a1 = fma(_dot(low, high, xq, x0 + stride), broadcast(both, s0 + blocks), a1)
+                a2 = fma(_dot(low, high, xq, x0 + 2 * stride), broadcast(both, s0 + 2 * blocks), a2)
+                a3 = fma(_dot(low, high, xq, x0 + 3 * stride), broadcast(both, s0 + 3 * blocks), a3)
             y[j, r], y[j + 1, r], y[j + 2, r], y[j + 3, r] = hsum(a0), hsum(a1), hsum(a2), hsum(a3)
             j += 4
-        while j < m:
-            acc = zeros()
-            for b in range(blocks):
+        while j < m:  # one activation row: two accumulators, so consecutive blocks do not wait on one FMA chain
+            even, odd = zeros(), zeros()
+            for b in range(0, blocks - 1, 2):
+                at0, at1 = at + b * block_bytes, at + (b + 1) * block_bytes
+                x0 = j * stride + b * 32
+                low = unpack_codes(payload, at0, width, 0)
+                high = unpack_codes(payload, at0, width, 1)
+                even = fma(_dot(low, high, xq, x0), broadcast(both, j * blocks + b), even)
+                low = unpack_codes(payload, at1, width, 0)
+                high = unpack_codes(payload, at1, width, 1)
+                odd = fma(_dot(low, high, xq, x0 + 32), broadcast(both, j * blocks + b + 1), odd)
+            if blocks % 2:
+                b = blocks - 1
                 low = unpack_codes(payload, at + b * block_bytes, width, 0)
                 high = unpack_codes(payload, at + b * block_bytes, width, 1)
-                acc = fma(_dot(low, high, xq, j * stride + b * 32), splat(scales[b] * xs[j, b]), acc)
-            y[j, r] = hsum(acc)
+                even = fma(_dot(low, high, xq, j * stride + b * 32), broadcast(both, j * blocks + b), even)
+            y[j, r] = hsum(even) + hsum(odd)
             j += 1
 
 
@@ -164,8 +195,9 @@ def _decode_rows(payload, meta, out, first, last, width, kfamily):  # type: igno
 class BlockKernels:
     """The compiled kernels of one code width and scale family (see `block_kernels`).
 
-    ``matmul(payload, meta, xq, xs, y)`` and ``matmul_parallel(..., parts)`` compute ``y [m, rows] = x @ W.T`` from
-    activations quantized by `quantize_activations`; ``decode(payload, meta, out, first, last)`` writes rows
+    ``matmul(payload, meta, x, order, xq, xs, y)`` and ``matmul_parallel(..., parts)`` compute
+    ``y [m, rows] = x @ W.T``, quantizing ``x`` into the work arrays ``xq`` / ``xs`` first (`quantize_activations`);
+    ``decode(payload, meta, out, first, last)`` writes rows
     ``first..last`` of the part as float32 in lane order. ``meta`` is the part's int64 description: payload offsets
     of the codes, scales and sub-scales, blocks and super-blocks per row of the whole tensor, the part's first row,
     first block and block count.
@@ -183,10 +215,12 @@ def block_kernels(width: int, kfamily: bool) -> BlockKernels:
     literal-typed argument would be re-resolved by numba's dispatcher on every call) and each is compiled, or
     loaded from numba's cache, only when a model uses it."""
 
-    def matmul(payload, meta, xq, xs, y):  # type: ignore[no-untyped-def]
+    def matmul(payload, meta, x, order, xq, xs, y):  # type: ignore[no-untyped-def]
+        quantize_activations(x, order, xq, xs)
         _matmul_rows(payload, meta, xq, xs, y, 0, y.shape[1], width, kfamily)
 
-    def matmul_parallel(payload, meta, xq, xs, y, parts):  # type: ignore[no-untyped-def]
+    def matmul_parallel(payload, meta, x, order, xq, xs, y, parts):  # type: ignore[no-untyped-def]
+        quantize_activations(x, order, xq, xs)
         rows = y.shape[1]
         step = (rows + parts - 1) // parts
         for part in prange(parts):

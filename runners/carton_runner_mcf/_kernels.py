@@ -62,8 +62,9 @@ __all__ = ["CacheMode", "QuantizedLinear", "compiled_available", "default_cache"
 CacheMode = Literal["packed", "int8", "fp32"]
 _CACHE_MODES = ("packed", "int8", "fp32")
 
-# Work-buffer budget per call and thread (bytes of fp32 tile): about half an L2 cache, so that a tile, the codes it
-# is made from and the partial sums stay in L2 (measured in docs/performance.md, "Quantized matmul").
+# Work-buffer budget per call and thread of the numpy paths (bytes of fp32 tile): about half an L2 cache, so that a
+# tile, the codes it is made from and the partial sums stay in L2 (measured in docs/performance.md, "Quantized
+# matmul"). The compiled path's large batches use `_packed.PREFILL_TILE_BYTES` unless given one.
 DEFAULT_TILE_BYTES = 1 << 20
 # The numpy matrix-vector path works through at most this many output rows at a time: with more, even one block of
 # 32 columns overflows the tile (a tied output head has tens of thousands of rows).
@@ -98,7 +99,8 @@ class QuantizedLinear:
 
     ``payload`` may be bytes, a memoryview or a uint8 array over an mmap; with ``cache="packed"`` it is referenced,
     never copied. Calls accept float32 (other floats are converted) of shape ``[..., cols]`` and return float32
-    ``[..., rows]``. A call reuses per-thread work buffers of about ``tile_bytes``. ``threads`` (default 1; ``None``:
+    ``[..., rows]``. A call reuses per-thread work buffers of about ``tile_bytes`` (default: 1 MiB on the numpy
+    paths, 8 MiB for the compiled path's large batches). ``threads`` (default 1; ``None``:
     one per CPU) splits the output features of each call across threads; results do not depend on it (the compiled
     kernels) or only through float32 summation order (numpy). ``kernels`` picks the compiled or the numpy path of
     the packed cache (``"auto"``: ``CARTON_MCF_KERNELS``, else compiled when numba is installed).
@@ -122,7 +124,7 @@ class QuantizedLinear:
         domain: QuantDomain | int = QuantDomain.WEIGHTS,
         cache: CacheMode | None = None,
         kernels: Kernels = "auto",
-        tile_bytes: int = DEFAULT_TILE_BYTES,
+        tile_bytes: int | None = None,
         gemv_max_batch: int = DEFAULT_GEMV_MAX_BATCH,
         threads: int | None = 1,
         row_range: tuple[int, int] | None = None,
@@ -133,7 +135,7 @@ class QuantizedLinear:
             cache = "packed" if compiled is not None else "int8"
         if cache not in _CACHE_MODES:
             raise MCFError(f"unknown weight cache {cache!r} (expected one of: {', '.join(_CACHE_MODES)})")
-        if tile_bytes < 4 * BLOCK:
+        if tile_bytes is not None and tile_bytes < 4 * BLOCK:
             raise MCFError(f"tile_bytes must be at least {4 * BLOCK}, got {tile_bytes}")
         full = payload_layout(method, rows, cols, domain=domain)
         self.method: QuantMethod = full.method
@@ -154,7 +156,8 @@ class QuantizedLinear:
         self.layout: PayloadLayout = payload_layout(self.method, r1 - r0, c1 - c0, domain=self.domain) if part else full
         self.rows, self.cols = r1 - r0, c1 - c0
         self.cache: CacheMode = cache
-        self.tile_bytes = tile_bytes
+        self.tile_bytes = DEFAULT_TILE_BYTES if tile_bytes is None else tile_bytes
+        self._tile_option = tile_bytes
         self.gemv_max_batch = gemv_max_batch
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise MCFError(f"threads must be a positive integer or None, got {threads!r}")
@@ -255,9 +258,9 @@ class QuantizedLinear:
             return (x2 @ self._fp32.T).reshape(*lead, self.rows)
         if self._compiled is not None:
             out = self._compiled.matmul(
-                x2, threads=self.threads, gemv_max_batch=self.gemv_max_batch, tile_bytes=self.tile_bytes
+                x2, threads=self.threads, gemv_max_batch=self.gemv_max_batch, tile_bytes=self._tile_option
             )
-            return out.reshape(*lead, self.rows)  # type: ignore[no-any-return]
+            return out.reshape(*lead, self.rows)
         m = x2.shape[0]
         if self._codes_t is not None and self.method.family != "int":
             xp = self._padded_input(x2)

@@ -19,7 +19,7 @@ import os
 import threading
 import warnings
 from types import ModuleType
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -40,6 +40,9 @@ KERNELS_ENV = "CARTON_MCF_KERNELS"
 _CHOICES = ("auto", "numba", "numpy")
 # Rows below which a part is not worth a thread of its own (the hand-off costs more than the rows).
 _MIN_ROWS_PER_PART = 64
+#: Work buffer of the large-batch path per thread (float32 rows decoded for BLAS): the whole of a small model's
+#: matrix, so that one sgemm call does a product (tile-sized calls cost more than the decoding they save).
+PREFILL_TILE_BYTES = 8 << 20
 
 _loaded: dict[str, ModuleType | None] = {}
 _parallel_broken = False
@@ -71,19 +74,30 @@ def compiled_kernels(choice: Kernels | str = "auto") -> ModuleType | None:
     return module
 
 
-def max_threads(kernels: ModuleType) -> int:
-    """How many threads numba's pool has (``NUMBA_NUM_THREADS``, by default the CPU count)."""
-    return int(kernels.numba.config.NUMBA_NUM_THREADS)
+Activations = tuple[npt.NDArray[np.int16], npt.NDArray[np.float32]]
 
 
-def _scratch(name: str, shape: tuple[int, ...], dtype: type[np.generic]) -> npt.NDArray[Any]:
-    """A per-thread reusable buffer (reallocated only to grow); no buffer escapes a call."""
-    size = int(np.prod(shape)) if shape else 1
-    buf: npt.NDArray[Any] | None = getattr(_local, name, None)
+def _activation_buffers(m: int, width: int) -> Activations:
+    """This thread's int16 activations ``[m, width]`` and block scales ``[m, width / 32]`` (reused across calls;
+    no buffer escapes a call)."""
+    buffers: dict[tuple[int, int], Activations] | None = getattr(_local, "activations", None)
+    if buffers is None:
+        buffers = _local.activations = {}
+    found = buffers.get((m, width))
+    if found is None:
+        if len(buffers) > 64:  # many shapes (prefill chunks of every length): start over
+            buffers.clear()
+        blocks = (m, width // BLOCK)
+        found = buffers[(m, width)] = (np.empty((m, width), np.int16), np.empty(blocks, np.float32))
+    return found
+
+
+def _tile_buffer(size: int) -> npt.NDArray[np.float32]:
+    """This thread's float32 work buffer of at least ``size`` values (reallocated only to grow)."""
+    buf: npt.NDArray[np.float32] | None = getattr(_local, "tile", None)
     if buf is None or buf.size < size:
-        buf = np.empty(size, dtype=dtype)
-        setattr(_local, name, buf)
-    return buf[:size].reshape(shape)
+        buf = _local.tile = np.empty(size, dtype=np.float32)
+    return buf
 
 
 class CompiledPayload:
@@ -127,56 +141,59 @@ class CompiledPayload:
         return int(self._flat.nbytes)
 
     # --- products ------------------------------------------------------------------------------------------------
-    def matmul(self, x2: npt.NDArray[np.float32], *, threads: int, gemv_max_batch: int, tile_bytes: int) -> Any:
-        """``x2 [m, cols] @ W.T`` as float32 ``[m, rows]``."""
+    def matmul(
+        self, x2: npt.NDArray[np.float32], *, threads: int, gemv_max_batch: int, tile_bytes: int | None
+    ) -> npt.NDArray[np.float32]:
+        """``x2 [m, cols] @ W.T`` as float32 ``[m, rows]`` (``tile_bytes``: the large-batch work buffer, by
+        default `PREFILL_TILE_BYTES`)."""
         m = x2.shape[0]
         if not self._int and m <= gemv_max_batch:
             return self._blockwise(x2, threads)
-        return self._tiled(x2, threads, tile_bytes)
+        return self._tiled(x2, threads, PREFILL_TILE_BYTES if tile_bytes is None else tile_bytes)
 
     def _blockwise(self, x2: npt.NDArray[np.float32], threads: int) -> npt.NDArray[np.float32]:
         global _parallel_broken
-        m = x2.shape[0]
-        xq = _scratch("xq", (m, self.width), np.int16)
-        xs = _scratch("xs", (m, self.width // BLOCK), np.float32)
-        self._k.quantize_activations(x2, self._order, xq, xs)
-        out = np.empty((m, self.rows), dtype=np.float32)
-        parts = min(threads, max_threads(self._k), max(1, self.rows // _MIN_ROWS_PER_PART))
+        xq, xs = _activation_buffers(x2.shape[0], self.width)
+        out = np.empty((x2.shape[0], self.rows), dtype=np.float32)
+        parts = min(threads, self._k.MAX_THREADS, self.rows // _MIN_ROWS_PER_PART)
         if parts > 1 and not _parallel_broken:
             try:
-                self._kernels.matmul_parallel(self._flat, self._meta, xq, xs, out, parts)
+                self._kernels.matmul_parallel(self._flat, self._meta, x2, self._order, xq, xs, out, parts)
                 return out
             except ValueError as exc:  # numba found no thread-safe threading layer (tbb or OpenMP)
                 if "threading layer" not in str(exc):
                     raise
                 _parallel_broken = True
                 warnings.warn(f"mcf kernels run on one thread: {exc}", RuntimeWarning, stacklevel=2)
-        self._kernels.matmul(self._flat, self._meta, xq, xs, out)
+        self._kernels.matmul(self._flat, self._meta, x2, self._order, xq, xs, out)
         return out
 
     def _tiled(self, x2: npt.NDArray[np.float32], threads: int, tile_bytes: int) -> npt.NDArray[np.float32]:
         m = x2.shape[0]
         if self._int:
-            x_t = np.ascontiguousarray(x2.T)
+            x_lanes = x2
         else:  # the columns of each block in the kernels' lane order, padding zero
             padded = np.zeros((m, self.width), dtype=np.float32)
             padded[:, : self.cols] = x2
-            blocks = padded.reshape(m, -1, BLOCK)
-            x_t = np.ascontiguousarray(blocks[:, :, self._order].reshape(m, self.width).T)
-        out_t = np.empty((self.rows, m), dtype=np.float32)
+            x_lanes = padded.reshape(m, -1, BLOCK)[:, :, self._order].reshape(m, self.width)
+        out = np.empty((m, self.rows), dtype=np.float32)
         step = max(1, tile_bytes // (4 * self.width))
 
         def work(first: int, last: int) -> None:
-            tile_rows = min(step, last - first)
-            tile = _scratch("tile", (tile_rows, self.width), np.float32)
+            rows = min(step, last - first)
+            tile = _tile_buffer(rows * self.width)
             for t0 in range(first, last, step):
                 t1 = min(last, t0 + step)
-                self.decode(t0, t1, tile[: t1 - t0])
-                np.matmul(tile[: t1 - t0], x_t, out=out_t[t0:t1])
+                part = tile[: (t1 - t0) * self.width].reshape(t1 - t0, self.width)
+                self.decode(t0, t1, part)
+                if t1 - t0 == self.rows:
+                    np.matmul(x_lanes, part.T, out=out)
+                else:
+                    out[:, t0:t1] = x_lanes @ part.T
 
         parts = min(threads, max(1, self.rows // _MIN_ROWS_PER_PART))
         parallel_ranges(self.rows, parts, 16, work)
-        return np.ascontiguousarray(out_t.T)
+        return out
 
     def decode(self, first: int, last: int, out: npt.NDArray[np.float32]) -> None:
         """Rows ``first..last`` of the part as float32 ``[last - first, width]`` (q* / k*: lane order)."""

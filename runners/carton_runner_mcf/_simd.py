@@ -27,14 +27,20 @@ __all__ = [
     "F32x8",
     "I16x16",
     "I32x8",
+    "broadcast",
     "fma",
     "hsum",
     "iadd",
     "lane_order",
     "load_f16",
+    "load_f16x8",
+    "load_f32x8",
     "load_i16x16",
+    "load_u8x8",
     "madd",
+    "mul",
     "splat",
+    "store_f32x8",
     "store_scaled",
     "to_float",
     "unpack_codes",
@@ -106,6 +112,78 @@ def splat(typingctx: Any, value: Any) -> tuple[Any, Codegen]:
         return builder.shuffle_vector(one, one, _constant(_I32, [0] * 8))
 
     return F32x8(types.float32), codegen
+
+
+@intrinsic
+def broadcast(typingctx: Any, array: Any, index: Any) -> tuple[Any, Codegen]:
+    """The float32 at flat element ``index`` of a C-contiguous float32 array, in all eight lanes (one load; no
+    negative-index wrap-around, the caller's index is in range)."""
+
+    def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: list[Any]) -> Any:
+        pointer = builder.gep(_element_pointer(context, builder, sig.args[0], args[0], _F32), [args[1]])
+        one = builder.insert_element(
+            ir.Constant(_llvm(F32x8), ir.Undefined), builder.load(pointer, align=4), ir.Constant(_I32, 0)
+        )
+        return builder.shuffle_vector(one, one, _constant(_I32, [0] * 8))
+
+    return F32x8(array, index), codegen
+
+
+@intrinsic
+def load_f32x8(typingctx: Any, array: Any, index: Any) -> tuple[Any, Codegen]:
+    """Eight float32 from a C-contiguous float32 array at flat element ``index``."""
+
+    def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: list[Any]) -> Any:
+        pointer = builder.gep(_element_pointer(context, builder, sig.args[0], args[0], _F32), [args[1]])
+        return builder.load(builder.bitcast(pointer, _llvm(F32x8).as_pointer()), align=4)
+
+    return F32x8(array, index), codegen
+
+
+@intrinsic
+def store_f32x8(typingctx: Any, array: Any, index: Any, vector: Any) -> tuple[Any, Codegen]:
+    """Store eight float32 into a C-contiguous float32 array at flat element ``index``."""
+
+    def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: list[Any]) -> Any:
+        pointer = builder.gep(_element_pointer(context, builder, sig.args[0], args[0], _F32), [args[1]])
+        builder.store(args[2], builder.bitcast(pointer, _llvm(F32x8).as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return types.none(array, index, F32x8), codegen
+
+
+@intrinsic
+def load_f16x8(typingctx: Any, array: Any, byte_index: Any) -> tuple[Any, Codegen]:
+    """Eight little-endian IEEE halves from ``byte_index`` of a uint8 array, as float32 (exact)."""
+
+    def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: list[Any]) -> Any:
+        pointer = builder.gep(_element_pointer(context, builder, sig.args[0], args[0], _I8), [args[1]])
+        halves = ir.VectorType(ir.HalfType(), 8)
+        return builder.fpext(builder.load(builder.bitcast(pointer, halves.as_pointer()), align=1), _llvm(F32x8))
+
+    return F32x8(array, byte_index), codegen
+
+
+@intrinsic
+def load_u8x8(typingctx: Any, array: Any, byte_index: Any) -> tuple[Any, Codegen]:
+    """Eight unsigned bytes from ``byte_index`` of a uint8 array, as float32."""
+
+    def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: list[Any]) -> Any:
+        pointer = builder.gep(_element_pointer(context, builder, sig.args[0], args[0], _I8), [args[1]])
+        raw = builder.load(builder.bitcast(pointer, ir.VectorType(_I8, 8).as_pointer()), align=1)
+        return builder.uitofp(raw, _llvm(F32x8))
+
+    return F32x8(array, byte_index), codegen
+
+
+@intrinsic
+def mul(typingctx: Any, a: Any, b: Any) -> tuple[Any, Codegen]:
+    """Lane-wise float32 product."""
+
+    def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: list[Any]) -> Any:
+        return builder.fmul(args[0], args[1])
+
+    return F32x8(F32x8, F32x8), codegen
 
 
 @intrinsic

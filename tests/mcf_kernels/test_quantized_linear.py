@@ -14,6 +14,7 @@ from carton.mcf import QuantDomain, dequantize, payload_layout, payload_size, qu
 from carton.mcf._packing import pack_blocks, unpack_blocks
 from carton_runner_mcf._kernels import QuantizedLinear, matmul
 from carton_runner_mcf._rows import row_copies
+from kernel_bounds import compiled_bound
 
 METHODS = ["q8", "q4", "k6", "k4", "k3", "k2", "int8", "int4"]
 CACHES = ["packed", "int8", "fp32"]
@@ -41,16 +42,7 @@ def _check(linear: QuantizedLinear, x: np.ndarray, dense: np.ndarray) -> None:
         _assert_close(got, want)
         return
     assert got.dtype == np.float32 and got.shape == want.shape
-    cols = dense.shape[1]
-    padded = -(-cols // 32) * 32
-    xb = np.zeros((x.shape[0], padded))
-    xb[:, :cols] = np.abs(x)
-    wb = np.zeros((dense.shape[0], padded))
-    wb[:, :cols] = np.abs(dense)
-    per_block = xb.reshape(x.shape[0], -1, 32).max(axis=2) / 65534  # [m, blocks]
-    w_sums = wb.reshape(dense.shape[0], -1, 32).sum(axis=2)  # [rows, blocks]
-    bound = per_block @ w_sums.T + 1e-6 * (np.abs(x) @ np.abs(dense).T) + 1e-30
-    assert float((np.abs(got.astype(np.float64) - want) / bound).max()) <= 1.0
+    assert float((np.abs(got.astype(np.float64) - want) / compiled_bound(x, dense)).max()) <= 1.0
 
 
 @pytest.mark.parametrize("method", METHODS)
