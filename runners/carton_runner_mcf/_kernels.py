@@ -69,9 +69,11 @@ DEFAULT_TILE_BYTES = 1 << 20
 # The numpy matrix-vector path works through at most this many output rows at a time: with more, even one block of
 # 32 columns overflows the tile (a tied output head has tens of thousands of rows).
 _GEMV_ROW_CHUNK = 4096
-# Largest batch served by the matrix-vector paths (numpy block partials; compiled integer block products), chosen
-# by bench/bench_mcf.py.
+# Largest batch served by the matrix-vector paths, chosen by measurement (docs/performance.md): numpy's block
+# partials, and the compiled integer block products, which share each unpacked block among the batch's rows and
+# so stay ahead of decoding the matrix for BLAS up to a few dozen rows.
 DEFAULT_GEMV_MAX_BATCH = 4
+COMPILED_GEMV_MAX_BATCH = 48
 # Smallest row range handed to a pool thread: below it the hand-off costs more than it saves.
 _MIN_ROWS_PER_THREAD = 256
 
@@ -125,7 +127,7 @@ class QuantizedLinear:
         cache: CacheMode | None = None,
         kernels: Kernels = "auto",
         tile_bytes: int | None = None,
-        gemv_max_batch: int = DEFAULT_GEMV_MAX_BATCH,
+        gemv_max_batch: int | None = None,
         threads: int | None = 1,
         row_range: tuple[int, int] | None = None,
         col_range: tuple[int, int] | None = None,
@@ -158,6 +160,10 @@ class QuantizedLinear:
         self.cache: CacheMode = cache
         self.tile_bytes = DEFAULT_TILE_BYTES if tile_bytes is None else tile_bytes
         self._tile_option = tile_bytes
+        if gemv_max_batch is None:
+            gemv_max_batch = (
+                COMPILED_GEMV_MAX_BATCH if cache == "packed" and compiled is not None else DEFAULT_GEMV_MAX_BATCH
+            )
         self.gemv_max_batch = gemv_max_batch
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise MCFError(f"threads must be a positive integer or None, got {threads!r}")

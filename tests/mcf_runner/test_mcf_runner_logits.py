@@ -106,3 +106,32 @@ def test_chunked_prefill_equals_one_pass(mcf_model: Callable[..., Path]):
         np.testing.assert_allclose(chunked, whole, rtol=0, atol=1e-5 * np.abs(whole).max())
     finally:
         runner.close()
+
+
+@pytest.mark.parametrize("method", ["q4", "k6"])
+def test_threads_split_products_without_changing_them(method: str, mcf_model: Callable[..., Path]):
+    """Runner option threads: every product's rows split across threads; a row's sum never is, so a token at a
+    time (the compiled matrix-vector kernels) gives the same bits, and a prompt (decoded tiles and BLAS) the same
+    logits up to float32 rounding."""
+    folder = mcf_model("base", method)
+    options = {"mode": "generate", "max_new_tokens": 6, "stop_at_eos": False}
+    one, two = load_runner(folder, **options), load_runner(folder, threads=2, **options)
+    try:
+        inputs = {"input_ids": IDS}
+        np.testing.assert_array_equal(two.infer(inputs)["output_ids"], one.infer(inputs)["output_ids"])
+    finally:
+        one.close()
+        two.close()
+    single = infer_logits(folder, {"input_ids": IDS})
+    assert max_relative_error(infer_logits(folder, {"input_ids": IDS}, threads=2), single) < 1e-5
+
+
+def test_numpy_kernels_agree_with_the_compiled_ones(mcf_model: Callable[..., Path], monkeypatch: pytest.MonkeyPatch):
+    """The same model on both kernel paths (CARTON_MCF_KERNELS=numpy forces the fallback, which auto-selects the
+    int8 cache): logits within the compiled kernels' int16 rounding of the activations."""
+    pytest.importorskip("numba", reason="the compiled kernels need numba")
+    folder = mcf_model("tied_linear", "q8")
+    compiled = infer_logits(folder, {"input_ids": IDS})
+    monkeypatch.setenv("CARTON_MCF_KERNELS", "numpy")
+    fallback = infer_logits(folder, {"input_ids": IDS})
+    assert max_relative_error(compiled, fallback) < 1e-4
