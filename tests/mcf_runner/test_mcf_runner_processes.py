@@ -194,8 +194,10 @@ def test_split_logits_equal_one_process(name: str, method: str | None, processes
     try:
         assert len(split._loaded.model.helper_pids) == processes - 1  # type: ignore[union-attr]
         inputs = {"input_ids": IDS, "attention_mask": MASK}
-        # Equal up to the order in which partial sums of o and down are added.
-        assert max_relative_error(split.infer(inputs)["logits"], single.infer(inputs)["logits"]) < 1e-5
+        # Equal up to the order in which partial sums of o and down are added: float32 rounding, which the compiled
+        # kernels' int16 rounding of the next layer's activations can turn into a step of 1/65534 of a block's
+        # largest value here and there.
+        assert max_relative_error(split.infer(inputs)["logits"], single.infer(inputs)["logits"]) < 1e-4
     finally:
         single.close()
         split.close()
@@ -291,7 +293,9 @@ def test_split_model_out_of_process_and_its_helpers_die_with_the_runner(mcf_mode
     before = _descendants(os.getpid())
     with carton.load(path) as model:
         logits = model.infer({"input_ids": IDS})["logits"]
-        assert max_relative_error(logits, infer_logits(folder, {"input_ids": IDS})) < 1e-5
+        assert (
+            max_relative_error(logits, infer_logits(folder, {"input_ids": IDS})) < 1e-4
+        )  # as in test_split_logits_equal_one_process
         started = _descendants(os.getpid()) - before
         # The runner and its helper (a sandbox may add a process between them and us).
         runners = [pid for pid in started if any(child in started for child in _descendants(pid))]
