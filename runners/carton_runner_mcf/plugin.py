@@ -7,15 +7,20 @@ read from package metadata (discovery imports nothing heavy).
 from __future__ import annotations
 
 import importlib.metadata
+import os
 
 from carton_protocol import RunnerSpec, hookimpl
 
-__all__ = ["RUNNER_COMPAT_VERSION", "RUNNER_NAME", "carton_runners"]
+__all__ = ["FORWARDED_ENV", "RUNNER_COMPAT_VERSION", "RUNNER_NAME", "carton_runners"]
 
 RUNNER_NAME = "mcf"
 
 #: Version of the layout of ``model/`` this runner reads: one ``.mcf`` file with a config.json section.
 RUNNER_COMPAT_VERSION = 1
+
+#: Settings of the kernels that the host's environment passes on to the runner process (which otherwise starts
+#: with a clean environment): the kernel path, and numba's cache folder, pool size and threading layer.
+FORWARDED_ENV = ("CARTON_MCF_KERNELS", "NUMBA_CACHE_DIR", "NUMBA_NUM_THREADS", "NUMBA_THREADING_LAYER")
 
 
 @hookimpl
@@ -31,5 +36,6 @@ def carton_runners() -> list[RunnerSpec]:
             framework_version=framework_version,
             runner_compat_version=RUNNER_COMPAT_VERSION,
             entry="carton_runner_mcf.runner:MCFRunner",
+            env=tuple((name, os.environ[name]) for name in FORWARDED_ENV if name in os.environ),
         )
     ]

@@ -4,6 +4,7 @@ x @ dequantize(W).T; zero-copy, parts of a matrix, bad input."""
 from __future__ import annotations
 
 import mmap
+import os
 import threading
 from pathlib import Path
 
@@ -328,3 +329,17 @@ def test_compiled_default_is_the_packed_cache(kernels: str) -> None:
     assert linear.cache == ("packed" if kernels == "numba" else "int8")
     assert linear.compiled == (kernels == "numba")
     assert ("compiled" in repr(linear)) == (kernels == "numba")
+
+
+def test_the_plugin_passes_kernel_settings_to_the_runner_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A runner process starts with a clean environment; the kernel choice and numba's settings reach it through
+    the runner spec (so CARTON_MCF_KERNELS=numpy forces the fallback out of process too)."""
+    from carton_runner_mcf import plugin
+
+    monkeypatch.setenv("CARTON_MCF_KERNELS", "numpy")
+    monkeypatch.setenv("NUMBA_NUM_THREADS", "2")
+    monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
+    (spec,) = plugin.carton_runners()
+    assert dict(spec.env) == {"CARTON_MCF_KERNELS": "numpy", "NUMBA_NUM_THREADS": "2"} | (
+        {"NUMBA_THREADING_LAYER": os.environ["NUMBA_THREADING_LAYER"]} if "NUMBA_THREADING_LAYER" in os.environ else {}
+    )
