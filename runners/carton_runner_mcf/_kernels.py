@@ -326,7 +326,7 @@ class QuantizedLinear:
     # --- paths ---------------------------------------------------------------------------------------------------
     def _buffer(self, name: str, shape: tuple[int, ...]) -> npt.NDArray[np.float32]:
         """A per-thread fp32 work buffer, reallocated only when it must grow."""
-        size = math.prod(shape)  # np.prod costs ~5 us a call, several per matrix-vector product
+        size = math.prod(shape)  # np.prod costs more than a small product's other work (docs/performance.md)
         buf: npt.NDArray[np.float32] | None = getattr(self._local, name, None)
         if buf is None or buf.size < size:
             buf = np.empty(size, dtype=np.float32)

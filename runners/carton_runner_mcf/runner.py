@@ -74,9 +74,9 @@ def _generation_ids(mcf: MCFFile, loaded: LoadedDecoder) -> tuple[tuple[int, ...
 
 def _return_freed_memory() -> None:
     """Give the heap's free memory back to the system once the weights are built: loading makes a temporary per
-    matrix, and glibc keeps freed ones in the heap (SmolLM2 q4: 17-28 MB). A lower mmap threshold would do it too,
-    but costs prefill a fresh page-faulted block for every large activation (0.83x -> 0.70x of transformers).
-    Elsewhere (musl, macOS) there is nothing to do."""
+    matrix, and glibc keeps freed ones in the heap. A lower mmap threshold would do it too, but costs prefill a fresh
+    page-faulted block for every large activation (both measured in docs/performance.md, "MCF runner"). Elsewhere
+    (musl, macOS) there is nothing to do."""
     try:
         malloc_trim = ctypes.CDLL(None).malloc_trim
     except (AttributeError, OSError):
