@@ -76,8 +76,12 @@ def _swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     return gate / (1 + np.exp(-gate)) * up
 
 
-def _step(layers: list[Layer], head: QuantizedLinear, x: np.ndarray,
-          reduce: Callable[[np.ndarray], np.ndarray] = lambda part: part) -> np.ndarray:
+def _step(
+    layers: list[Layer],
+    head: QuantizedLinear,
+    x: np.ndarray,
+    reduce: Callable[[np.ndarray], np.ndarray] = lambda part: part,
+) -> np.ndarray:
     for layer in layers:
         normed = _norm(x)
         q, _k, _v = layer["q"](normed), layer["k"](normed), layer["v"](normed)
@@ -143,8 +147,12 @@ def _child(half: int, method: str, steps: int) -> None:
 
 def _two_processes(method: str, steps: int) -> float:
     children = [
-        subprocess.Popen([sys.executable, __file__, "--child", str(half), "--method", method, "--steps", str(steps)],
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, __file__, "--child", str(half), "--method", method, "--steps", str(steps)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         for half in (0, 1)
     ]
     for child in children:

@@ -50,6 +50,7 @@ __all__ = [
 _I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 _F32 = ir.FloatType()
 _ELEMENTS = {"f32": _F32, "i16": _I16, "i32": _I32}
+_BYTES = {"f32": 4, "i16": 2, "i32": 4}
 _BLOCK = 32
 _GROUP = 16  # codes per unpacked vector: a block is two groups
 
@@ -130,17 +131,6 @@ def broadcast(typingctx: Any, array: Any, index: Any) -> tuple[Any, Codegen]:
 
 
 @intrinsic
-def load_f32x8(typingctx: Any, array: Any, index: Any) -> tuple[Any, Codegen]:
-    """Eight float32 from a C-contiguous float32 array at flat element ``index``."""
-
-    def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: list[Any]) -> Any:
-        pointer = builder.gep(_element_pointer(context, builder, sig.args[0], args[0], _F32), [args[1]])
-        return builder.load(builder.bitcast(pointer, _llvm(F32x8).as_pointer()), align=4)
-
-    return F32x8(array, index), codegen
-
-
-@intrinsic
 def store_f32x8(typingctx: Any, array: Any, index: Any, vector: Any) -> tuple[Any, Codegen]:
     """Store eight float32 into a C-contiguous float32 array at flat element ``index``."""
 
@@ -174,16 +164,6 @@ def load_u8x8(typingctx: Any, array: Any, byte_index: Any) -> tuple[Any, Codegen
         return builder.uitofp(raw, _llvm(F32x8))
 
     return F32x8(array, byte_index), codegen
-
-
-@intrinsic
-def mul(typingctx: Any, a: Any, b: Any) -> tuple[Any, Codegen]:
-    """Lane-wise float32 product."""
-
-    def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: list[Any]) -> Any:
-        return builder.fmul(args[0], args[1])
-
-    return F32x8(F32x8, F32x8), codegen
 
 
 @intrinsic
@@ -222,17 +202,6 @@ def hsum(typingctx: Any, vector: Any) -> tuple[Any, Codegen]:
 
 
 @intrinsic
-def load_i16x16(typingctx: Any, array: Any, index: Any) -> tuple[Any, Codegen]:
-    """Sixteen int16 from ``array`` (a C-contiguous int16 array, any rank) at flat element ``index``."""
-
-    def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: list[Any]) -> Any:
-        pointer = builder.gep(_element_pointer(context, builder, sig.args[0], args[0], _I16), [args[1]])
-        return builder.load(builder.bitcast(pointer, _llvm(I16x16).as_pointer()), align=2)
-
-    return I16x16(array, index), codegen
-
-
-@intrinsic
 def load_f16(typingctx: Any, array: Any, byte_index: Any) -> tuple[Any, Codegen]:
     """The little-endian IEEE half at ``byte_index`` of a uint8 array, as float32 (exact)."""
 
@@ -259,16 +228,6 @@ def madd(typingctx: Any, a: Any, b: Any) -> tuple[Any, Codegen]:
 
 
 @intrinsic
-def iadd(typingctx: Any, a: Any, b: Any) -> tuple[Any, Codegen]:
-    """Lane-wise int32 sum."""
-
-    def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: list[Any]) -> Any:
-        return builder.add(args[0], args[1])
-
-    return I32x8(I32x8, I32x8), codegen
-
-
-@intrinsic
 def to_float(typingctx: Any, a: Any) -> tuple[Any, Codegen]:
     """int32 lanes converted to float32 (exact below 2**24)."""
 
@@ -292,6 +251,44 @@ def store_scaled(typingctx: Any, array: Any, index: Any, codes: Any, scale: Any)
         return context.get_dummy_value()
 
     return types.none(array, index, I16x16, types.float32), codegen
+
+
+def _vector_load(vector: VectorType, doc: str) -> Any:
+    """An intrinsic loading one ``vector`` from a C-contiguous array of its element type at a flat element index."""
+    element = _ELEMENTS[vector.kind]
+
+    def typer(typingctx: Any, array: Any, index: Any) -> tuple[Any, Codegen]:
+        def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: list[Any]) -> Any:
+            pointer = builder.gep(_element_pointer(context, builder, sig.args[0], args[0], element), [args[1]])
+            return builder.load(builder.bitcast(pointer, _llvm(vector).as_pointer()), align=_BYTES[vector.kind])
+
+        return vector(array, index), codegen
+
+    typer.__doc__ = doc
+    typer.__name__ = typer.__qualname__ = f"load_{vector.name}"
+    return intrinsic(typer)
+
+
+load_f32x8 = _vector_load(F32x8, "Eight float32 from a C-contiguous float32 array at flat element ``index``.")
+load_i16x16 = _vector_load(I16x16, "Sixteen int16 from a C-contiguous int16 array at flat element ``index``.")
+
+
+def _lanewise(vector: VectorType, instruction: str, doc: str) -> Any:
+    """An intrinsic combining two ``vector`` values lane by lane with one IRBuilder ``instruction``."""
+
+    def typer(typingctx: Any, a: Any, b: Any) -> tuple[Any, Codegen]:
+        def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: list[Any]) -> Any:
+            return getattr(builder, instruction)(args[0], args[1])
+
+        return vector(vector, vector), codegen
+
+    typer.__doc__ = doc
+    typer.__name__ = typer.__qualname__ = instruction
+    return intrinsic(typer)
+
+
+mul = _lanewise(F32x8, "fmul", "Lane-wise float32 product.")
+iadd = _lanewise(I32x8, "add", "Lane-wise int32 sum.")
 
 
 # --- code unpacking ------------------------------------------------------------------------------------------------

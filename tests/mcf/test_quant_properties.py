@@ -9,18 +9,10 @@ from carton.mcf._fp16 import f16_bits_to_f32
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
+from mcf_strategies import corrupted_payload, weights
 
 METHODS = ["q8", "q4", "k6", "k4", "k3", "k2", "int8", "int4"]
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-
-@st.composite
-def weights(draw: st.DrawFn) -> np.ndarray:
-    rows = draw(st.integers(1, 6))
-    cols = draw(st.integers(1, 300))
-    # Multiples of 1/64 up to ~16 in magnitude keep every scale in fp16's normal range.
-    ints = draw(hnp.arrays(np.int32, (rows, cols), elements=st.integers(-1000, 1000)))
-    return (ints / np.float32(64)).astype(np.float32)
 
 
 @SETTINGS
@@ -69,11 +61,7 @@ def test_best_mode_reproduces_exactly_representable_blocks(
 def test_corrupted_payloads_give_typed_errors_or_finite_values(
     method: str, flips: list[tuple[int, int]], cut: int
 ) -> None:
-    w = np.random.default_rng(7).standard_normal((3, 70)).astype(np.float32)
-    raw = bytearray(quantize(w, method).payload)
-    for position, value in flips:
-        raw[position % len(raw)] = value
-    corrupted = bytes(raw[: len(raw) - cut])
+    corrupted = corrupted_payload(method, flips, cut)
     try:
         out = dequantize(corrupted, method, (3, 70))
     except MCFError:

@@ -10,23 +10,14 @@ from carton.mcf import dequantize, quantize
 from carton_runner_mcf._kernels import QuantizedLinear
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from hypothesis.extra import numpy as hnp
 from kernel_bounds import compiled_bound
+from mcf_strategies import corrupted_payload, weights
 
 METHODS = ["q8", "q4", "k6", "k4", "k3", "k2", "int8", "int4"]
 # Function-scoped `kernels` fixture: each example runs on the path it names, nothing carries over between examples.
 SETTINGS = settings(
     max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
 )
-
-
-@st.composite
-def weights(draw: st.DrawFn) -> np.ndarray:
-    rows = draw(st.integers(1, 6))
-    cols = draw(st.integers(1, 300))
-    # Multiples of 1/64 up to ~16 in magnitude keep every scale in fp16's normal range.
-    ints = draw(hnp.arrays(np.int32, (rows, cols), elements=st.integers(-1000, 1000)))
-    return (ints / np.float32(64)).astype(np.float32)
 
 
 @SETTINGS
@@ -63,11 +54,7 @@ def test_linear_matches_dequantized_matmul(
 def test_corrupted_payloads_give_typed_errors_or_finite_products(
     method: str, flips: list[tuple[int, int]], cut: int, cache: str, kernels: str
 ) -> None:
-    w = np.random.default_rng(7).standard_normal((3, 70)).astype(np.float32)
-    raw = bytearray(quantize(w, method).payload)
-    for position, value in flips:
-        raw[position % len(raw)] = value
-    corrupted = bytes(raw[: len(raw) - cut])
+    corrupted = corrupted_payload(method, flips, cut)
     for batch in (1, 2, 9):
         try:
             out = QuantizedLinear(corrupted, method, 3, 70, cache=cache, kernels=kernels)(
