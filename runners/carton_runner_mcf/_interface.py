@@ -11,11 +11,13 @@ import enum
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
-from carton.mcf import CacheMode
 from carton_protocol import DType, InvalidInput, InvalidOption, OptValue, Tensor, TensorSpec
 from numpy.typing import NDArray
+
+from ._kernels import CacheMode, compiled_available
 
 __all__ = [
     "INPUT_DTYPES",
@@ -34,9 +36,10 @@ __all__ = [
 ]
 
 
-#: Values of the ``weight_cache`` option, passed to `carton.mcf.QuantizedLinear` as its ``cache``: keep only the
-#: packed payload, int8 codes + fp32 scales, or the dequantized fp32 matrix.
-WEIGHT_CACHES = ("packed", "int8", "fp32")
+#: Values of the ``weight_cache`` option, passed to `_kernels.QuantizedLinear` as its ``cache``: keep only the
+#: packed payload, int8 codes + fp32 scales, or the dequantized fp32 matrix; ``auto`` is packed with the compiled
+#: kernels and int8 without them.
+WEIGHT_CACHES = ("auto", "packed", "int8", "fp32")
 
 
 class Mode(enum.StrEnum):
@@ -70,7 +73,7 @@ class RunnerOptions:
 
     mode: Mode = Mode.LOGITS
     model_file: str | None = None
-    weight_cache: CacheMode = "int8"
+    weight_cache: CacheMode | Literal["auto"] = "auto"
     max_new_tokens: int = 64
     temperature: float = 0.0
     top_k: int = 0
@@ -79,6 +82,7 @@ class RunnerOptions:
     stop_at_eos: bool = True
     chat: bool = False
     processes: int = 1
+    threads: int = 1
 
 
 def _typed(name: str, value: OptValue, kind: type) -> OptValue:
@@ -92,8 +96,8 @@ def _typed(name: str, value: OptValue, kind: type) -> OptValue:
 
 def _in_range(name: str, value: object) -> None:
     """Refuse values the request path would refuse on every call: better at load than at the first request."""
-    if name == "processes" and isinstance(value, int) and value < 1:
-        raise InvalidOption(f"runner option 'processes' must be >= 1, got {value!r}", option=name)
+    if name in ("processes", "threads") and isinstance(value, int) and value < 1:
+        raise InvalidOption(f"runner option {name!r} must be >= 1, got {value!r}", option=name)
     if name in ("max_new_tokens", "top_k", "seed") and isinstance(value, int) and value < 0:
         raise InvalidOption(f"runner option {name!r} must be >= 0, got {value!r}", option=name)
     if name == "temperature" and isinstance(value, float) and not (math.isfinite(value) and value >= 0):
@@ -121,7 +125,7 @@ def parse_options(opts: Mapping[str, OptValue]) -> tuple[RunnerOptions, list[str
             known[name] = value
         elif name == "model_file":
             known[name] = _typed(name, value, str)
-        elif name in ("max_new_tokens", "top_k", "seed", "processes"):
+        elif name in ("max_new_tokens", "top_k", "seed", "processes", "threads"):
             known[name] = _typed(name, value, int)
         elif name in ("temperature", "top_p"):
             known[name] = float(_typed(name, value, float))  # type: ignore[arg-type]
@@ -132,10 +136,10 @@ def parse_options(opts: Mapping[str, OptValue]) -> tuple[RunnerOptions, list[str
             continue
         _in_range(name, known[name])
     options = RunnerOptions(**known)  # type: ignore[arg-type]
-    if options.processes > 1 and options.weight_cache == "packed":
+    if options.processes > 1 and options.weight_cache == "packed" and not compiled_available():
         raise InvalidOption(
-            f"runner option processes={options.processes} needs weight_cache 'int8' or 'fp32': each process keeps "
-            "its part of every matrix decoded, and 'packed' decodes the whole payload on every call",
+            f"runner option processes={options.processes} needs weight_cache 'int8' or 'fp32' without the compiled "
+            "kernels (numba): the numpy 'packed' path cannot multiply part of a matrix",
             option="processes",
         )
     return options, unknown

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Protocol
 
 import numpy as np
 from numpy.typing import NDArray
 
 from ._config import DecoderConfig
+from ._packed import compiled_kernels
 from ._weights import Embedding, Linear
 
 __all__ = ["F32", "I64", "Decoder", "DecoderLayer", "KVCache", "LlamaModel", "chunked_prefill", "positions_from_mask"]
@@ -109,6 +111,15 @@ def _unchanged(partial: F32) -> F32:
     return partial
 
 
+def _fused_ops() -> ModuleType | None:
+    """The compiled single-token operations (`_fused`) when the compiled kernels are in use, else None."""
+    if compiled_kernels() is None:
+        return None
+    from . import _fused
+
+    return _fused
+
+
 class LlamaModel:
     """Forward pass of a llama-family decoder; ``forward`` fills a `KVCache` and returns final hidden states.
 
@@ -142,6 +153,7 @@ class LlamaModel:
         if config.rope_scaling_factor != 1.0:
             self._inv_freq = (self._inv_freq / np.float32(config.rope_scaling_factor)).astype(np.float32)
         self._scale = np.float32(1.0 / np.sqrt(config.head_dim))
+        self._fused = _fused_ops()
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         return KVCache(self.config, batch, capacity, kv_heads=self.kv_heads)
@@ -174,6 +186,10 @@ class LlamaModel:
         start = cache.length
         end = start + seq
         cache.key_mask[:, start:end] = token_mask
+        if seq == 1 and self._fused is not None:
+            hidden_one = self._step_one(input_ids, positions, cache, self._fused)
+            cache.length = end
+            return hidden_one
         # allowed[b, t, s]: query t (slot start + t) sees real slot s <= start + t, and always itself, so that a
         # padding query (whose output nobody reads) is still well defined and independent of chunking.
         slots = np.arange(end)
@@ -223,6 +239,39 @@ class LlamaModel:
             hidden = hidden + mlp
         cache.length = end
         return self._rms_norm(hidden, self.final_norm)
+
+    def _step_one(self, input_ids: I64, positions: I64, cache: KVCache, fused: ModuleType) -> F32:
+        """`forward` for one token per row with the compiled small operations (`_fused`): the same computation,
+        with a layer's norms, rotary embedding, attention and SwiGLU in four calls instead of a few dozen."""
+        config = self.config
+        batch = input_ids.shape[0]
+        heads, kv_heads, head_dim, reduce = self.heads, self.kv_heads, config.head_dim, self.reduce
+        eps = np.float32(config.rms_norm_eps)
+        cos, sin = (np.ascontiguousarray(part.reshape(batch, -1)) for part in self._rotary(positions))
+        hidden = np.ascontiguousarray(self.embedding(input_ids).reshape(batch, -1), dtype=np.float32)
+        normed = np.empty_like(hidden)
+        attended = np.empty((batch, heads * head_dim), dtype=np.float32)
+        slot = cache.length
+        for index, layer in enumerate(self.layers):
+            fused.rms_norm(hidden, layer.input_norm, eps, normed)
+            q = layer.q_proj(normed).reshape(batch, heads, head_dim)
+            k = layer.k_proj(normed).reshape(batch, kv_heads, head_dim)
+            v = layer.v_proj(normed).reshape(batch, kv_heads, head_dim)
+            keys, values = cache.keys[index], cache.values[index]
+            fused.attend_one(q, k, v, cos, sin, keys, values, cache.key_mask, slot, self._scale, attended)
+            attention = reduce(layer.o_proj(attended))
+            if layer.o_bias is not None:
+                attention += layer.o_bias
+            hidden = hidden + attention
+            fused.rms_norm(hidden, layer.post_attention_norm, eps, normed)
+            gate = layer.gate_proj(normed)
+            fused.swiglu(gate, layer.up_proj(normed), gate)
+            mlp = reduce(layer.down_proj(gate))
+            if layer.down_bias is not None:
+                mlp += layer.down_bias
+            hidden = hidden + mlp
+        fused.rms_norm(hidden, self.final_norm, eps, normed)
+        return normed.reshape(batch, 1, -1)
 
     def prefill(
         self, input_ids: I64, positions: I64, token_mask: NDArray[np.bool_], cache: KVCache, *, chunk: int = 256

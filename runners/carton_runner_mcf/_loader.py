@@ -15,29 +15,38 @@ from typing import Any
 import numpy as np
 from carton.mcf import (
     Architecture,
-    CacheMode,
     MCFError,
     MCFFile,
     QuantMethod,
     RopeType,
     SectionType,
     UnsupportedModel,
+    dequantize,
     payload_layout,
-    row_copies,
 )
 from numpy.typing import NDArray
 
 from ._config import DecoderConfig, parse_config
+from ._kernels import CacheMode, QuantizedLinear
 from ._llama import Decoder, DecoderLayer, LlamaModel
+from ._rows import row_copies
 from ._shards import ShardPlan
 from ._weights import BiasedLinear, Embedding, FloatEmbedding, FloatLinear, Linear, QuantizedEmbedding
 
-__all__ = ["F32", "LoadedDecoder", "Range", "build_decoder", "load_decoder", "read_config"]
+__all__ = ["F32", "LoadedDecoder", "Range", "WeightSettings", "build_decoder", "load_decoder", "read_config"]
 
 F32 = NDArray[np.float32]
 Range = tuple[int, int]
 
 _SUPPORTED_ARCHS = {Architecture.UNKNOWN: None, Architecture.LLAMA: "llama", Architecture.MISTRAL: "mistral"}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WeightSettings:
+    """How quantized weights are held and multiplied: the `QuantizedLinear` cache and the threads of a product."""
+
+    cache: CacheMode = "int8"
+    threads: int = 1
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -98,9 +107,10 @@ def _check_model_info(mcf: MCFFile, config: DecoderConfig) -> None:
 class _Tensors:
     """Typed access to the file's tensors with the shape each must have."""
 
-    def __init__(self, mcf: MCFFile, weight_cache: CacheMode) -> None:
+    def __init__(self, mcf: MCFFile, weights: WeightSettings) -> None:
         self._mcf = mcf
-        self._cache = weight_cache
+        self._cache = weights.cache
+        self._threads = weights.threads
         self.quantized: dict[str, str] = {}
         self._file: io.BufferedReader | None = None
 
@@ -178,8 +188,6 @@ class _Tensors:
         if entry.method is None:
             result = FloatLinear(self._float(name, entry)[r0:r1, c0:c1])
         else:
-            from carton.mcf import QuantizedLinear
-
             self.quantized[name] = entry.method.value
             payload, payload_rows, left = self._payload(name, entry, row_range)
             try:
@@ -190,6 +198,7 @@ class _Tensors:
                     cols,
                     domain=entry.domain,
                     cache=self._cache,
+                    threads=self._threads,
                     row_range=left,
                     col_range=col_range,
                 )
@@ -204,8 +213,6 @@ class _Tensors:
         entry = self._entry(name, (rows, cols))
         if entry.method is None:
             return FloatEmbedding(self._float(name, entry))
-        from carton.mcf import dequantize
-
         method: QuantMethod = entry.method
         domain = entry.domain
         self.quantized[name] = method.value
@@ -233,10 +240,10 @@ def read_config(mcf: MCFFile) -> tuple[DecoderConfig, list[str]]:
     return config, unknown
 
 
-def load_decoder(mcf: MCFFile, *, weight_cache: CacheMode = "int8") -> LoadedDecoder:
+def load_decoder(mcf: MCFFile, *, weights: WeightSettings = WeightSettings()) -> LoadedDecoder:
     """Read config.json (required) and every tensor of a llama-family decoder from ``mcf``."""
     config, unknown = read_config(mcf)
-    return build_decoder(mcf, config, unknown, weight_cache=weight_cache)
+    return build_decoder(mcf, config, unknown, weights=weights)
 
 
 def build_decoder(
@@ -244,13 +251,13 @@ def build_decoder(
     config: DecoderConfig,
     unknown: list[str],
     *,
-    weight_cache: CacheMode = "int8",
+    weights: WeightSettings = WeightSettings(),
     shard: ShardPlan | None = None,
     reduce: Callable[[F32], F32] | None = None,
 ) -> LoadedDecoder:
     """The whole decoder, or with ``shard`` the part of every weight that shard holds (``reduce`` adds up the
     shards' partial sums)."""
-    tensors = _Tensors(mcf, weight_cache)
+    tensors = _Tensors(mcf, weights)
     try:
         model = _build(mcf, config, tensors, shard, reduce)
     finally:

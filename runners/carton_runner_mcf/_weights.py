@@ -1,7 +1,7 @@
 """Weights as the decoder sees them: `Linear` maps (``x @ W.T + b``) and `Embedding` row lookups.
 
 A quantized weight stays in its MCF payload (memory-mapped, zero-copy) and every matmul goes through
-`carton.mcf.QuantizedLinear`; the ``weight_cache`` runner option chooses how much the kernel may keep decoded
+`_kernels.QuantizedLinear`; the ``weight_cache`` runner option chooses how much the kernel may keep decoded
 (``packed`` bytes only, ``int8`` codes + fp32 scales, or a full ``fp32`` matrix). A float weight (f32 in the file:
 zero-copy; f16/bf16: widened once, the only way BLAS can use it) goes through numpy's matmul.
 """
@@ -12,10 +12,20 @@ from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
-from carton.mcf import PayloadLayout, payload_layout, row_regions
+from carton.mcf import PayloadLayout, payload_layout
 from numpy.typing import NDArray
 
-__all__ = ["F32", "BiasedLinear", "Embedding", "FloatEmbedding", "FloatLinear", "Linear", "QuantizedEmbedding"]
+from ._rows import row_regions
+
+__all__ = [
+    "F32",
+    "BiasedLinear",
+    "Embedding",
+    "FloatEmbedding",
+    "FloatLinear",
+    "Linear",
+    "QuantizedEmbedding",
+]
 
 F32 = NDArray[np.float32]
 

@@ -35,8 +35,9 @@ from ._interface import (
     scalar_float,
     scalar_int,
 )
+from ._kernels import default_cache
 from ._llama import LlamaModel, positions_from_mask
-from ._loader import LoadedDecoder, build_decoder, load_decoder, read_config
+from ._loader import LoadedDecoder, WeightSettings, build_decoder, load_decoder, read_config
 from ._sharded import ShardedModel, start_sharded
 from ._shards import ShardPlan, check_processes_supported, plan_shards
 from ._tokenizer import TextCodec, load_codec
@@ -82,14 +83,20 @@ def _generation_ids(mcf: MCFFile, loaded: LoadedDecoder) -> tuple[tuple[int, ...
 
 def _return_freed_memory() -> None:
     """Give the heap's free memory back to the system once the weights are built: loading makes a temporary per
-    matrix, and glibc keeps freed ones in the heap (SmolLM2 q4: 17-28 MB). A lower mmap threshold would do it too,
-    but costs prefill a fresh page-faulted block for every large activation (0.83x -> 0.70x of transformers).
-    Elsewhere (musl, macOS) there is nothing to do."""
+    matrix, and glibc keeps freed ones in the heap. A lower mmap threshold would do it too, but costs prefill a fresh
+    page-faulted block for every large activation (both measured in docs/performance.md, "MCF runner"). Elsewhere
+    (musl, macOS) there is nothing to do."""
     try:
         malloc_trim = ctypes.CDLL(None).malloc_trim
     except (AttributeError, OSError):
         return
     malloc_trim(0)
+
+
+def _weight_settings(options: RunnerOptions) -> WeightSettings:
+    """The weight cache (``auto``: packed with the compiled kernels, else int8) and threads per product."""
+    cache = default_cache() if options.weight_cache == "auto" else options.weight_cache
+    return WeightSettings(cache=cache, threads=options.threads)
 
 
 class MCFRunner(Runner):
@@ -148,8 +155,9 @@ class MCFRunner(Runner):
         options, mcf = self._options, self._mcf
         config, unknown = read_config(mcf)
         check_room_for_a_prompt(options, config.max_position_embeddings)
+        weights = _weight_settings(options)
         if options.processes == 1:
-            whole = build_decoder(mcf, config, unknown, weight_cache=options.weight_cache)
+            whole = build_decoder(mcf, config, unknown, weights=weights)
             _return_freed_memory()
             return whole
         # Helpers are forked before any weight exists (and before the tokenizer loads), so each holds only its part.
@@ -157,7 +165,7 @@ class MCFRunner(Runner):
         loaded: list[LoadedDecoder] = []
 
         def build_shard(plan: ShardPlan, reduce: Callable[[np.ndarray], np.ndarray]) -> LlamaModel:
-            shard = build_decoder(mcf, config, unknown, weight_cache=options.weight_cache, shard=plan, reduce=reduce)
+            shard = build_decoder(mcf, config, unknown, weights=weights, shard=plan, reduce=reduce)
             loaded.append(shard)
             _return_freed_memory()
             assert isinstance(shard.model, LlamaModel)
@@ -258,7 +266,7 @@ class MCFRunner(Runner):
         path = find_model_file(context.model_dir, options.model_file)
         with MCFFile.open(path) as mcf:
             # Building the decoder checks config.json, ModelInfo and every tensor's presence, shape and payload.
-            config = load_decoder(mcf, weight_cache="packed").config
+            config = load_decoder(mcf, weights=WeightSettings(cache="packed")).config
             check_room_for_a_prompt(options, config.max_position_embeddings)
             vocab = config.vocab_size
             has_tokenizer = mcf.resource(SectionType.HF_TOKENIZER) is not None

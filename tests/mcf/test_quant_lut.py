@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from carton import MCFError
-from carton.mcf import QuantDomain, QuantizedLinear, _lut, dequantize, payload_size, quantize
+from carton.mcf import QuantDomain, _lut, dequantize, quantize
 from carton.mcf._decode import dequantize_unpacked
 from carton.mcf._layout import payload_layout
 from carton.mcf._packing import unpack_blocks
@@ -100,25 +100,3 @@ def test_parallel_ranges_cover_once_and_propagate_errors() -> None:
 
     with pytest.raises(MCFError, match="worker failed"):
         _lut.parallel_ranges(1000, 2, 16, fail)
-
-
-@pytest.mark.parametrize("method", ["q4", "k3", "int8"])
-@pytest.mark.parametrize("cache", ["packed", "int8"])
-def test_linear_threads_give_the_same_products(method: str, cache: str) -> None:
-    rng = np.random.default_rng(6)
-    q = quantize(rng.standard_normal((600, 288)).astype(np.float32), method)
-    one = QuantizedLinear.from_quantized(q, cache=cache)
-    two = QuantizedLinear.from_quantized(q, cache=cache, threads=2)
-    assert two.threads == 2
-    for batch in (1, 5, 33):
-        x = rng.standard_normal((batch, 288)).astype(np.float32)
-        np.testing.assert_allclose(two(x), one(x), rtol=1e-5, atol=1e-4)
-
-
-def test_linear_rejects_bad_thread_counts() -> None:
-    q = quantize(np.ones((4, 64), np.float32), "q4")
-    for bad in (0, -1, 1.5, True):
-        with pytest.raises(MCFError, match="threads must be a positive integer or None"):
-            QuantizedLinear(q.payload, "q4", 4, 64, threads=bad)  # type: ignore[arg-type]
-    assert QuantizedLinear(q.payload, "q4", 4, 64, threads=None).threads >= 1
-    assert len(q.payload) == payload_size("q4", 4, 64)

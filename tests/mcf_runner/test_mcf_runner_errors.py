@@ -136,8 +136,10 @@ def test_options_are_checked(mcf_model: Callable[..., Path]):
         load_runner(mcf_model("base"), max_new_tokens="8")
     with pytest.raises(InvalidOption, match="runner option 'stop_at_eos' must be bool, got 1"):
         load_runner(mcf_model("base"), stop_at_eos=1)
-    with pytest.raises(InvalidOption, match="'weight_cache' must be one of packed, int8, fp32, got 'bf16'"):
+    with pytest.raises(InvalidOption, match="'weight_cache' must be one of auto, packed, int8, fp32, got 'bf16'"):
         load_runner(mcf_model("base", "q8"), weight_cache="bf16")
+    with pytest.raises(InvalidOption, match="runner option 'threads' must be >= 1, got 0"):
+        load_runner(mcf_model("base", "q8"), threads=0)
 
 
 def test_unknown_config_keys_are_reported(hf_model: Callable[..., Path], tmp_path: Path):

@@ -194,8 +194,10 @@ def test_split_logits_equal_one_process(name: str, method: str | None, processes
     try:
         assert len(split._loaded.model.helper_pids) == processes - 1  # type: ignore[union-attr]
         inputs = {"input_ids": IDS, "attention_mask": MASK}
-        # Equal up to the order in which partial sums of o and down are added.
-        assert max_relative_error(split.infer(inputs)["logits"], single.infer(inputs)["logits"]) < 1e-5
+        # Equal up to the order in which partial sums of o and down are added: float32 rounding, which the compiled
+        # kernels' int16 rounding of the next layer's activations can turn into a step of 1/65534 of a block's
+        # largest value here and there.
+        assert max_relative_error(split.infer(inputs)["logits"], single.infer(inputs)["logits"]) < 1e-4
     finally:
         single.close()
         split.close()
@@ -243,10 +245,13 @@ def test_a_killed_helper_fails_the_next_call_with_its_fate(mcf_model: Callable[.
     [
         ({"processes": 0}, r"runner option 'processes' must be >= 1, got 0"),
         ({"processes": "2"}, r"runner option 'processes' must be int, got '2'"),
-        ({"processes": 2, "weight_cache": "packed"}, r"processes=2 needs weight_cache 'int8' or 'fp32'"),
+        ({"processes": 2, "weight_cache": "packed"}, r"processes=2 needs weight_cache 'int8' or 'fp32' without"),
     ],
 )
-def test_bad_processes_options_are_refused_at_load(opts: dict[str, object], message: str, mcf_model):
+def test_bad_processes_options_are_refused_at_load(
+    opts: dict[str, object], message: str, mcf_model, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setenv("CARTON_MCF_KERNELS", "numpy")  # the compiled kernels multiply parts of packed payloads
     with pytest.raises(InvalidOption, match=message):
         load_runner(mcf_model("base"), **opts)
 
@@ -288,7 +293,9 @@ def test_split_model_out_of_process_and_its_helpers_die_with_the_runner(mcf_mode
     before = _descendants(os.getpid())
     with carton.load(path) as model:
         logits = model.infer({"input_ids": IDS})["logits"]
-        assert max_relative_error(logits, infer_logits(folder, {"input_ids": IDS})) < 1e-5
+        assert (
+            max_relative_error(logits, infer_logits(folder, {"input_ids": IDS})) < 1e-4
+        )  # as in test_split_logits_equal_one_process
         started = _descendants(os.getpid()) - before
         # The runner and its helper (a sandbox may add a process between them and us).
         runners = [pid for pid in started if any(child in started for child in _descendants(pid))]

@@ -24,7 +24,9 @@ def _region(flat: npt.NDArray[np.uint8], offset: int, size: int) -> npt.NDArray[
 
 
 def block_scales(flat: npt.NDArray[np.uint8], layout: PayloadLayout) -> npt.NDArray[np.float32]:
-    """Per-block fp32 scales ``[rows, blocks_per_row]`` (k*: super-scale x sub-scale / 32 folded once)."""
+    """Per-block fp32 scales ``[rows, blocks_per_row]`` of a q* / k* payload (k*: super-scale x sub-scale / 32
+    folded once), validated: a non-finite fp16 scale or a sub-scale above 63 is an `MCFError` naming it.
+    ``flat`` comes from `as_payload_array`; kernels that keep fp32 scales build them with this."""
     if layout.method.family == "int":
         raise MCFError(f"{layout.method.value} has one tensor scale, not block scales")
     rows, nb = layout.rows, layout.blocks_per_row
@@ -54,7 +56,8 @@ def block_scales(flat: npt.NDArray[np.uint8], layout: PayloadLayout) -> npt.NDAr
 def block_codes(
     flat: npt.NDArray[np.uint8], layout: PayloadLayout, row_start: int, row_stop: int
 ) -> npt.NDArray[np.int8]:
-    """Signed codes ``[row_stop - row_start, blocks_per_row, 32]`` of the given rows (q* and k*)."""
+    """Signed int8 codes ``[row_stop - row_start, blocks_per_row, 32]`` of the given rows of a q* / k* payload
+    (padding codes as stored); ``codes * block_scales(...)[rows, :, None]`` is the dequantized block."""
     nb, bb = layout.blocks_per_row, block_bytes(layout.bits)
     row_bytes = nb * bb
     data = _region(flat, layout.data.offset + row_start * row_bytes, (row_stop - row_start) * row_bytes)
@@ -62,7 +65,8 @@ def block_codes(
 
 
 def int_parameters(flat: npt.NDArray[np.uint8], layout: PayloadLayout) -> tuple[np.float32, np.float32]:
-    """Tensor scale and zero point of an int* payload (zero is 0 in the weights domain)."""
+    """Tensor scale and zero point of an int* payload (zero is 0 in the weights domain): a value is
+    ``(code - zero) * scale``. A non-finite one is an `MCFError`."""
     scale = _region(flat, layout.scales.offset, 4).view("<f4")[0]
     zero = np.float32(0.0) if layout.zero is None else _region(flat, layout.zero.offset, 4).view("<f4")[0]
     if not (np.isfinite(scale) and np.isfinite(zero)):
@@ -71,7 +75,7 @@ def int_parameters(flat: npt.NDArray[np.uint8], layout: PayloadLayout) -> tuple[
 
 
 def int_codes(flat: npt.NDArray[np.uint8], layout: PayloadLayout) -> npt.NDArray[np.int8]:
-    """Signed int* codes ``[rows * cols]`` (int4 unpacked low nibble first)."""
+    """Signed int8 codes ``[rows * cols]`` of an int* payload, row-major (int4 unpacked low nibble first)."""
     count = layout.rows * layout.cols
     data = _region(flat, layout.data.offset, layout.data.size)
     if layout.bits == 8:

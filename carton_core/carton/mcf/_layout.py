@@ -24,8 +24,6 @@ __all__ = [
     "coerce_method",
     "payload_layout",
     "payload_size",
-    "row_copies",
-    "row_regions",
 ]
 
 SUPER_BLOCKS = 8  # blocks of 32 per k* super-block (256 values)
@@ -45,6 +43,7 @@ class Region:
 
     @property
     def end(self) -> int:
+        """Offset just past the region."""
         return self.offset + self.size
 
 
@@ -70,18 +69,22 @@ class PayloadLayout:
 
     @property
     def size(self) -> int:
+        """Total payload bytes (the codes region is last and unpadded)."""
         return self.data.end
 
     @property
     def bits(self) -> int:
+        """Bits per code."""
         return self.method.bits
 
     @property
     def padded_cols(self) -> int:
+        """Values per row including the last block's padding (a multiple of 32; ``cols`` for int*)."""
         return self.blocks_per_row * BLOCK
 
 
 def coerce_method(method: QuantMethod | str) -> QuantMethod:
+    """``QuantMethod(method)``, or `MCFError` listing the valid methods."""
     try:
         return QuantMethod(method)
     except ValueError as exc:
@@ -90,6 +93,7 @@ def coerce_method(method: QuantMethod | str) -> QuantMethod:
 
 
 def coerce_domain(domain: QuantDomain | int) -> QuantDomain:
+    """``QuantDomain(domain)``, or `MCFError` naming the two domains."""
     try:
         return QuantDomain(domain)
     except ValueError as exc:
@@ -99,7 +103,8 @@ def coerce_domain(domain: QuantDomain | int) -> QuantDomain:
 def payload_layout(
     method: QuantMethod | str, rows: int, cols: int, *, domain: QuantDomain | int = QuantDomain.WEIGHTS
 ) -> PayloadLayout:
-    """Region offsets and sizes of a ``rows x cols`` tensor quantized with ``method`` in ``domain``."""
+    """Region offsets and sizes of a ``rows x cols`` tensor quantized with ``method`` in ``domain``:
+    ``payload_layout("k4", 4096, 4096).data.offset`` is where the codes start; kernels read a payload through it."""
     method = coerce_method(method)
     domain = coerce_domain(domain)
     if isinstance(rows, bool) or isinstance(cols, bool) or not isinstance(rows, int) or not isinstance(cols, int):
@@ -153,7 +158,8 @@ def payload_size(
 def as_payload_array(
     payload: bytes | bytearray | memoryview | npt.NDArray[np.uint8], layout: PayloadLayout
 ) -> npt.NDArray[np.uint8]:
-    """View ``payload`` as a flat uint8 array without copying, checking its size against ``layout``."""
+    """View ``payload`` (bytes, memoryview, uint8 array) as a flat uint8 array without copying; `MCFError` when its
+    size is not ``layout.size``. Every reader of a payload starts with it."""
     if isinstance(payload, np.ndarray):
         if payload.dtype != np.uint8:
             raise MCFError(f"{layout.method.value} payload array must be uint8, got {payload.dtype}")
@@ -173,39 +179,3 @@ def as_payload_array(
             f"got {flat.size}"
         )
     return flat
-
-
-def row_regions(layout: PayloadLayout) -> list[tuple[Region, int | None]] | None:
-    """The payload's regions in order, each with its bytes per row, or None for a region that holds one value for the
-    whole tensor (the int* scale and zero point). Every per-block region is stored row-major, so rows ``a..b`` of a
-    region are one contiguous run. None when rows do not start on a byte (int4 with an odd number of columns)."""
-    if layout.method.family == "int":
-        if layout.cols * layout.bits % 8:
-            return None
-        shared: list[tuple[Region, int | None]] = [(layout.scales, None)]
-        if layout.zero is not None:
-            shared.append((layout.zero, None))
-        return [*shared, (layout.data, layout.cols * layout.bits // 8)]
-    regions = [layout.scales, *([layout.sub_scales] if layout.sub_scales is not None else []), layout.data]
-    return [(region, region.size // layout.rows) for region in regions]
-
-
-def row_copies(layout: PayloadLayout, start: int, stop: int) -> tuple[PayloadLayout, list[tuple[int, int, int]]] | None:
-    """How to cut rows ``start..stop`` out of a payload: the part's layout and ``(source offset, size, destination
-    offset)`` byte copies that fill it (the gaps between regions stay as the caller made them). None when rows do
-    not start on a byte (`row_regions`)."""
-    if not 0 <= start < stop <= layout.rows:
-        raise MCFError(f"rows ({start}, {stop}) are not a non-empty range within 0..{layout.rows}")
-    whole = row_regions(layout)
-    if whole is None:
-        return None
-    part = payload_layout(layout.method, stop - start, layout.cols, domain=layout.domain)
-    cut = row_regions(part)
-    assert cut is not None  # same columns, so the same byte alignment
-    copies = [
-        (region.offset, region.size, into.offset)
-        if per_row is None
-        else (region.offset + start * per_row, (stop - start) * per_row, into.offset)
-        for (region, per_row), (into, _) in zip(whole, cut, strict=True)
-    ]
-    return part, copies

@@ -99,7 +99,7 @@ def chunk_rows(width: int) -> int:
 
 
 def resolve_threads(threads: int | None) -> int:
-    """``None`` -> the CPU count; otherwise a positive count."""
+    """A ``threads=`` argument as a count: ``None`` -> the CPU count; otherwise at least 1."""
     if threads is None:
         return max(1, os.cpu_count() or 1)
     return max(1, int(threads))
@@ -135,7 +135,9 @@ def parallel_ranges(total: int, threads: int, align: int, work: Callable[[int, i
 
 
 class BlockDecoder:
-    """Decodes rows of a q* / k* payload into float32 with the fp32 block scales ``[rows, blocks]`` folded in."""
+    """Decodes rows of a q* / k* payload into float32 with the fp32 block scales ``[rows, blocks]`` folded in:
+    ``BlockDecoder(flat, layout, block_scales(flat, layout)).decode(r0, r1, out)``, table-driven and in
+    L2-sized chunks; what `dequantize` runs, and what a kernel that decodes row tiles on the fly uses."""
 
     def __init__(self, flat: npt.NDArray[np.uint8], layout: PayloadLayout, scales: npt.NDArray[np.float32]) -> None:
         self.layout = layout

@@ -52,9 +52,11 @@ class QuantizedTensor:
 
     @property
     def layout(self) -> PayloadLayout:
+        """Where the payload's regions are (`payload_layout` of this method, shape and domain)."""
         return payload_layout(self.method, *self.shape, domain=self.domain)
 
     def dequantize(self) -> npt.NDArray[np.float32]:
+        """The float32 tensor the payload reconstructs (``carton.mcf.dequantize`` of it)."""
         return dequantize(self.payload, self.method, self.shape, domain=self.domain)
 
 

@@ -112,6 +112,7 @@ class MCFFile:
     # --- accessors ------------------------------------------------------------------------------------------
     @property
     def closed(self) -> bool:
+        """True after `close` (or leaving the ``with`` block); arrays handed out before stay valid."""
         return self._view is None
 
     def __contains__(self, name: object) -> bool:
@@ -148,6 +149,8 @@ class MCFFile:
         return None if view is None else bytes(view)
 
     def tensor(self, name: str) -> TensorEntry:
+        """The index entry of tensor ``name`` (dtype, shape, method, data range); `MCFError` naming it when the
+        file has no such tensor (``f.tensors[name]`` raises a plain `KeyError` instead)."""
         try:
             return self.tensors[name]
         except KeyError:

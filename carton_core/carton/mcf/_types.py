@@ -47,10 +47,12 @@ class QuantMethod(enum.StrEnum):
 
     @property
     def dtype(self) -> MCFDType:
+        """The TensorIndex dtype of tensors quantized with this method."""
         return MCFDType[self.name]
 
     @property
     def bits(self) -> int:
+        """Bits per code."""
         return {"int8": 8, "int4": 4, "q8": 8, "q4": 4, "k6": 6, "k4": 4, "k3": 3, "k2": 2}[self.value]
 
     @property
@@ -60,11 +62,15 @@ class QuantMethod(enum.StrEnum):
 
 
 class QuantDomain(enum.IntEnum):
+    """What a quantized tensor holds: weights (every method) or activations (int* only, with a zero point)."""
+
     WEIGHTS = 0
     ACTIVATIONS = 1
 
 
 class SectionType(enum.IntEnum):
+    """Section type codes of the directory; ``MCFFile.resource(SectionType.HF_CONFIG)`` reads a carried file."""
+
     MODEL_INFO = 0x0001
     QUANT_INFO = 0x0002
     TENSOR_INDEX = 0x0003
@@ -78,6 +84,8 @@ class SectionType(enum.IntEnum):
 
 
 class Architecture(enum.IntEnum):
+    """ModelInfo's architecture code (``ModelInfo(arch=Architecture.LLAMA, ...)``); unknown codes stay ints."""
+
     UNKNOWN = 0
     LLAMA = 1
     MISTRAL = 2
@@ -88,6 +96,8 @@ class Architecture(enum.IntEnum):
 
 
 class RopeType(enum.IntEnum):
+    """ModelInfo's rotary embedding kind; unknown codes stay ints."""
+
     NONE = 0
     STANDARD = 1
     LINEAR = 2

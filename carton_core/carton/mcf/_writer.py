@@ -127,6 +127,7 @@ class MCFWriter:
 
     # --- adding content -------------------------------------------------------------------------------------
     def set_model_info(self, model_info: ModelInfo) -> None:
+        """Replace the ModelInfo section written at `close` (the constructor's ``model_info=`` does the same)."""
         self._check_open()
         self.model_info = model_info
 

@@ -1,9 +1,13 @@
-"""``y = x @ W.T`` for a quantized ``W`` without materialising the dequantized matrix (unless asked to).
+"""``y = x @ W.T`` for a quantized ``W`` (the mcf runner's `Linear` for quantized weights).
 
-A :class:`QuantizedLinear` keeps one of three weight caches:
+A `QuantizedLinear` keeps one of three weight caches:
 
-* ``"int8"`` (default): the codes as int8, stored K-major (``[cols_padded, rows]``, i.e. ``W.T``'s layout) plus one
-  fp32 scale per block (``[blocks_per_row, rows]``, k* super x sub-scales folded once at load). About 2x the q4/k4
+* ``"packed"``: only the payload, zero-copy (bytes, or a uint8 array over the mapped file). With the compiled
+  kernels (numba installed, `_packed`) every product reads the codes as stored: integer block products for small
+  batches, decoded row tiles and BLAS for large ones. Without them (the numpy fallback) row tiles are decoded
+  through lookup tables (`carton.mcf.BlockDecoder`), scaled and multiplied per call, which is slow.
+* ``"int8"``: the codes as int8, stored K-major (``[cols_padded, rows]``, i.e. ``W.T``'s layout) plus one fp32
+  scale per block (``[blocks_per_row, rows]``, k* super x sub-scales folded once at load); about 2x the q4/k4
   payload. Two numpy paths use it, both converting cache-sized tiles and handing them to BLAS:
 
   - small batches (``batch <= gemv_max_batch``): for a group of block columns, convert the int8 slab to fp32 and
@@ -12,13 +16,14 @@ A :class:`QuantizedLinear` keeps one of three weight caches:
   - larger batches: convert a tile of ``kt`` input features for all rows, fold the block scales in (a multiply whose
     inner axis is the long, contiguous row axis), and accumulate ``x[:, tile] @ tile`` with sgemm.
 
-* ``"packed"``: keeps only the payload (zero-copy over an mmap or bytes) and per-block fp32 scales; row tiles are
-  decoded through lookup tables (``_lut.BlockDecoder``), scaled and multiplied per call.
-* ``"fp32"``: dequantizes once and calls BLAS on the full matrix (fastest, 8x the q4 size).
+* ``"fp32"``: dequantizes once and calls BLAS on the full matrix (8x the q4 size).
 
-With ``threads > 1`` every path splits the output features (rows of ``W``) into contiguous ranges, one per thread of
-a small pool; each range runs the same tile loop with its own work buffers (numpy releases the GIL in the casts,
-multiplies and gathers, BLAS in its calls).
+The default (``cache=None``) is ``"packed"`` when the compiled kernels are available and ``"int8"`` otherwise: the
+fastest choice of each path (docs/performance.md, "Compiled kernels").
+
+With ``threads > 1`` products split the output features (rows of ``W``) into contiguous ranges: the compiled
+kernels across numba's threads inside one call, the numpy paths across a small thread pool (numpy releases the GIL
+in the casts, multiplies and gathers, BLAS in its calls).
 """
 
 from __future__ import annotations
@@ -31,31 +36,54 @@ from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
+from carton.mcf import (
+    BLOCK,
+    BlockDecoder,
+    MCFError,
+    PayloadLayout,
+    QuantDomain,
+    QuantizedTensor,
+    QuantMethod,
+    as_payload_array,
+    block_codes,
+    block_scales,
+    dequantize,
+    int_codes,
+    int_parameters,
+    parallel_ranges,
+    payload_layout,
+    resolve_threads,
+)
 
-from carton.errors import MCFError
-from carton.mcf._decode import block_codes, block_scales, dequantize, int_codes, int_parameters
-from carton.mcf._layout import PayloadLayout, as_payload_array, coerce_domain, coerce_method, payload_layout
-from carton.mcf._lut import BlockDecoder, parallel_ranges, resolve_threads
-from carton.mcf._packing import BLOCK
-from carton.mcf._quant import QuantizedTensor
-from carton.mcf._types import QuantDomain, QuantMethod
+from ._packed import CompiledPayload, Kernels, compiled_kernels
 
-__all__ = ["DEFAULT_GEMV_MAX_BATCH", "DEFAULT_TILE_BYTES", "CacheMode", "Payload", "QuantizedLinear", "matmul"]
+__all__ = [
+    "COMPILED_GEMV_MAX_BATCH",
+    "DEFAULT_GEMV_MAX_BATCH",
+    "DEFAULT_TILE_BYTES",
+    "CacheMode",
+    "Payload",
+    "QuantizedLinear",
+    "compiled_available",
+    "default_cache",
+    "matmul",
+]
 
 CacheMode = Literal["packed", "int8", "fp32"]
 _CACHE_MODES = ("packed", "int8", "fp32")
 
-# Work-buffer budget per call and thread (bytes of fp32 tile): half the L2 cache of the build machine (2 MiB per
-# core), so the tile, the int8 codes it is cast from and the partial sums stay in L2. Chosen by measurement on
-# 2026-11-25 (q4, batch 1, one thread, medians): 576x1536 157 us with 1 MiB against 217-225 us with 2 MiB;
-# 4096x4096 3.2 ms against 4.7 ms; 11008x4096 14.4 ms against 14.9 ms; only 4096x11008 was faster with 2 MiB
-# (13.5 ms against 14.6). An earlier machine had favoured 2 MiB (4096^2: 2.75 ms against 3.56).
+# Work-buffer budget per call and thread of the numpy paths (bytes of fp32 tile): about half an L2 cache, so that a
+# tile, the codes it is made from and the partial sums stay in L2 (measured in docs/performance.md, "Quantized
+# matmul"). The compiled path's large batches use `_packed.PREFILL_TILE_BYTES` unless given one.
 DEFAULT_TILE_BYTES = 1 << 20
-# The matrix-vector path works through at most this many output rows at a time: with more, even one block of 32
-# columns overflows the tile (the 49152-row tied head of SmolLM2: 7.2-7.8 ms in 4096-row pieces against 11.9 ms).
+# The numpy matrix-vector path works through at most this many output rows at a time: with more, even one block of
+# 32 columns overflows the tile (a tied output head has tens of thousands of rows).
 _GEMV_ROW_CHUNK = 4096
-# Largest batch served by the block-partial (matrix-vector) path; chosen by bench/bench_mcf.py.
+# Largest batch served by the matrix-vector paths, chosen by measurement (docs/performance.md): numpy's block
+# partials, and the compiled integer block products, which share each unpacked block among the batch's rows and
+# so stay ahead of decoding the matrix for BLAS up to a few dozen rows.
 DEFAULT_GEMV_MAX_BATCH = 4
+COMPILED_GEMV_MAX_BATCH = 48
 # Smallest row range handed to a pool thread: below it the hand-off costs more than it saves.
 _MIN_ROWS_PER_THREAD = 256
 
@@ -67,19 +95,35 @@ Payload = bytes | bytearray | memoryview | npt.NDArray[np.uint8]
 # matrix.
 _WORK_BUFFERS = threading.local()
 
+
+def compiled_available(kernels: Kernels = "auto") -> bool:
+    """Whether products with ``kernels`` (``"auto"``: as ``CARTON_MCF_KERNELS`` says) run compiled."""
+    return compiled_kernels(kernels) is not None
+
+
+def default_cache(kernels: Kernels = "auto") -> CacheMode:
+    """The weight cache ``cache=None`` resolves to: ``"packed"`` with the compiled kernels, else ``"int8"``."""
+    return "packed" if compiled_available(kernels) else "int8"
+
+
 class QuantizedLinear:
     """A quantized ``[rows = out_features, cols = in_features]`` weight applied as ``x @ W.T``.
 
     ``payload`` may be bytes, a memoryview or a uint8 array over an mmap; with ``cache="packed"`` it is referenced,
     never copied. Calls accept float32 (other floats are converted) of shape ``[..., cols]`` and return float32
-    ``[..., rows]``. A call reuses per-thread work buffers of about ``tile_bytes``. ``threads`` (default 1; ``None``:
-    one per CPU) splits the output features of each call across a small thread pool; results do not depend on it
-    beyond float32 summation order.
+    ``[..., rows]``. A call reuses per-thread work buffers of about ``tile_bytes`` (default: 1 MiB on the numpy
+    paths, 8 MiB for the compiled path's large batches). ``threads`` (default 1; ``None``:
+    one per CPU) splits the output features of each call across threads; results do not depend on it (the compiled
+    kernels) or only through float32 summation order (numpy). ``kernels`` picks the compiled or the numpy path of
+    the packed cache (``"auto"``: ``CARTON_MCF_KERNELS``, else compiled when numba is installed).
+
+    The compiled kernels round each block of 32 activations to int16 (relative error at most ``1/65534`` of the
+    block's largest value) and multiply the codes exactly; the numpy paths multiply in float32.
 
     ``row_range`` and ``col_range`` (half-open, in the full tensor's coordinates) keep only that part of ``W``, as
     tensor parallelism splits a layer: the object then behaves as the ``[r1 - r0, c1 - c0]`` matrix and holds
-    nothing of the rest. A part needs the ``int8`` or ``fp32`` cache, and for q*/k* its columns must start on a
-    32-value block (and end on one or at the last column).
+    nothing of the rest. A part needs the ``int8`` or ``fp32`` cache, or the packed one with the compiled kernels;
+    for q*/k* its columns must start on a 32-value block (and end on one or at the last column).
     """
 
     def __init__(
@@ -90,25 +134,32 @@ class QuantizedLinear:
         cols: int,
         *,
         domain: QuantDomain | int = QuantDomain.WEIGHTS,
-        cache: CacheMode = "int8",
-        tile_bytes: int = DEFAULT_TILE_BYTES,
-        gemv_max_batch: int = DEFAULT_GEMV_MAX_BATCH,
+        cache: CacheMode | None = None,
+        kernels: Kernels = "auto",
+        tile_bytes: int | None = None,
+        gemv_max_batch: int | None = None,
         threads: int | None = 1,
         row_range: tuple[int, int] | None = None,
         col_range: tuple[int, int] | None = None,
     ) -> None:
+        compiled = compiled_kernels(kernels)
+        if cache is None:
+            cache = "packed" if compiled is not None else "int8"
         if cache not in _CACHE_MODES:
             raise MCFError(f"unknown weight cache {cache!r} (expected one of: {', '.join(_CACHE_MODES)})")
-        if tile_bytes < 4 * BLOCK:
+        if tile_bytes is not None and tile_bytes < 4 * BLOCK:
             raise MCFError(f"tile_bytes must be at least {4 * BLOCK}, got {tile_bytes}")
-        self.method: QuantMethod = coerce_method(method)
-        self.domain: QuantDomain = coerce_domain(domain)
-        full = payload_layout(self.method, rows, cols, domain=self.domain)
+        full = payload_layout(method, rows, cols, domain=domain)
+        self.method: QuantMethod = full.method
+        self.domain: QuantDomain = full.domain
         r0, r1 = _checked_range("row_range", row_range, rows)
         c0, c1 = _checked_range("col_range", col_range, cols)
         part = (r0, r1, c0, c1) != (0, rows, 0, cols)
-        if part and cache == "packed":
-            raise MCFError("a part of a quantized matrix (row_range/col_range) needs the int8 or fp32 cache")
+        if part and cache == "packed" and compiled is None:
+            raise MCFError(
+                "a part of a quantized matrix (row_range/col_range) needs the int8 or fp32 cache, or the compiled "
+                "kernels (numba)"
+            )
         if part and self.method.family != "int" and (c0 % BLOCK or (c1 % BLOCK and c1 != cols)):
             raise MCFError(
                 f"col_range ({c0}, {c1}) of a {self.method.value} matrix must start on a {BLOCK}-value block and end "
@@ -117,7 +168,12 @@ class QuantizedLinear:
         self.layout: PayloadLayout = payload_layout(self.method, r1 - r0, c1 - c0, domain=self.domain) if part else full
         self.rows, self.cols = r1 - r0, c1 - c0
         self.cache: CacheMode = cache
-        self.tile_bytes = tile_bytes
+        self.tile_bytes = DEFAULT_TILE_BYTES if tile_bytes is None else tile_bytes
+        self._tile_option = tile_bytes
+        if gemv_max_batch is None:
+            gemv_max_batch = (
+                COMPILED_GEMV_MAX_BATCH if cache == "packed" and compiled is not None else DEFAULT_GEMV_MAX_BATCH
+            )
         self.gemv_max_batch = gemv_max_batch
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise MCFError(f"threads must be a positive integer or None, got {threads!r}")
@@ -130,9 +186,12 @@ class QuantizedLinear:
         self._scales_t: npt.NDArray[np.float32] | None = None
         self._scales: npt.NDArray[np.float32] | None = None
         self._decoder: BlockDecoder | None = None
+        self._compiled: CompiledPayload | None = None
         self._int_scale = np.float32(1.0)
         self._int_zero = np.float32(0.0)
-        if cache == "fp32":
+        if cache == "packed" and compiled is not None:
+            self._compiled = CompiledPayload(compiled, flat, full, (r0, r1), (c0, c1))
+        elif cache == "fp32":
             whole = dequantize(flat, self.method, (rows, cols), domain=self.domain)
             self._fp32 = np.ascontiguousarray(whole[r0:r1, c0:c1]) if part else whole
         elif self.method.family == "int":
@@ -148,6 +207,11 @@ class QuantizedLinear:
             self._decoder = BlockDecoder(flat, self.layout, self._scales)
         else:
             self._build_int8_cache(flat, full, (r0, r1), (c0 // BLOCK, -(-c1 // BLOCK)))
+
+    @property
+    def compiled(self) -> bool:
+        """Whether calls run the compiled kernels."""
+        return self._compiled is not None
 
     @classmethod
     def from_quantized(cls, tensor: QuantizedTensor, **options: object) -> QuantizedLinear:
@@ -169,9 +233,9 @@ class QuantizedLinear:
         for a in range(r0, r1, step):
             b = min(r1, a + step)
             codes = block_codes(flat, full, a, b)
-            codes_t[:, a - r0 : b - r0] = (codes[:, b0:b1] if nb != full.blocks_per_row else codes).reshape(
-                b - a, nb * BLOCK
-            ).T
+            codes_t[:, a - r0 : b - r0] = (
+                (codes[:, b0:b1] if nb != full.blocks_per_row else codes).reshape(b - a, nb * BLOCK).T
+            )
         # Values beyond cols in the last block are defined as zero whatever a writer stored there.
         codes_t[self.cols :] = 0
         self._codes_t = codes_t
@@ -184,11 +248,14 @@ class QuantizedLinear:
     @property
     def nbytes(self) -> int:
         """Bytes of weight data this object keeps (payload when referenced, caches, scales; not work buffers)."""
+        if self._compiled is not None:
+            return self._compiled.nbytes
         arrays = (self._flat, self._fp32, self._codes_t, self._scales_t, self._scales)
         return sum(a.nbytes for a in arrays if a is not None)
 
     def __repr__(self) -> str:
-        return f"QuantizedLinear({self.method.value}, rows={self.rows}, cols={self.cols}, cache={self.cache!r})"
+        path = ", compiled" if self._compiled is not None else ""
+        return f"QuantizedLinear({self.method.value}, rows={self.rows}, cols={self.cols}, cache={self.cache!r}{path})"
 
     # --- application ---------------------------------------------------------------------------------------------
     def __call__(self, x: npt.ArrayLike) -> npt.NDArray[np.float32]:
@@ -205,6 +272,11 @@ class QuantizedLinear:
             return np.zeros((*lead, self.rows), dtype=np.float32)
         if self._fp32 is not None:
             return (x2 @ self._fp32.T).reshape(*lead, self.rows)
+        if self._compiled is not None:
+            out = self._compiled.matmul(
+                x2, threads=self.threads, gemv_max_batch=self.gemv_max_batch, tile_bytes=self._tile_option
+            )
+            return out.reshape(*lead, self.rows)
         m = x2.shape[0]
         if self._codes_t is not None and self.method.family != "int":
             xp = self._padded_input(x2)
@@ -242,6 +314,8 @@ class QuantizedLinear:
         flat_idx = np.where(idx < 0, idx + self.rows, idx).reshape(-1)
         if self._fp32 is not None:
             return self._fp32[flat_idx].reshape(*idx.shape, self.cols)
+        if self._compiled is not None:
+            return self._compiled.take_rows(flat_idx).reshape(*idx.shape, self.cols)
         if self._codes_t is not None and self.method.family != "int":
             assert self._scales_t is not None
             codes = self._codes_t[:, flat_idx].T.astype(np.float32)
@@ -262,7 +336,7 @@ class QuantizedLinear:
     # --- paths ---------------------------------------------------------------------------------------------------
     def _buffer(self, name: str, shape: tuple[int, ...]) -> npt.NDArray[np.float32]:
         """A per-thread fp32 work buffer, reallocated only when it must grow."""
-        size = math.prod(shape)  # np.prod costs ~5 us a call, several per matrix-vector product
+        size = math.prod(shape)  # np.prod costs more than a small product's other work (docs/performance.md)
         buf: npt.NDArray[np.float32] | None = getattr(self._local, name, None)
         if buf is None or buf.size < size:
             buf = np.empty(size, dtype=np.float32)
@@ -281,9 +355,7 @@ class QuantizedLinear:
         for c0 in range(r0, r1, _GEMV_ROW_CHUNK):
             self._blockwise_gemv_rows(xb, out, c0, min(r1, c0 + _GEMV_ROW_CHUNK))
 
-    def _blockwise_gemv_rows(
-        self, xb: npt.NDArray[np.float32], out: npt.NDArray[np.float32], r0: int, r1: int
-    ) -> None:
+    def _blockwise_gemv_rows(self, xb: npt.NDArray[np.float32], out: npt.NDArray[np.float32], r0: int, r1: int) -> None:
         codes_t, scales_t = self._codes_t, self._scales_t
         assert codes_t is not None and scales_t is not None
         m, rows, nb = xb.shape[1], r1 - r0, self.layout.blocks_per_row
@@ -297,8 +369,8 @@ class QuantizedLinear:
             tile = slab[: g * BLOCK]
             codes = codes_t[b0 * BLOCK : b1 * BLOCK, r0:r1]
             # A decode step reads every matrix once, so its codes come from RAM, and numpy's int8 -> float32 cast
-            # streams them at 3-5 GB/s where a plain reduction reads 22 GB/s. Reading them first (into L2) measured
-            # 288 -> 260 us for a 576 x 1536 product over 141 MB of rotating codes (docs/performance.md).
+            # streams RAM far more slowly than a plain reduction does: reading them first leaves them in L2 for the
+            # cast (measured in docs/performance.md, "MCF runner").
             codes.max()
             np.copyto(tile, codes, casting="unsafe")
             part = partial[:g]

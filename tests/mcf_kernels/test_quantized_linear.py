@@ -1,16 +1,21 @@
-"""QuantizedLinear: every method x cache x batch path against x @ dequantize(W).T, zero-copy, bad input."""
+"""QuantizedLinear: every method x cache x batch path, on the numpy and the compiled kernels, against
+x @ dequantize(W).T; zero-copy, parts of a matrix, bad input."""
 
 from __future__ import annotations
 
 import mmap
+import os
 import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 from carton import MCFError
-from carton.mcf import QuantDomain, QuantizedLinear, dequantize, matmul, payload_size, quantize
+from carton.mcf import QuantDomain, dequantize, payload_layout, payload_size, quantize
 from carton.mcf._packing import pack_blocks, unpack_blocks
+from carton_runner_mcf._kernels import QuantizedLinear, matmul
+from carton_runner_mcf._rows import row_copies
+from kernel_bounds import compiled_bound
 
 METHODS = ["q8", "q4", "k6", "k4", "k3", "k2", "int8", "int4"]
 CACHES = ["packed", "int8", "fp32"]
@@ -26,65 +31,82 @@ def _assert_close(got: np.ndarray, want: np.ndarray) -> None:
     assert float(np.abs(got - want).max()) <= 2e-5 * scale
 
 
+def _check(linear: QuantizedLinear, x: np.ndarray, dense: np.ndarray) -> None:
+    """``linear(x)`` against the float64 product with the dequantized matrix, within what the path may differ by.
+
+    numpy paths multiply in float32. The compiled kernels round each block of 32 activations to int16, off by at
+    most ``max|x_block| / 65534`` per value, so a row may differ by that times the block's ``sum |w|``, summed over
+    the blocks (plus float32 rounding of the result)."""
+    got = linear(x)
+    want = _reference(x, dense)
+    if not linear.compiled:
+        _assert_close(got, want)
+        return
+    assert got.dtype == np.float32 and got.shape == want.shape
+    assert float((np.abs(got.astype(np.float64) - want) / compiled_bound(x, dense)).max()) <= 1.0
+
+
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("cache", CACHES)
-def test_matches_dequantized_matmul(method: str, cache: str) -> None:
+@pytest.mark.parametrize("cols", [300, 31, 512])
+def test_matches_dequantized_matmul(method: str, cache: str, cols: int, kernels: str) -> None:
     rng = np.random.default_rng(11)
-    rows, cols = 37, 300  # odd rows; cols not a multiple of 32 or 256
+    rows = 37  # odd rows; 300 and 31 columns end in a padded block (31: a single one), 512 in two super-blocks
     w = rng.standard_normal((rows, cols)).astype(np.float32)
     q = quantize(w, method)
     dense = q.dequantize()
     # A small tile budget forces several tiles and a ragged last tile on every path.
-    linear = QuantizedLinear.from_quantized(q, cache=cache, tile_bytes=4 * 32 * 40)
-    for batch in (1, 3, 4, 5, 17):
-        x = rng.standard_normal((batch, cols)).astype(np.float32)
-        _assert_close(linear(x), _reference(x, dense))
+    linear = QuantizedLinear.from_quantized(q, cache=cache, tile_bytes=4 * 32 * 40, kernels=kernels)
+    assert linear.compiled == (kernels == "numba" and cache == "packed")
+    for batch in (1, 3, 4, 5, 9, 17):
+        _check(linear, rng.standard_normal((batch, cols)).astype(np.float32), dense)
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
 @pytest.mark.parametrize("cache", CACHES)
-def test_int_activations_domain_zero_point(method: str, cache: str) -> None:
+def test_int_activations_domain_zero_point(method: str, cache: str, kernels: str) -> None:
     rng = np.random.default_rng(12)
-    w = rng.uniform(0.0, 2.0, (9, 50)).astype(np.float32)
+    w = rng.uniform(0.0, 2.0, (9, 51)).astype(np.float32)  # odd columns: int4 rows start mid-byte
     q = quantize(w, method, domain=QuantDomain.ACTIVATIONS)
-    linear = QuantizedLinear.from_quantized(q, cache=cache)
-    x = rng.standard_normal((6, 50)).astype(np.float32)
-    _assert_close(linear(x), _reference(x, q.dequantize()))
+    linear = QuantizedLinear.from_quantized(q, cache=cache, kernels=kernels)
+    for batch in (1, 6):
+        _check(linear, rng.standard_normal((batch, 51)).astype(np.float32), q.dequantize())
 
 
-def test_default_settings_and_leading_dimensions() -> None:
+def test_default_settings_and_leading_dimensions(kernels: str) -> None:
     rng = np.random.default_rng(13)
     q = quantize(rng.standard_normal((64, 256)).astype(np.float32), "k4")
-    linear = QuantizedLinear(q.payload, "k4", 64, 256)
-    assert linear.cache == "int8" and linear.shape == (64, 256)
+    linear = QuantizedLinear(q.payload, "k4", 64, 256, kernels=kernels)
+    assert linear.shape == (64, 256)
     x = rng.standard_normal((2, 3, 256))
     y = linear(x)  # float64 input is accepted, float32 returned
-    assert y.shape == (2, 3, 64)
-    _assert_close(y, _reference(x.reshape(6, 256), q.dequantize()).reshape(2, 3, 64))
+    assert y.shape == (2, 3, 64) and y.dtype == np.float32
+    _check(linear, x.reshape(6, 256).astype(np.float32), q.dequantize())
+    np.testing.assert_allclose(y.reshape(6, 64), linear(x.reshape(6, 256).astype(np.float32)), rtol=1e-6)
     assert linear(np.zeros((0, 256), np.float32)).shape == (0, 64)
     assert linear(rng.standard_normal(256).astype(np.float32)).shape == (64,)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_matrix_vector_path_over_more_rows_than_one_piece(threads: int) -> None:
-    """More output rows than the matrix-vector path takes at a time (4096), split unevenly, alone and on two
+def test_matrix_vector_path_over_more_rows_than_one_piece(threads: int, kernels: str) -> None:
+    """More output rows than the numpy matrix-vector path takes at a time (4096), split unevenly, alone and on two
     threads (a tied output head is 49152 rows)."""
     rng = np.random.default_rng(16)
     rows, cols = 2 * 4096 + 48, 96
     q = quantize(rng.standard_normal((rows, cols)).astype(np.float32), "q4")
-    linear = QuantizedLinear.from_quantized(q, threads=threads)
+    linear = QuantizedLinear.from_quantized(q, threads=threads, kernels=kernels)
     for batch in (1, 4):
-        x = rng.standard_normal((batch, cols)).astype(np.float32)
-        _assert_close(linear(x), _reference(x, q.dequantize()))
+        _check(linear, rng.standard_normal((batch, cols)).astype(np.float32), q.dequantize())
 
 
-def test_gemv_and_gemm_paths_agree_across_the_threshold() -> None:
+def test_gemv_and_gemm_paths_agree_across_the_threshold(kernels: str) -> None:
     rng = np.random.default_rng(14)
     q = quantize(rng.standard_normal((96, 512)).astype(np.float32), "q4")
-    small = QuantizedLinear.from_quantized(q, gemv_max_batch=64)
-    large = QuantizedLinear.from_quantized(q, gemv_max_batch=0)
+    small = QuantizedLinear.from_quantized(q, gemv_max_batch=64, kernels=kernels)
+    large = QuantizedLinear.from_quantized(q, gemv_max_batch=0, kernels=kernels)
     x = rng.standard_normal((8, 512)).astype(np.float32)
-    _assert_close(small(x), large(x))
+    _check(small, x, q.dequantize())
+    _check(large, x, q.dequantize())
 
 
 def _payload_with_garbage_in_row_padding(method: str, rows: int, cols: int) -> tuple[bytes, np.ndarray]:
@@ -103,45 +125,47 @@ def _payload_with_garbage_in_row_padding(method: str, rows: int, cols: int) -> t
 
 
 @pytest.mark.parametrize("cache", CACHES)
-@pytest.mark.parametrize("method", ["q4", "k3"])
-def test_codes_in_row_padding_are_ignored(cache: str, method: str) -> None:
+@pytest.mark.parametrize("method", ["q8", "q4", "k6", "k4", "k3", "k2"])
+def test_codes_in_row_padding_are_ignored(cache: str, method: str, kernels: str) -> None:
     payload, dense = _payload_with_garbage_in_row_padding(method, 5, 40)
     assert np.array_equal(dequantize(payload, method, (5, 40)), dense)
-    linear = QuantizedLinear(payload, method, 5, 40, cache=cache)
-    x = np.random.default_rng(16).standard_normal((3, 40)).astype(np.float32)
-    _assert_close(linear(x), _reference(x, dense))
-    _assert_close(linear(x[:1]), _reference(x[:1], dense))
+    linear = QuantizedLinear(payload, method, 5, 40, cache=cache, kernels=kernels)
+    x = np.random.default_rng(16).standard_normal((9, 40)).astype(np.float32)
+    _check(linear, x, dense)
+    _check(linear, x[:1], dense)
+    assert np.array_equal(linear.take_rows(np.arange(5)), dense)
 
 
-def test_packed_cache_is_zero_copy_over_an_mmap(tmp_path: Path) -> None:
+def test_packed_cache_is_zero_copy_over_an_mmap(tmp_path: Path, kernels: str) -> None:
     rng = np.random.default_rng(17)
     q = quantize(rng.standard_normal((48, 256)).astype(np.float32), "k4")
     path = tmp_path / "w.bin"
-    path.write_bytes(b"\0" * 64 + q.payload)
+    path.write_bytes(b"\0" * 64 + q.payload)  # the payload ends the file: nothing is read past its end
     with path.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
         view = memoryview(mm)[64:]
-        linear = QuantizedLinear(view, "k4", 48, 256, cache="packed")
+        linear = QuantizedLinear(view, "k4", 48, 256, cache="packed", kernels=kernels)
         base = np.frombuffer(mm, np.uint8)
-        assert linear._flat is not None and np.shares_memory(linear._flat, base)
-        x = rng.standard_normal((2, 256)).astype(np.float32)
-        _assert_close(linear(x), _reference(x, q.dequantize()))
-        assert linear.nbytes == len(q.payload) + 48 * 8 * 4  # payload + fp32 block scales
-        del linear, base, view
+        kept = linear._compiled._flat if linear._compiled is not None else linear._flat
+        assert kept is not None and np.shares_memory(kept, base)
+        _check(linear, rng.standard_normal((2, 256)).astype(np.float32), q.dequantize())
+        # numpy: payload + fp32 block scales; compiled: the payload alone (scales are read as stored)
+        assert linear.nbytes == len(q.payload) + (0 if linear.compiled else 48 * 8 * 4)
+        del linear, base, view, kept
 
 
 @pytest.mark.parametrize("method", ["q4", "k4"])
 def test_int8_cache_memory_within_two_and_a_half_times_the_payload(method: str) -> None:
     q = quantize(np.random.default_rng(18).standard_normal((256, 1024)).astype(np.float32), method)
-    linear = QuantizedLinear.from_quantized(q)
+    linear = QuantizedLinear.from_quantized(q, cache="int8")
     assert linear.nbytes <= 2.5 * payload_size(method, 256, 1024)
     assert QuantizedLinear.from_quantized(q, cache="fp32").nbytes == 256 * 1024 * 4
 
 
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("cache", CACHES)
-def test_take_rows_decodes_only_the_requested_rows(method: str, cache: str) -> None:
+def test_take_rows_decodes_only_the_requested_rows(method: str, cache: str, kernels: str) -> None:
     q = quantize(np.random.default_rng(19).standard_normal((20, 70)).astype(np.float32), method)
-    linear = QuantizedLinear.from_quantized(q, cache=cache)
+    linear = QuantizedLinear.from_quantized(q, cache=cache, kernels=kernels)
     dense = q.dequantize()
     idx = np.array([[0, 19], [-1, 7]])
     assert np.array_equal(linear.take_rows(idx), dense[idx])
@@ -151,10 +175,11 @@ def test_take_rows_decodes_only_the_requested_rows(method: str, cache: str) -> N
         linear.take_rows([1.5])
 
 
-def test_concurrent_calls_use_separate_buffers() -> None:
+@pytest.mark.parametrize("threads", [1, 2])
+def test_concurrent_calls_use_separate_buffers(kernels: str, threads: int) -> None:
     rng = np.random.default_rng(20)
     q = quantize(rng.standard_normal((128, 512)).astype(np.float32), "q4")
-    linear = QuantizedLinear.from_quantized(q, tile_bytes=64 * 1024)
+    linear = QuantizedLinear.from_quantized(q, tile_bytes=64 * 1024, kernels=kernels, threads=threads)
     inputs = [rng.standard_normal((batch, 512)).astype(np.float32) for batch in (1, 9, 2, 33)]
     want = [linear(x) for x in inputs]
     errors: list[BaseException] = []
@@ -178,13 +203,15 @@ def test_matmul_convenience() -> None:
     rng = np.random.default_rng(21)
     q = quantize(rng.standard_normal((16, 64)).astype(np.float32), "k6")
     x = rng.standard_normal((4, 64)).astype(np.float32)
-    _assert_close(matmul(x, q), _reference(x, q.dequantize()))
+    assert np.array_equal(matmul(x, q), QuantizedLinear.from_quantized(q, cache="packed")(x))
     linear = QuantizedLinear.from_quantized(q, cache="fp32")
-    assert matmul(x, linear) is not None
+    assert np.array_equal(matmul(x, linear), linear(x))
 
 
 def test_bad_construction_and_inputs_are_typed_errors() -> None:
     q = quantize(np.ones((4, 64), np.float32), "q4")
+    with pytest.raises(MCFError, match="unknown kernels 'gpu'"):
+        QuantizedLinear(q.payload, "q4", 4, 64, kernels="gpu")  # type: ignore[arg-type]
     with pytest.raises(MCFError, match="unknown weight cache 'fp16'"):
         QuantizedLinear(q.payload, "q4", 4, 64, cache="fp16")  # type: ignore[arg-type]
     with pytest.raises(MCFError, match=r"payload for shape \(4, 64\) must be 192 bytes, got 191"):
@@ -206,27 +233,30 @@ def test_bad_construction_and_inputs_are_typed_errors() -> None:
 
 # --- parts of a matrix (what a process of a split model holds) ----------------------------------------------------
 @pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("cache", ["int8", "fp32"])
-def test_a_part_equals_the_same_part_of_the_dequantized_matrix(method: str, cache: str) -> None:
+@pytest.mark.parametrize("cache", ["int8", "fp32", "packed"])
+def test_a_part_equals_the_same_part_of_the_dequantized_matrix(method: str, cache: str, kernels: str) -> None:
+    if cache == "packed" and kernels == "numpy":
+        pytest.skip("the numpy packed path keeps whole matrices (refused in test_bad_parts_are_refused)")
     rng = np.random.default_rng(5)
     rows, cols = 70, 600  # the last block of a row is partial
     q = quantize(rng.standard_normal((rows, cols)).astype(np.float32), method)
     dense = q.dequantize()
     for row_range, col_range in (((3, 57), (32, cols)), ((0, rows), (0, 64)), ((50, 51), (64, 128)), (None, None)):
-        linear = QuantizedLinear.from_quantized(q, cache=cache, row_range=row_range, col_range=col_range)
+        linear = QuantizedLinear.from_quantized(
+            q, cache=cache, row_range=row_range, col_range=col_range, kernels=kernels
+        )
         (r0, r1), (c0, c1) = row_range or (0, rows), col_range or (0, cols)
         assert linear.shape == (r1 - r0, c1 - c0)
         part = dense[r0:r1, c0:c1]
         np.testing.assert_array_equal(linear.take_rows(np.arange(r1 - r0)), part)
         for batch in (1, 6):
-            x = rng.standard_normal((batch, c1 - c0)).astype(np.float32)
-            _assert_close(linear(x), _reference(x, part))
+            _check(linear, rng.standard_normal((batch, c1 - c0)).astype(np.float32), part)
 
 
 def test_an_int8_part_holds_only_its_share() -> None:
     q = quantize(np.random.default_rng(0).standard_normal((256, 512)).astype(np.float32), "q4")
-    whole = QuantizedLinear.from_quantized(q).nbytes
-    quarter = QuantizedLinear.from_quantized(q, row_range=(0, 128), col_range=(0, 256)).nbytes
+    whole = QuantizedLinear.from_quantized(q, cache="int8").nbytes
+    quarter = QuantizedLinear.from_quantized(q, cache="int8", row_range=(0, 128), col_range=(0, 256)).nbytes
     assert quarter == whole // 4
 
 
@@ -238,7 +268,7 @@ def test_an_int8_part_holds_only_its_share() -> None:
         ({"col_range": (1,)}, r"col_range must be two integers \(start, stop\), got \(1,\)"),
         ({"col_range": (16, 64)}, r"col_range \(16, 64\) of a q4 matrix must start on a 32-value block"),
         ({"col_range": (0, 40)}, r"must start on a 32-value block and end on one or at column 600"),
-        ({"row_range": (0, 8), "cache": "packed"}, r"needs the int8 or fp32 cache"),
+        ({"row_range": (0, 8), "cache": "packed", "kernels": "numpy"}, r"needs the int8 or fp32 cache, or the"),
     ],
 )
 def test_bad_parts_are_refused(options: dict[str, object], message: str) -> None:
@@ -249,8 +279,6 @@ def test_bad_parts_are_refused(options: dict[str, object], message: str) -> None
 
 @pytest.mark.parametrize("method", METHODS)
 def test_row_copies_cut_a_payload_that_decodes_to_those_rows(method: str) -> None:
-    from carton.mcf import payload_layout, row_copies
-
     rows, cols = 70, 600
     q = quantize(np.random.default_rng(2).standard_normal((rows, cols)).astype(np.float32), method)
     flat = np.frombuffer(q.payload, dtype=np.uint8)
@@ -264,13 +292,54 @@ def test_row_copies_cut_a_payload_that_decodes_to_those_rows(method: str) -> Non
 
 
 def test_row_copies_exact_offsets_and_the_int4_odd_column_case() -> None:
-    from carton.mcf import payload_layout, row_copies
-
     # q4 [4, 64]: 2 blocks a row; fp16 scales (4 bytes a row) at 0, codes (2 x 16 bytes a row) at 64.
     layout, copies = row_copies(payload_layout("q4", 4, 64), 1, 3) or (None, None)
     assert layout is not None and (layout.scales.offset, layout.data.offset, layout.size) == (0, 64, 128)
     assert copies == [(4, 8, 0), (64 + 32, 64, 64)]
     # int4 with 3 columns: row 1 starts in the middle of a byte.
     assert row_copies(payload_layout("int4", 4, 3), 1, 3) is None
-    with pytest.raises(MCFError, match=r"rows \(3, 3\) are not a non-empty range within 0..4"):
+    with pytest.raises(ValueError, match=r"rows \(3, 3\) are not a non-empty range within 0..4"):
         row_copies(payload_layout("q4", 4, 64), 3, 3)
+
+
+# --- choosing the path --------------------------------------------------------------------------------------------
+def test_the_environment_forces_the_numpy_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    q = quantize(np.random.default_rng(22).standard_normal((8, 64)).astype(np.float32), "q4")
+    monkeypatch.setenv("CARTON_MCF_KERNELS", "numpy")
+    linear = QuantizedLinear.from_quantized(q)
+    assert not linear.compiled and linear.cache == "int8"  # the numpy default cache
+    monkeypatch.setenv("CARTON_MCF_KERNELS", "fast")
+    with pytest.raises(MCFError, match="CARTON_MCF_KERNELS='fast' is not one of: auto, numba, numpy"):
+        QuantizedLinear.from_quantized(q)
+
+
+def test_requiring_numba_without_it_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from carton_runner_mcf import _packed
+
+    q = quantize(np.ones((8, 64), np.float32), "q4")
+    monkeypatch.setitem(_packed._loaded, "module", None)  # as after a failed `import numba`
+    with pytest.raises(MCFError, match=r"need numba: pip install 'carton\[mcf\]'"):
+        QuantizedLinear.from_quantized(q, kernels="numba")
+    assert not QuantizedLinear.from_quantized(q).compiled  # "auto" falls back
+
+
+def test_compiled_default_is_the_packed_cache(kernels: str) -> None:
+    q = quantize(np.ones((8, 64), np.float32), "k4")
+    linear = QuantizedLinear.from_quantized(q, kernels=kernels)
+    assert linear.cache == ("packed" if kernels == "numba" else "int8")
+    assert linear.compiled == (kernels == "numba")
+    assert ("compiled" in repr(linear)) == (kernels == "numba")
+
+
+def test_the_plugin_passes_kernel_settings_to_the_runner_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A runner process starts with a clean environment; the kernel choice and numba's settings reach it through
+    the runner spec (so CARTON_MCF_KERNELS=numpy forces the fallback out of process too)."""
+    from carton_runner_mcf import plugin
+
+    monkeypatch.setenv("CARTON_MCF_KERNELS", "numpy")
+    monkeypatch.setenv("NUMBA_NUM_THREADS", "2")
+    monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
+    (spec,) = plugin.carton_runners()
+    assert dict(spec.env) == {"CARTON_MCF_KERNELS": "numpy", "NUMBA_NUM_THREADS": "2"} | (
+        {"NUMBA_THREADING_LAYER": os.environ["NUMBA_THREADING_LAYER"]} if "NUMBA_THREADING_LAYER" in os.environ else {}
+    )

@@ -1,0 +1,229 @@
+"""The compiled path of `QuantizedLinear`'s ``packed`` cache: products straight from the payload as stored.
+
+`compiled_kernels` decides between this path and the numpy one: the environment variable ``CARTON_MCF_KERNELS``
+(``auto``, the default: numba when it imports; ``numba``: required; ``numpy``: never) or a ``kernels=`` argument.
+`CompiledPayload` holds nothing but a view of the payload (and, for a part of a split model, the part's position
+in it) and calls the kernels of `_compiled`:
+
+- batches up to ``gemv_max_batch`` rows: activations rounded to int16 per block, integer block products
+  (`_compiled.block_kernels`), rows split across numba's threads when ``threads > 1``;
+- larger batches (prefill): row tiles decoded to float32 in the kernels' lane order, multiplied by the
+  activations reordered the same way with BLAS; tiles split across a small thread pool;
+- int8 / int4 payloads (one tensor scale, rows not aligned to blocks): decoded tiles and BLAS for every batch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import threading
+import warnings
+from types import ModuleType
+from typing import Literal
+
+import numpy as np
+import numpy.typing as npt
+from carton.mcf import (
+    BLOCK,
+    MCFError,
+    PayloadLayout,
+    block_scales,
+    int_parameters,
+    parallel_ranges,
+)
+
+__all__ = ["KERNELS_ENV", "PREFILL_TILE_BYTES", "Activations", "CompiledPayload", "Kernels", "compiled_kernels"]
+
+Kernels = Literal["auto", "numba", "numpy"]
+#: Environment variable choosing the kernels when ``kernels="auto"``: ``auto``, ``numba`` or ``numpy``.
+KERNELS_ENV = "CARTON_MCF_KERNELS"
+_CHOICES = ("auto", "numba", "numpy")
+# Rows below which a part is not worth a thread of its own (the hand-off costs more than the rows).
+_MIN_ROWS_PER_PART = 64
+#: Work buffer of the large-batch path per thread (float32 rows decoded for BLAS): the whole of a small model's
+#: matrix, so that one sgemm call does a product (tile-sized calls cost more than the decoding they save).
+PREFILL_TILE_BYTES = 8 << 20
+
+_loaded: dict[str, ModuleType | None] = {}
+_parallel_broken = False
+_local = threading.local()
+
+
+def compiled_kernels(choice: Kernels | str = "auto") -> ModuleType | None:
+    """The compiled kernels module, or None when the numpy path is to be used.
+
+    ``"auto"`` reads ``CARTON_MCF_KERNELS`` (``"auto"`` there too: numba if it can be imported). ``"numba"``
+    without numba installed is an `MCFError` saying how to install it.
+    """
+    if choice not in _CHOICES:
+        raise MCFError(f"unknown kernels {choice!r} (expected one of: {', '.join(_CHOICES)})")
+    if choice == "auto":
+        choice = os.environ.get(KERNELS_ENV, "auto").strip().lower() or "auto"
+        if choice not in _CHOICES:
+            raise MCFError(f"{KERNELS_ENV}={choice!r} is not one of: {', '.join(_CHOICES)}")
+    if choice == "numpy":
+        return None
+    if "module" not in _loaded:
+        try:
+            _loaded["module"] = importlib.import_module("carton_runner_mcf._compiled")
+        except ImportError:
+            _loaded["module"] = None
+    module = _loaded["module"]
+    if module is None and choice == "numba":
+        raise MCFError("the compiled mcf kernels need numba: pip install 'carton[mcf]'")
+    return module
+
+
+Activations = tuple[npt.NDArray[np.int16], npt.NDArray[np.float32]]
+
+
+def _activation_buffers(m: int, width: int) -> Activations:
+    """This thread's int16 activations ``[m, width]`` and block scales ``[m, width / 32]`` (reused across calls;
+    no buffer escapes a call)."""
+    buffers: dict[tuple[int, int], Activations] | None = getattr(_local, "activations", None)
+    if buffers is None:
+        buffers = _local.activations = {}
+    found = buffers.get((m, width))
+    if found is None:
+        if len(buffers) > 64:  # many shapes (prefill chunks of every length): start over
+            buffers.clear()
+        blocks = (m, width // BLOCK)
+        found = buffers[(m, width)] = (np.empty((m, width), np.int16), np.empty(blocks, np.float32))
+    return found
+
+
+def _tile_buffer(size: int) -> npt.NDArray[np.float32]:
+    """This thread's float32 work buffer of at least ``size`` values (reallocated only to grow)."""
+    buf: npt.NDArray[np.float32] | None = getattr(_local, "tile", None)
+    if buf is None or buf.size < size:
+        buf = _local.tile = np.empty(size, dtype=np.float32)
+    return buf
+
+
+class CompiledPayload:
+    """Rows ``rows`` and columns ``cols`` (half-open ranges) of the tensor whose payload ``flat`` has ``layout``,
+    multiplied by the compiled kernels. Columns of a q* / k* part start on a block (and end on one or at the last
+    column); the caller checks that."""
+
+    def __init__(
+        self,
+        kernels: ModuleType,
+        flat: npt.NDArray[np.uint8],
+        layout: PayloadLayout,
+        rows: tuple[int, int],
+        cols: tuple[int, int],
+    ) -> None:
+        self._k = kernels
+        self._flat = flat
+        self.layout = layout
+        (r0, r1), (c0, c1) = rows, cols
+        self.rows, self.cols = r1 - r0, c1 - c0
+        self._r0, self._c0 = r0, c0
+        self._int = layout.method.family == "int"
+        if self._int:
+            self._scale, self._zero = int_parameters(flat, layout)
+            self.width = self.cols
+            return
+        block_scales(flat, layout)  # validates every scale and sub-scale once, as the other caches do
+        blocks = -(-c1 // BLOCK) - c0 // BLOCK
+        sub = layout.sub_scales.offset if layout.sub_scales is not None else 0
+        self._meta = np.array(
+            [layout.data.offset, layout.scales.offset, sub, layout.blocks_per_row, layout.supers_per_row, r0,
+             c0 // BLOCK, blocks],
+            dtype=np.int64,
+        )  # fmt: skip
+        self.width = blocks * BLOCK
+        self._order = kernels.LANE_ORDERS[layout.bits]
+        self._kernels = kernels.block_kernels(layout.bits, layout.method.family == "k")
+
+    @property
+    def nbytes(self) -> int:
+        return int(self._flat.nbytes)
+
+    # --- products ------------------------------------------------------------------------------------------------
+    def matmul(
+        self, x2: npt.NDArray[np.float32], *, threads: int, gemv_max_batch: int, tile_bytes: int | None
+    ) -> npt.NDArray[np.float32]:
+        """``x2 [m, cols] @ W.T`` as float32 ``[m, rows]`` (``tile_bytes``: the large-batch work buffer, by
+        default `PREFILL_TILE_BYTES`)."""
+        m = x2.shape[0]
+        if not self._int and m <= gemv_max_batch:
+            return self._blockwise(x2, threads)
+        return self._tiled(x2, threads, PREFILL_TILE_BYTES if tile_bytes is None else tile_bytes)
+
+    def _blockwise(self, x2: npt.NDArray[np.float32], threads: int) -> npt.NDArray[np.float32]:
+        global _parallel_broken
+        xq, xs = _activation_buffers(x2.shape[0], self.width)
+        out = np.empty((x2.shape[0], self.rows), dtype=np.float32)
+        parts = min(threads, self._k.MAX_THREADS, self.rows // _MIN_ROWS_PER_PART)
+        if parts > 1 and not _parallel_broken:
+            try:
+                self._kernels.matmul_parallel(self._flat, self._meta, x2, self._order, xq, xs, out, parts)
+                return out
+            except ValueError as exc:  # numba found no thread-safe threading layer (tbb or OpenMP)
+                if "threading layer" not in str(exc):
+                    raise
+                _parallel_broken = True
+                warnings.warn(f"mcf kernels run on one thread: {exc}", RuntimeWarning, stacklevel=2)
+        self._kernels.matmul(self._flat, self._meta, x2, self._order, xq, xs, out)
+        return out
+
+    def _tiled(self, x2: npt.NDArray[np.float32], threads: int, tile_bytes: int) -> npt.NDArray[np.float32]:
+        m = x2.shape[0]
+        if self._int:
+            x_lanes = x2
+        else:  # the columns of each block in the kernels' lane order, padding zero
+            padded = np.zeros((m, self.width), dtype=np.float32)
+            padded[:, : self.cols] = x2
+            x_lanes = padded.reshape(m, -1, BLOCK)[:, :, self._order].reshape(m, self.width)
+        out = np.empty((m, self.rows), dtype=np.float32)
+        step = max(1, tile_bytes // (4 * self.width))
+
+        def work(first: int, last: int) -> None:
+            rows = min(step, last - first)
+            tile = _tile_buffer(rows * self.width)
+            for t0 in range(first, last, step):
+                t1 = min(last, t0 + step)
+                part = tile[: (t1 - t0) * self.width].reshape(t1 - t0, self.width)
+                self.decode(t0, t1, part)
+                if t1 - t0 == self.rows:
+                    np.matmul(x_lanes, part.T, out=out)
+                else:
+                    out[:, t0:t1] = x_lanes @ part.T
+
+        parts = min(threads, max(1, self.rows // _MIN_ROWS_PER_PART))
+        parallel_ranges(self.rows, parts, 16, work)
+        return out
+
+    def decode(self, first: int, last: int, out: npt.NDArray[np.float32]) -> None:
+        """Rows ``first..last`` of the part as float32 ``[last - first, width]`` (q* / k*: lane order)."""
+        if self._int:
+            first_code = self._r0 * self.layout.cols + self._c0
+            self._k.decode_int_rows(
+                self._flat,
+                self.layout.data.offset,
+                first_code,
+                self.layout.cols,
+                self.layout.bits,
+                self._scale,
+                self._zero,
+                out[:, : self.cols],
+                first,
+                last,
+            )
+            return
+        self._kernels.decode(self._flat, self._meta, out, first, last)
+
+    def take_rows(self, indices: npt.NDArray[np.intp]) -> npt.NDArray[np.float32]:
+        """Dequantized rows ``indices`` of the part, ``[len(indices), cols]``."""
+        out = np.empty((indices.size, self.cols), dtype=np.float32)
+        row = np.empty((1, self.width), dtype=np.float32)
+        for i, r in enumerate(indices):
+            self.decode(int(r), int(r) + 1, row)
+            if self._int:
+                out[i] = row[0]
+            else:
+                natural = np.empty(self.width, dtype=np.float32)
+                natural.reshape(-1, BLOCK)[:, self._order] = row.reshape(-1, BLOCK)
+                out[i] = natural[: self.cols]
+        return out
