@@ -32,8 +32,15 @@ from ._repository import ModelRepository, ServedVersion
 from ._stats import ServerMetrics
 
 __all__ = [
-    "EXTENSIONS", "Forward", "HttpApp", "ServerControl", "model_config_json", "model_metadata_json", "split_path",
-]  # fmt: skip
+    "EXTENSIONS",
+    "Forward",
+    "HttpApp",
+    "RepositoryControl",
+    "ServerControl",
+    "model_config_json",
+    "model_metadata_json",
+    "split_path",
+]
 
 _log = logging.getLogger("carton.server")
 
@@ -129,7 +136,7 @@ class ServerControl(Protocol):
 Forward = Callable[[HttpRequest, "str | None"], Awaitable[HttpResponse]]
 
 
-class _RepositoryControl:
+class RepositoryControl:
     """`ServerControl` over the repository of this process."""
 
     __slots__ = ("repository",)
@@ -181,7 +188,7 @@ class HttpApp:
         if control is None:
             if repository is None:
                 raise ValueError("HttpApp needs a repository or a control")
-            control = _RepositoryControl(repository)
+            control = RepositoryControl(repository)
         if repository is None and forward is None:
             raise ValueError("HttpApp without a repository must forward model requests")
         self.repository = repository
