@@ -1,0 +1,74 @@
+"""Helpers of the Ray tests: the three models and their in-process reference, free ports, and replica and runner
+processes found in /proc."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import numpy as np
+from onnx import TensorProto, helper
+
+#: Each model adds its own constant to a [n, 4] FP32 input (so a wrong route gives a wrong answer).
+CONSTANTS = {"alpha": 1.5, "beta": -2.25, "gamma": 1e-3}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def onnx_model(constant: float) -> object:
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["x", "c"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 4])],
+        initializer=[helper.make_tensor("c", TensorProto.FLOAT, [], [constant])],
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+def expected(name: str, x: np.ndarray) -> np.ndarray:
+    """What onnxruntime computes in this process for model `name` (the reference the served results must equal)."""
+    import onnxruntime
+
+    session = onnxruntime.InferenceSession(onnx_model(CONSTANTS[name]).SerializeToString())  # type: ignore[attr-defined]
+    return np.asarray(session.run(["y"], {"x": x})[0])
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _parent(pid: int) -> int:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def pids() -> list[int]:
+    return [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
+
+
+def replica_pids(deployment: str = "CartonModels") -> list[int]:
+    """Processes of the deployment's replicas (Ray titles them ``ray::ServeReplica:<app>:<deployment>``)."""
+    return [pid for pid in pids() if f":{deployment}" in _cmdline(pid) and "ServeReplica" in _cmdline(pid)]
+
+
+def runner_pids(parent: int | None = None) -> list[int]:
+    """carton runner processes (``python -m carton_protocol ...``), optionally only the children of `parent`."""
+    found = [pid for pid in pids() if "carton_protocol" in _cmdline(pid) and "pytest" not in _cmdline(pid)]
+    return [pid for pid in found if parent is None or _parent(pid) == parent]
+
+
+def parent_of(pid: int) -> int:
+    return _parent(pid)
