@@ -33,6 +33,7 @@ def test_arguments_are_parsed_and_checked(tmp_path: Path) -> None:
     [
         ({"num_replicas": "two"}, "num_replicas", "'two' is not a whole number"),
         ({"num_replicas": "0"}, "num_replicas", "must be at least 1"),
+        ({"ingress_replicas": "1.5"}, "ingress_replicas", "'1.5' is not a whole number"),
         ({"replicas": "2"}, "replicas", "unknown key"),
         ({"max_models_per_replica": "-1"}, "max_models_per_replica", "must be at least 1"),
         ({"memory": "lots"}, "memory", "is not a size"),

@@ -35,6 +35,10 @@ def build_app(args: Mapping[str, object]) -> Application:
         **options.replica_options(),
     ).bind(options, reports)
     ingress = serve.deployment(
-        CartonIngress, name="CartonIngress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024
+        CartonIngress,
+        name="CartonIngress",
+        num_replicas=options.ingress_replicas,
+        ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=1024,
     )
     return ingress.bind(options, models, reports)

@@ -36,6 +36,8 @@ class AppOptions:
     #: Serve autoscaling between these bounds (either set turns autoscaling on).
     min_replicas: int | None = None
     max_replicas: int | None = None
+    #: Replicas of the ingress (each forwards requests to the model replicas; Serve runs a proxy on every node).
+    ingress_replicas: int = 1
     #: Autoscaling's target of requests in flight per replica.
     target_ongoing_requests: float = 2.0
     #: Models a replica keeps loaded; a replica loading one more unloads its least recently used model.
@@ -154,6 +156,7 @@ _PARSERS: dict[str, Callable[..., Any]] = {
     "num_replicas": _with_minimum(_integer, minimum=1),
     "min_replicas": _with_minimum(_integer, minimum=0),
     "max_replicas": _with_minimum(_integer, minimum=1),
+    "ingress_replicas": _with_minimum(_integer, minimum=1),
     "target_ongoing_requests": _number,
     "max_models_per_replica": _with_minimum(_integer, minimum=1),
     "num_cpus": _with_minimum(_number, positive=False),
