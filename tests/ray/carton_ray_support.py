@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -64,10 +65,19 @@ def replica_pids(deployment: str = "CartonModels") -> list[int]:
     return [pid for pid in pids() if f":{deployment}" in _cmdline(pid) and "ServeReplica" in _cmdline(pid)]
 
 
-def runner_pids(parent: int | None = None) -> list[int]:
-    """carton runner processes (``python -m carton_protocol ...``), optionally only the children of `parent`."""
-    found = [pid for pid in pids() if "carton_protocol" in _cmdline(pid) and "pytest" not in _cmdline(pid)]
-    return [pid for pid in found if parent is None or _parent(pid) == parent]
+def runner_pids(hosts: Iterable[int], *, direct: bool = False) -> list[int]:
+    """carton runner processes (``python -m carton_protocol ... --host-pid PID``) started by the processes `hosts`
+    (whether or not those still run: a runner outliving its host is what the tests look for). `direct`: only the
+    hosts' own children, one per runner (a runner's own helper processes carry the same command line)."""
+    wanted = {str(pid) for pid in hosts}
+    found = []
+    for pid in pids():
+        words = _cmdline(pid).split()
+        if "carton_protocol" in words and "--host-pid" in words:
+            host = words[words.index("--host-pid") + 1] if words.index("--host-pid") + 1 < len(words) else ""
+            if host in wanted and (not direct or str(_parent(pid)) == host):
+                found.append(pid)
+    return found
 
 
 def parent_of(pid: int) -> int:

@@ -57,8 +57,13 @@ def test_the_repository_is_required_and_must_be_a_folder(tmp_path: Path) -> None
         build_app({"num_replicas": "1"})
     with pytest.raises(BuildAppError, match="is not a folder"):
         build_app({"repository": str(tmp_path / "missing")})
-    with pytest.raises(BuildAppError, match="https:// repositories are not supported"):
-        build_app({"repository": "https://example.invalid/models"})
+    with pytest.raises(BuildAppError, match="s3:// repositories are not supported"):
+        build_app({"repository": "s3://bucket/models"})
+    with pytest.raises(BuildAppError, match="is not a URL of a folder of cartons"):
+        build_app({"repository": "https://example.invalid/models?list=1"})
+    assert parse_app_args({"repository": "https://example.invalid/models/"}).repository == (
+        "https://example.invalid/models"
+    )
 
 
 def test_merged_index_takes_each_versions_best_state_across_replicas() -> None:

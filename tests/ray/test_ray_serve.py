@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import threading
 import time
@@ -31,6 +32,7 @@ def app(ray_cluster: object, ray_repository: Path) -> Iterator[tuple[int, int]]:
         http_options={"host": "127.0.0.1", "port": http_port},
         grpc_options={"port": grpc_port, "grpc_servicer_functions": [servicer]},
     )
+    hosts: list[int] = []
     try:
         application = carton.ray.build_app(
             {"repository": str(ray_repository), "num_replicas": "2", "max_models_per_replica": "2"}
@@ -38,9 +40,10 @@ def app(ray_cluster: object, ray_repository: Path) -> Iterator[tuple[int, int]]:
         serve.run(application, name="carton", route_prefix="/")
         yield http_port, grpc_port
     finally:
+        hosts = replica_pids()
         serve.shutdown()
     # Serve's shutdown ends the replicas and so their runners.
-    _wait_until(lambda: not replica_pids() and not runner_pids(), 60)
+    _wait_until(lambda: not replica_pids() and not runner_pids(hosts), 60)
 
 
 def _wait_until(condition: object, seconds: float) -> None:
@@ -83,9 +86,7 @@ def test_interleaved_requests_to_three_models_are_bit_identical(app: tuple[int, 
     assert len(replicas) == 2
     assert parent_of(replicas[0]) != parent_of(replicas[1])
     for replica in replicas:
-        loaded = [e for e in client.get_model_repository_index() if e.get("state") == "READY"]
-        assert loaded
-        assert len(runner_pids(replica)) <= 2 + 1  # two models' runners and at most one idle spare
+        assert len(runner_pids([replica], direct=True)) <= 2 + 1  # two models' runners and at most one idle spare
     index = {e["name"]: e for e in client.get_model_repository_index() if "version" in e or "state" in e}
     assert {"alpha", "beta", "gamma"} <= {name for name, e in index.items() if e.get("state") == "READY"}
 
@@ -165,6 +166,18 @@ def test_corrupt_carton_is_unavailable_with_its_reason_and_the_others_serve(
         client.unload_model("alpha")
     with pytest.raises(InferenceServerException, match="not supported on Ray Serve"):
         client.load_model("alpha", config="{}")
+    # Fixed in the repository, the model loads again on its next request (on every replica that had it failed) and
+    # serves; the index says so.
+    broken = ray_repository / "broken" / "1" / "model.carton"
+    original = broken.read_bytes()
+    try:
+        shutil.copy(ray_repository / "gamma" / "1" / "model.carton", broken)
+        for _ in range(4):
+            np.testing.assert_array_equal(_infer(client, "broken", x), expected("gamma", x))
+        client.load_model("broken")
+        assert {"name": "broken", "version": "1", "state": "READY"} in client.get_model_repository_index()
+    finally:
+        broken.write_bytes(original)
 
 
 def test_killed_replica_fails_cleanly_and_leaves_no_runner(app: tuple[int, int]) -> None:
@@ -176,8 +189,8 @@ def test_killed_replica_fails_cleanly_and_leaves_no_runner(app: tuple[int, int])
     client = httpclient.InferenceServerClient(f"127.0.0.1:{app[0]}", network_timeout=60)
     for name in CONSTANTS:  # every replica holds something
         _infer(client, name, _x(0))
-    victim = next(pid for pid in replica_pids() if runner_pids(pid))
-    runners = runner_pids(victim)
+    victim = next(pid for pid in replica_pids() if runner_pids([pid]))
+    runners = runner_pids([victim])
     outcomes: list[str] = []
     stop = threading.Event()
 
@@ -223,3 +236,44 @@ def test_killed_replica_fails_cleanly_and_leaves_no_runner(app: tuple[int, int])
     _wait_until(lambda: len(replica_pids()) == 2, 120)
     with contextlib.suppress(Exception):
         client.close()
+
+
+def test_a_url_repository_serves_the_cartons_under_it(
+    app: tuple[int, int], ray_repository: Path, tmp_path: Path
+) -> None:
+    """``repository=http://...``: model ``m`` is ``<url>/m.carton``, fetched by the replica that loads it (served
+    here by a plain HTTP server on 127.0.0.1, which ignores Range requests). Redeploys the module's application."""
+    import functools
+    import http.server
+
+    import carton.ray
+    import tritonclient.http as httpclient
+    from ray import serve
+    from tritonclient.utils import InferenceServerException
+
+    folder = tmp_path / "www"
+    folder.mkdir()
+    for name in ("alpha", "beta"):
+        shutil.copy(ray_repository / name / "1" / "model.carton", folder / f"{name}.carton")
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(folder)))
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}/"
+        serve.run(carton.ray.build_app({"repository": url, "num_replicas": "2"}), name="carton", route_prefix="/")
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{app[0]}", network_timeout=120)
+        for name in ("alpha", "beta", "alpha"):
+            x = _x(5)
+            np.testing.assert_array_equal(_infer(client, name, x), expected(name, x))
+        with pytest.raises(InferenceServerException, match="'gamma' is not found"):
+            _infer(client, "gamma", _x(5))
+        names = {e["name"]: e.get("state") for e in client.get_model_repository_index()}
+        assert names == {"alpha": "READY", "beta": "READY"}
+    finally:
+        httpd.shutdown()
+        httpd.server_close()

@@ -32,6 +32,7 @@ def test_serve_run_answers_and_sigint_leaves_nothing_behind(ray_cluster: object,
          f"repository={ray_repository}", "max_models_per_replica=1"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"},
     )  # fmt: skip
+    hosts: list[int] = []
     try:
         client = httpclient.InferenceServerClient(f"127.0.0.1:{port}", network_timeout=120)
         deadline = time.monotonic() + 240
@@ -48,7 +49,8 @@ def test_serve_run_answers_and_sigint_leaves_nothing_behind(ray_cluster: object,
         tensor = httpclient.InferInput("x", [2, 4], "FP32")
         tensor.set_data_from_numpy(x)
         np.testing.assert_array_equal(client.infer("beta", [tensor]).as_numpy("y"), expected("beta", x))
-        assert runner_pids()
+        hosts = replica_pids()
+        assert runner_pids(hosts)
         process.send_signal(signal.SIGINT)
         assert process.wait(120) is not None
     finally:
@@ -56,6 +58,6 @@ def test_serve_run_answers_and_sigint_leaves_nothing_behind(ray_cluster: object,
             process.kill()
             process.wait()
     deadline = time.monotonic() + 60
-    while replica_pids() or replica_pids("CartonIngress") or runner_pids():
-        assert time.monotonic() < deadline, (replica_pids(), runner_pids())
+    while replica_pids() or replica_pids("CartonIngress") or runner_pids(hosts):
+        assert time.monotonic() < deadline, (replica_pids(), runner_pids(hosts))
         time.sleep(0.2)

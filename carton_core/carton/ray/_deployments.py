@@ -14,16 +14,24 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import logging
+import os
 import shutil
+import tempfile
+from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
 
+import httpx
 from ray import serve
 
 from ..errors import BadRequest, ModelUnavailable, RepositoryError, ServerError
 from ..server._grpc import GrpcService, status_of
-from ..server._handle import load_carton
+from ..server._handle import LoadSpec, ModelHandle, ModelLoader, load_carton
 from ..server._http import HttpApp
 from ..server._http_messages import HttpRequest, HttpResponse, collect_body
 from ..server._layout import list_models, make_upload_root, sweep_stale_upload_roots, validate_model_name
@@ -75,14 +83,44 @@ def _refusal(status: int, message: str) -> ServerError:
     return error
 
 
+def files_stamp(root: Path, name: str) -> tuple[tuple[str, int, int], ...]:
+    """Names, sizes and modification times of model `name`'s files in the repository (changes when it is fixed)."""
+    found: list[tuple[str, int, int]] = []
+    for path in (root / f"{name}.carton", root / name):
+        if path.is_file():
+            found.append((path.name, path.stat().st_size, path.stat().st_mtime_ns))
+        for folder, _, files in os.walk(path):
+            for file in files:
+                with contextlib.suppress(OSError):
+                    status = Path(folder, file).stat()
+                    found.append((os.path.relpath(Path(folder, file), root), status.st_size, status.st_mtime_ns))
+    return tuple(sorted(found))
+
+
+def _from_url(loader: ModelLoader, root: Path, url: str) -> ModelLoader:
+    """`loader` for the placeholders `root/<name>.carton` of a URL repository: it loads ``<url>/<name>.carton``."""
+
+    def load(spec: LoadSpec) -> ModelHandle:
+        name = Path(spec.path).relative_to(root).as_posix()
+        return loader(replace(spec, path=f"{url}/{quote(name, safe='')}"))
+
+    return load
+
+
 class _Held:
     """A model in a replica's ``serve.multiplexed`` cache. Serve awaits ``__del__`` when it evicts the model; it is an
-    instance attribute, so the garbage collector never calls it (the unload is explicit, not left to GC timing)."""
+    instance attribute, so the garbage collector never calls it (the unload is explicit, not left to GC timing).
 
-    def __init__(self, replica: CartonModels, name: str, error: ServerError | None) -> None:
+    A model whose load failed stays here as failed, with the repository files it failed with (`stamp`): its requests
+    get `carton serve`'s answers for a failed model without a new load each, until its files change, a load request
+    asks again, or the entry is evicted."""
+
+    def __init__(self, replica: CartonModels, name: str) -> None:
         self.name = name
-        self.error = error
+        self.error: ServerError | None = None
+        self.stamp: tuple[tuple[str, int, int], ...] = ()
         self.fresh = True
+        self.lock = asyncio.Lock()
         self._replica = replica
         self.__del__ = self.unload
 
@@ -111,10 +149,20 @@ class CartonModels:
         for stale in sweep_stale_upload_roots():
             _log.info("removed the upload folder of a replica that is no longer running: %s", stale)
         self._upload_root = make_upload_root()
+        loader: ModelLoader = functools.partial(load_carton, limits=limits) if limited else load_carton
+        self._url: str | None = None
+        if isinstance(options.repository, str):
+            # A URL repository: model `m` is `<url>/m.carton`. The replica's repository is a private folder of empty
+            # placeholders `m.carton`, one per model found at the URL, which the loader turns back into URLs.
+            self._url = options.repository
+            root = Path(tempfile.mkdtemp(prefix="carton-ray-url-", dir=self._upload_root))
+            loader = _from_url(loader, root, self._url)
+        else:
+            root = options.repository
         metrics = ServerMetrics()
         self.repository = ModelRepository(
-            options.repository,
-            loader=functools.partial(load_carton, limits=limits) if limited else load_carton,
+            root,
+            loader=loader,
             metrics=metrics,
             upload_root=self._upload_root,
             options=RepositoryOptions(
@@ -142,16 +190,23 @@ class CartonModels:
 
     # ---- models --------------------------------------------------------------------------------------------------
     async def _load(self, name: str) -> _Held:
-        error: ServerError | None = None
+        held = _Held(self, name)
+        await self._attempt(held)
+        return held
+
+    async def _attempt(self, held: _Held) -> None:
+        """Load (or reload) `held`'s model, recording the outcome and the files it was loaded from."""
+        held.stamp = files_stamp(self.repository.root, held.name)
         try:
-            await self.repository.load(name)
+            await self.repository.load(held.name)
+            held.error = None
         except ServerError as exc:
             # The repository keeps the failure and its reason: this replica answers the model's requests from it as
-            # `carton serve` does (404 for inference, not ready), until the entry is evicted or a load retries it.
-            _log.warning("model %r failed to load: %s", name, exc)
-            error = exc
-        await self._report()
-        return _Held(self, name, error)
+            # `carton serve` does (404 for inference, not ready).
+            _log.warning("model %r failed to load: %s", held.name, exc)
+            held.error = exc
+        finally:
+            await self._report()
 
     async def evict(self, name: str) -> None:
         """Unload `name` and wait until its runners are closed (the multiplexed cache is making room)."""
@@ -159,18 +214,44 @@ class CartonModels:
         await self.repository.settle()
         await self._report()
 
-    async def _hold(self) -> _Held | None:
+    async def _hold(self, *, loading: bool = False) -> _Held | None:
+        """The cache entry of the request's model, loaded if this replica does not hold it (None: no such model).
+
+        `fresh` stays true only for a load request that caused the load, which then answers with its outcome."""
         name = serve.get_multiplexed_model_id()
-        if not name or not self._known(name):
+        if not name or not await self._known(name):
             return None
         held: _Held = await self._model(name)
+        if not loading:
+            held.fresh = False
+        if held.error is not None and files_stamp(self.repository.root, name) != held.stamp:
+            async with held.lock:  # one retry for the requests that find the files changed together
+                if held.error is not None and files_stamp(self.repository.root, name) != held.stamp:
+                    await self._attempt(held)
         return held
 
-    def _known(self, name: str) -> bool:
+    async def _known(self, name: str) -> bool:
+        """Whether the repository holds model `name` (at a URL repository: whether ``<url>/<name>.carton`` exists)."""
         try:
-            return self.repository.exists(validate_model_name(name))
+            validate_model_name(name)
         except BadRequest:
             return False
+        if self.repository.exists(name):
+            return True
+        if self._url is None:
+            return False
+        url = f"{self._url}/{quote(name, safe='')}.carton"
+        try:
+            async with httpx.AsyncClient(timeout=30, follow_redirects=True) as client:
+                status = (await client.head(url)).status_code
+        except httpx.HTTPError as exc:
+            raise ModelUnavailable(f"the model repository did not answer for {name!r} ({type(exc).__name__})") from exc
+        if status in (404, 410):
+            return False
+        if status != 200:
+            raise ModelUnavailable(f"the model repository answered {status} for {name!r}")
+        (self.repository.root / f"{name}.carton").touch()
+        return True
 
     async def _report(self) -> None:
         try:
@@ -183,17 +264,21 @@ class CartonModels:
         self, method: str, raw_path: bytes, headers: list[tuple[bytes, bytes]], body: bytes
     ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
         """Answer an HTTP request about the model named by the request's multiplexed model id (if any)."""
-        await self._hold()
-        # Nothing awaits between the model's lookup in the cache and the request taking hold of its version, so an
-        # eviction cannot come in between (it waits for the request to finish).
-        request = HttpRequest(method=method, raw_path=raw_path, headers=dict(headers), body=body)
-        response = await self._http.handle(request)
+        try:
+            await self._hold()
+        except ServerError as exc:
+            response = self._http.refusal(exc)
+        else:
+            # Nothing awaits between the model's lookup in the cache and the request taking hold of its version, so
+            # an eviction cannot come in between (it waits for the request to finish).
+            request = HttpRequest(method=method, raw_path=raw_path, headers=dict(headers), body=body)
+            response = await self._http.handle(request)
         return response.status, response.headers, response.body()
 
     async def grpc(self, method: str, payload: bytes) -> tuple[str, str, bytes]:
         """Run a unary gRPC method; returns the status code's name, its details and the serialized response."""
-        await self._hold()
         try:
+            await self._hold()
             request = message_class(f"{method}Request").FromString(payload)
             response = await self._grpc_methods[method](request)
         except ServerError as exc:
@@ -204,19 +289,15 @@ class CartonModels:
         """A repository load request: the first load on this replica, or a reload (which retries a failed load)."""
         name = serve.get_multiplexed_model_id()
         try:
-            if not self._known(name):
+            if not await self._known(name):
                 await self.repository.load(name)  # refused with carton serve's reason (no such model, bad name)
-            held = await self._hold()
+            held = await self._hold(loading=True)
             assert held is not None
-            if held.fresh:
-                held.fresh = False
-                if held.error is not None:
-                    raise held.error
-            else:
-                try:
-                    await self.repository.load(name)
-                finally:
-                    await self._report()
+            if not held.fresh:
+                await self._attempt(held)
+            held.fresh = False
+            if held.error is not None:
+                raise held.error
         except ServerError as exc:
             return exc.http_status, str(exc)
         return None
@@ -244,7 +325,9 @@ class _ClusterControl:
 
     async def _merged(self, *, ready_only: bool) -> tuple[int, list[dict[str, str]]]:
         live: Mapping[str, list[dict[str, str]]] = await self._reports.live.remote()
-        names = list_models(self._options.repository)
+        repository = self._options.repository
+        # A URL cannot be listed: the index of a URL repository names the models the replicas have tried.
+        names = list_models(repository) if isinstance(repository, Path) else []
         return len(live), merge_index(names, live.values(), ready_only=ready_only)
 
     async def is_ready(self) -> bool:

@@ -29,8 +29,9 @@ class BuildAppError(CartonError, ValueError):
 class AppOptions:
     """What `build_app` deploys. Every field is a ``build_app`` key of the same name."""
 
-    #: The model repository (the layout of ``carton serve``), a folder every node can read at the same path.
-    repository: Path
+    #: The model repository: a folder every node can read at the same path (``carton serve``'s layout), or the
+    #: http(s) URL under which model ``m`` is the packed carton ``<url>/m.carton`` (a string, without a final ``/``).
+    repository: Path | str
     #: A fixed number of model replicas; mutually exclusive with ``min_replicas``/``max_replicas``.
     num_replicas: int | None = None
     #: Serve autoscaling between these bounds (either set turns autoscaling on).
@@ -126,14 +127,18 @@ def _choice(*choices: str) -> Callable[..., str]:
     return parse
 
 
-def _repository(text: str, *, key: str) -> Path:
+def _repository(text: str, *, key: str) -> Path | str:
     if "://" in text:
         parts = urlsplit(text)
+        if parts.scheme in ("http", "https"):
+            if not parts.netloc or parts.query or parts.fragment:
+                raise BuildAppError(key, f"{text!r} is not a URL of a folder of cartons (http(s)://host/path)")
+            return text.rstrip("/")
         if parts.scheme != "file":
             raise BuildAppError(
                 key,
                 f"{parts.scheme}:// repositories are not supported: give a folder every node can read at the same "
-                "path (a shared or synchronized file system), or a file:// URL of one",
+                "path (a shared or mounted file system), a file:// URL of one, or an http(s):// URL of cartons",
             )
         text = unquote(parts.path)
     path = Path(text).expanduser()

@@ -217,9 +217,13 @@ class HttpApp:
         except _HttpError as exc:
             return self._reject(exc.status, str(exc))
         except ServerError as exc:
-            # Composed by the server from names, numbers and already-scrubbed foreign text (`translate_error`, the
-            # repository's load errors): scrubbing again would mangle names the client chose, such as 'file:/etc/x'.
-            return self._reject(exc.http_status, str(exc))
+            return self.refusal(exc)
+
+    def refusal(self, exc: ServerError) -> HttpResponse:
+        """The answer to a refused request: its status and ``{"error": message}``."""
+        # Composed by the server from names, numbers and already-scrubbed foreign text (`translate_error`, the
+        # repository's load errors): scrubbing again would mangle names the client chose, such as 'file:/etc/x'.
+        return self._reject(exc.http_status, str(exc))
 
     def _reject(self, status: int, message: str) -> HttpResponse:
         self.metrics.rejected.labels(str(status)).inc()
