@@ -80,5 +80,14 @@ def runner_pids(hosts: Iterable[int], *, direct: bool = False) -> list[int]:
     return found
 
 
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, dead and not yet reaped by its new parent, does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
 def parent_of(pid: int) -> int:
     return _parent(pid)

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from carton_ray_support import CONSTANTS, expected, free_port, parent_of, replica_pids, runner_pids
+from carton_ray_support import CONSTANTS, alive, expected, free_port, parent_of, replica_pids, runner_pids
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -212,7 +212,7 @@ def test_killed_replica_fails_cleanly_and_leaves_no_runner(app: tuple[int, int])
     try:
         time.sleep(1.0)
         os.kill(victim, signal.SIGKILL)
-        _wait_until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in runners), 30)
+        _wait_until(lambda: not any(alive(pid) for pid in runners), 30)
         time.sleep(3.0)
     finally:
         stop.set()
@@ -236,6 +236,38 @@ def test_killed_replica_fails_cleanly_and_leaves_no_runner(app: tuple[int, int])
     _wait_until(lambda: len(replica_pids()) == 2, 120)
     with contextlib.suppress(Exception):
         client.close()
+
+
+def test_ray_kill_of_a_replica_actor_leaves_no_runner(app: tuple[int, int]) -> None:
+    """`ray.kill` of a model replica's actor: the process goes, its runners with it, and Serve replaces it."""
+    import ray
+    import tritonclient.http as httpclient
+
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{app[0]}", network_timeout=120)
+    for name in CONSTANTS:
+        _infer(client, name, _x(0))
+    before = {pid: runner_pids([pid]) for pid in replica_pids()}
+    actors = [
+        entry["name"]
+        for entry in ray.util.list_named_actors(all_namespaces=True)
+        if entry["namespace"] == "serve" and "#CartonModels#" in entry["name"]
+    ]
+    assert len(actors) == 2
+    ray.kill(ray.get_actor(actors[0], namespace="serve"), no_restart=True)
+    _wait_until(lambda: set(before) - set(replica_pids()), 60)
+    (gone,) = set(before) - set(replica_pids())
+    _wait_until(lambda: not runner_pids([gone]), 30)
+    assert not any(alive(pid) for pid in before[gone])
+    _wait_until(lambda: len(replica_pids()) == 2, 120)
+    deadline = time.monotonic() + 120
+    for name in CONSTANTS:
+        while True:
+            try:
+                np.testing.assert_array_equal(_infer(client, name, _x(2)), expected(name, _x(2)))
+                break
+            except Exception:
+                assert time.monotonic() < deadline
+                time.sleep(0.5)
 
 
 def test_a_url_repository_serves_the_cartons_under_it(
