@@ -33,6 +33,38 @@ def onnx_model(constant: float) -> object:
     return model
 
 
+def spinning_model() -> object:
+    """y = x + trips, computed by a Loop of `trips` iterations: a large `trips` keeps the runner busy for hours."""
+    fp32 = TensorProto.FLOAT
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["cond_in"], ["cond_out"]), helper.make_node("Add", ["acc_in", "one"], ["acc"])],
+        "body",
+        [
+            helper.make_tensor_value_info("i", TensorProto.INT64, []),
+            helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("acc_in", fp32, [1]),
+        ],
+        [
+            helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("acc", fp32, [1]),
+        ],
+        [helper.make_tensor("one", fp32, [1], [1.0])],
+    )
+    graph = helper.make_graph(
+        [
+            helper.make_node("ReduceMax", ["trips"], ["count"], keepdims=0),
+            helper.make_node("Loop", ["count", "go", "x"], ["y"], body=body),
+        ],
+        "spin",
+        [helper.make_tensor_value_info("x", fp32, [1]), helper.make_tensor_value_info("trips", TensorProto.INT64, [1])],
+        [helper.make_tensor_value_info("y", fp32, [1])],
+        initializer=[helper.make_tensor("go", TensorProto.BOOL, [], [True])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
 def expected(name: str, x: np.ndarray) -> np.ndarray:
     """What onnxruntime computes in this process for model `name` (the reference the served results must equal)."""
     import onnxruntime

@@ -1,6 +1,6 @@
 """A local two-node Ray cluster (`ray.cluster_utils.Cluster`, one CPU per node, no dashboard, logs in a temporary
-folder) shared by the Ray tests, a repository of three real ONNX cartons and a corrupt one, and helpers that find
-replica and runner processes in /proc."""
+folder) shared by the Ray tests, and a repository of three real ONNX cartons, one that can spin for hours, and a
+corrupt one."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ pytest.importorskip("onnxruntime")
 pytest.importorskip("tritonclient.http")
 
 import carton  # noqa: E402
-from carton_ray_support import CONSTANTS, onnx_model  # noqa: E402
+from carton_ray_support import CONSTANTS, onnx_model, spinning_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -34,12 +34,17 @@ def ray_repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
         carton.pack(
             folder, repo / name / "1" / "model.carton", runner_name="onnxruntime", required_framework_version="*"
         )
+    (root / "src" / "spin").mkdir(parents=True)
+    onnx.save(spinning_model(), root / "src" / "spin" / "model.onnx")
+    (repo / "spin" / "1").mkdir(parents=True)
+    carton.pack(root / "src" / "spin", repo / "spin" / "1" / "model.carton", runner_name="onnxruntime",
+                required_framework_version="*")  # fmt: skip
     (repo / "broken" / "1").mkdir(parents=True)
     (repo / "broken" / "1" / "model.carton").write_bytes(b"PK\x03\x04 this is not a carton")
     return repo
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[object]:
     """Two Ray nodes on this machine, one CPU each, so that two model replicas of one CPU land on different nodes."""
     import ray

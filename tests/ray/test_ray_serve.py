@@ -7,6 +7,8 @@ import contextlib
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -35,7 +37,12 @@ def app(ray_cluster: object, ray_repository: Path) -> Iterator[tuple[int, int]]:
     hosts: list[int] = []
     try:
         application = carton.ray.build_app(
-            {"repository": str(ray_repository), "num_replicas": "2", "max_models_per_replica": "2"}
+            {
+                "repository": str(ray_repository),
+                "num_replicas": "2",
+                "max_models_per_replica": "2",
+                "request_timeout": "3",
+            }
         )
         serve.run(application, name="carton", route_prefix="/")
         yield http_port, grpc_port
@@ -180,6 +187,29 @@ def test_corrupt_carton_is_unavailable_with_its_reason_and_the_others_serve(
         broken.write_bytes(original)
 
 
+def test_limits_apply_per_replica_and_a_killed_runner_restarts(app: tuple[int, int]) -> None:
+    """`request_timeout` (as `carton serve --request-timeout`): a request that runs past it gets carton serve's 503,
+    its runner is killed, and the replica serves the model's next request from a new runner."""
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{app[0]}", network_timeout=120)
+
+    def spin(trips: int) -> np.ndarray:
+        x = httpclient.InferInput("x", [1], "FP32")
+        x.set_data_from_numpy(np.zeros(1, np.float32))
+        count = httpclient.InferInput("trips", [1], "INT64")
+        count.set_data_from_numpy(np.array([trips], np.int64))
+        return np.asarray(client.infer("spin", [x, count]).as_numpy("y"))
+
+    np.testing.assert_array_equal(spin(3), [3.0])
+    with pytest.raises(InferenceServerException) as caught:
+        spin(10**15)
+    assert caught.value.status() == "503"
+    assert "did not answer within the server's request timeout of 3 s" in caught.value.message()
+    np.testing.assert_array_equal(spin(5), [5.0])
+
+
 def test_killed_replica_fails_cleanly_and_leaves_no_runner(app: tuple[int, int]) -> None:
     """SIGKILL one model replica while a client loops: in-flight requests fail with an HTTP error (or succeed),
     nothing hangs, later requests succeed, and the replica's runners are gone."""
@@ -309,3 +339,51 @@ def test_a_url_repository_serves_the_cartons_under_it(
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+def test_serve_run_answers_and_sigint_leaves_nothing_behind(
+    app: tuple[int, int], ray_cluster: object, ray_repository: Path
+) -> None:
+    """`serve run carton.ray:build_app repository=...` from a shell, on this cluster: it replaces the module's
+    application (same name; Serve already listens on a free loopback port, which `serve run` keeps instead of its
+    default 8000), answers, and SIGINT (which shuts Serve down) leaves no replica and no runner behind. Runs last."""
+    import tritonclient.http as httpclient
+    from ray import serve
+
+    serve.delete("carton")  # nothing answers until `serve run` has deployed its application
+    port = app[0]
+    command = shutil.which("serve", path=str(Path(sys.executable).parent)) or "serve"
+    process = subprocess.Popen(
+        [command, "run", "--address", ray_cluster.address, "--name", "carton",  # type: ignore[attr-defined]
+         "carton.ray:build_app", f"repository={ray_repository}", "max_models_per_replica=1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"},
+    )  # fmt: skip
+    hosts: list[int] = []
+    try:
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{port}", network_timeout=120)
+        deadline = time.monotonic() + 240
+        while True:
+            try:
+                if client.is_server_ready():
+                    break
+            except Exception:
+                pass
+            assert process.poll() is None, process.stderr.read() if process.stderr else ""
+            assert time.monotonic() < deadline, "serve run did not answer"
+            time.sleep(0.5)
+        x = np.arange(8, dtype=np.float32).reshape(2, 4)
+        tensor = httpclient.InferInput("x", [2, 4], "FP32")
+        tensor.set_data_from_numpy(x)
+        np.testing.assert_array_equal(client.infer("beta", [tensor]).as_numpy("y"), expected("beta", x))
+        hosts = replica_pids()
+        assert runner_pids(hosts)
+        process.send_signal(signal.SIGINT)
+        assert process.wait(120) is not None
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    deadline = time.monotonic() + 60
+    while replica_pids() or replica_pids("CartonIngress") or runner_pids(hosts):
+        assert time.monotonic() < deadline, (replica_pids(), runner_pids(hosts))
+        time.sleep(0.2)
