@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -66,17 +67,14 @@ def main() -> None:
         finally:
             serve.shutdown()
             ray.shutdown()
-    reference = results["carton serve"]
-    base_p50 = sorted(r[0] for r in reference)[len(reference) // 2]
-    base_rate = sorted(r[2] for r in reference)[len(reference) // 2]
+    base_p50 = statistics.median(r[0] for r in results["carton serve"])
+    base_rate = statistics.median(r[2] for r in results["carton serve"])
     print(f"\nload average before: {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}; "
           f"after: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")  # fmt: skip
     print("| server | c=1 p50 ms | c=8 req/s | c=8 p50 ms | load (1 min) |")
     print("|---|---|---|---|---|")
     for label, rows in results.items():
-        p50 = sorted(r[0] for r in rows)[len(rows) // 2]
-        rate = sorted(r[2] for r in rows)[len(rows) // 2]
-        c8 = sorted(r[1] for r in rows)[len(rows) // 2]
+        p50, c8, rate = (statistics.median(r[i] for r in rows) for i in (0, 1, 2))
         load = max(r[3] for r in rows)
         print(f"| {label} | {p50:.2f} ({p50 / base_p50:.2f}x) | {rate:.0f} ({rate / base_rate:.2f}x) | {c8:.2f} | "
               f"<= {load:.1f} |")  # fmt: skip
