@@ -41,7 +41,7 @@ LAYERS: list[set[str]] = [
     {"_sandbox"},  # wraps the runtime's launch plans
     {"_workflows"},  # load, load_unpacked, pack: format + runtime + sandbox
     {"server"},
-    {"cli"},
+    {"ray", "cli"},  # the server on Ray Serve; the command line
     {"__main__"},
 ]
 LEAF_LIBRARIES = {"mcf", "safetensors"}

@@ -21,7 +21,7 @@ from grpc import aio
 
 from ._datatypes import DATATYPE_OF, NUMPY_OF, counted
 from ._handle import metadata_shape
-from ._http import EXTENSIONS
+from ._http import EXTENSIONS, RepositoryControl, ServerControl
 from ._inference import (
     check_complete,
     check_requested,
@@ -36,9 +36,9 @@ from ._inference import (
 )
 from ._proto import SERVICE_NAME, message_class
 from ._repository import ModelRepository, ServedVersion
-from .errors import BadRequest, ServerError
+from .errors import BadRequest, ModelNotFound, ServerError
 
-__all__ = ["GrpcService"]
+__all__ = ["GrpcService", "status_of"]
 
 # Which typed-contents field carries each datatype when a client does not send raw bytes.
 _CONTENTS_FIELD = {
@@ -58,6 +58,11 @@ _M = {
         "RepositoryModelLoadResponse", "RepositoryModelUnloadRequest", "RepositoryModelUnloadResponse",
     )
 }  # fmt: skip
+
+
+def status_of(exc: ServerError) -> grpc.StatusCode:
+    """The gRPC status a refused request is answered with."""
+    return grpc.StatusCode[exc.grpc_status]
 
 
 def _decode_input(served: ServedVersion, tensor: Any, raw: bytes | None) -> np.ndarray:
@@ -88,15 +93,34 @@ def _decode_input(served: ServedVersion, tensor: Any, raw: bytes | None) -> np.n
 
 
 class GrpcService:
-    """Builds the generic handler for `grpc.aio.Server.add_generic_rpc_handlers`."""
+    """The protocol's methods over `repository`; `handler` builds the generic handler for
+    `grpc.aio.Server.add_generic_rpc_handlers`.
 
-    def __init__(self, repository: ModelRepository, *, server_version: str) -> None:
-        self.repository = repository
+    Server readiness, the repository index, load and unload go to `control` (by default `repository` itself);
+    ``carton.ray``'s ingress gives a control over its replicas' reports and no repository (it forwards the methods
+    about a model to a replica, which runs them on its own `GrpcService`)."""
+
+    def __init__(
+        self, repository: ModelRepository | None, *, server_version: str, control: ServerControl | None = None
+    ) -> None:
+        if control is None:
+            if repository is None:
+                raise ValueError("GrpcService needs a repository or a control")
+            control = RepositoryControl(repository)
+        self._repository = repository
+        self.control = control
         self.server_version = server_version
 
-    def handler(self) -> grpc.GenericRpcHandler[Any, Any]:
-        """The handler of every method of ``inference.GRPCInferenceService``, for ``add_generic_rpc_handlers``."""
-        unary = {
+    @property
+    def repository(self) -> ModelRepository:
+        if self._repository is None:  # the ingress forwards the methods that need one
+            raise ModelNotFound("this server holds no models itself")
+        return self._repository
+
+    def unary_methods(self) -> dict[str, Callable[[Any], Awaitable[Any]]]:
+        """The unary methods by their protocol names; each takes the request message and returns the response (a
+        refused request raises `ServerError`)."""
+        return {
             "ServerLive": self.server_live,
             "ServerReady": self.server_ready,
             "ModelReady": self.model_ready,
@@ -109,6 +133,9 @@ class GrpcService:
             "RepositoryModelLoad": self.repository_load,
             "RepositoryModelUnload": self.repository_unload,
         }
+
+    def handler(self) -> grpc.GenericRpcHandler[Any, Any]:
+        unary = self.unary_methods()
         handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
             method: grpc.unary_unary_rpc_method_handler(
                 self._guard(function),
@@ -132,7 +159,7 @@ class GrpcService:
                 return await function(request)
             except ServerError as exc:
                 # Safe as composed (see `HttpApp.__call__`): client names are echoed verbatim.
-                await context.abort(grpc.StatusCode[exc.grpc_status], str(exc))
+                await context.abort(status_of(exc), str(exc))
 
         return guarded
 
@@ -143,7 +170,7 @@ class GrpcService:
 
     async def server_ready(self, request: Any) -> Any:
         """``ServerReady``: ready once no model is loading or unloading."""
-        return _M["ServerReadyResponse"](ready=self.repository.is_ready())
+        return _M["ServerReadyResponse"](ready=await self.control.is_ready())
 
     async def model_ready(self, request: Any) -> Any:
         """``ModelReady``: whether the named model (version) is ready."""
@@ -195,7 +222,7 @@ class GrpcService:
     async def repository_index(self, request: Any) -> Any:
         """``RepositoryIndex``: every model of the repository and its state."""
         response = _M["RepositoryIndexResponse"]()
-        for entry in self.repository.index(ready_only=request.ready):
+        for entry in await self.control.index(ready_only=request.ready):
             response.models.add(**entry)
         return response
 
@@ -215,7 +242,7 @@ class GrpcService:
                 files[key] = parameter.bytes_param
             else:
                 raise BadRequest(f"unknown load parameter {key!r} (expected 'config' or 'file:<version>/<path>')")
-        await self.repository.load(request.model_name, config=config, files=files)
+        await self.control.load(request.model_name, config=config, files=files)
         return _M["RepositoryModelLoadResponse"]()
 
     async def repository_unload(self, request: Any) -> Any:
@@ -226,7 +253,7 @@ class GrpcService:
             if parameter.WhichOneof("parameter_choice") != "bool_param":
                 raise BadRequest("'unload_dependents' must be a bool parameter")
             dependents = parameter.bool_param
-        await self.repository.unload(request.model_name, unload_dependents=dependents)
+        await self.control.unload(request.model_name, unload_dependents=dependents)
         return _M["RepositoryModelUnloadResponse"]()
 
     # ---- inference -----------------------------------------------------------------------------------------------

@@ -43,7 +43,8 @@ class ModelHandle(Protocol):
 class LoadSpec:
     """How to load one model version: the carton (file or unpacked folder) and the runtime options."""
 
-    path: Path
+    #: A packed carton, an unpacked carton folder, or the http(s) URL of a packed carton.
+    path: Path | str
     workers: int = 1
     sandbox: str | None = None
     runner_opts: Mapping[str, str] = field(default_factory=dict)

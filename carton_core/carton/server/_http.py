@@ -1,4 +1,6 @@
-"""The HTTP/REST endpoints of the KServe v2 protocol and its Triton extensions, as one ASGI application.
+"""The HTTP/REST endpoints of the KServe v2 protocol and its Triton extensions: `HttpApp.handle` answers one
+`HttpRequest` with an `HttpResponse` (``_http_messages.py`` is the seam a transport adapts to; the app is also an
+ASGI application through `AsgiAdapter`).
 
 Routing is done on the raw request path, split on ``/`` before percent-decoding, so an encoded slash (``%2F``) stays
 inside its segment and is then refused by the model-name rules instead of silently changing the route. The body is
@@ -12,9 +14,8 @@ from __future__ import annotations
 import logging
 import time
 import zlib
-from collections.abc import Awaitable, Callable, MutableMapping
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Protocol
 from urllib.parse import unquote
 
 import orjson
@@ -24,17 +25,22 @@ from ._config import ModelConfig
 from ._datatypes import DATATYPE_OF
 from ._handle import metadata_shape
 from ._http_codec import encode_infer_response, parse_infer_request
+from ._http_messages import AsgiAdapter, HttpRequest, HttpResponse, Receive, Scope, Send, collect_body
 from ._inference import request_failed, request_succeeded, select_outputs
 from ._repository import ModelRepository, ServedVersion
 from ._stats import ServerMetrics
-from .errors import BadRequest, RequestTooLarge, ServerError
+from .errors import BadRequest, ModelNotFound, RequestTooLarge, ServerError
 
-__all__ = ["EXTENSIONS", "HttpApp", "Message", "Receive", "Scope", "Send", "model_config_json", "model_metadata_json"]
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
+__all__ = [
+    "EXTENSIONS",
+    "Forward",
+    "HttpApp",
+    "RepositoryControl",
+    "ServerControl",
+    "model_config_json",
+    "model_metadata_json",
+    "split_path",
+]
 
 _log = logging.getLogger("carton.server")
 
@@ -112,89 +118,158 @@ def model_config_json(served: ServedVersion, default_workers: int) -> dict[str, 
     return document
 
 
-@dataclass(slots=True)
-class _Request:
-    method: str
-    segments: list[str]
-    headers: dict[bytes, bytes]
+class ServerControl(Protocol):
+    """What the server-wide endpoints (readiness, the repository index, load and unload) ask of the server.
+
+    `carton serve` answers them from its `ModelRepository`; ``carton.ray``'s ingress from the state its replicas
+    report."""
+
+    async def is_ready(self) -> bool: ...
+
+    async def index(self, *, ready_only: bool) -> list[dict[str, str]]: ...
+
+    async def load(self, name: str, *, config: str | None, files: Mapping[str, bytes]) -> None: ...
+
+    async def unload(self, name: str, *, unload_dependents: bool) -> None: ...
+
+
+#: Answers a request about model `name` (``None``: statistics of every model, metrics) somewhere else.
+Forward = Callable[[HttpRequest, "str | None"], Awaitable[HttpResponse]]
+
+
+class RepositoryControl:
+    """`ServerControl` over the repository of this process."""
+
+    __slots__ = ("repository",)
+
+    def __init__(self, repository: ModelRepository) -> None:
+        self.repository = repository
+
+    async def is_ready(self) -> bool:
+        return self.repository.is_ready()
+
+    async def index(self, *, ready_only: bool) -> list[dict[str, str]]:
+        return self.repository.index(ready_only=ready_only)
+
+    async def load(self, name: str, *, config: str | None, files: Mapping[str, bytes]) -> None:
+        await self.repository.load(name, config=config, files=files)
+
+    async def unload(self, name: str, *, unload_dependents: bool) -> None:
+        await self.repository.unload(name, unload_dependents=unload_dependents)
+
+
+def split_path(raw_path: bytes) -> list[str]:
+    """The path's segments, split on ``/`` before percent-decoding (``%2F`` stays inside its segment)."""
+    path = raw_path.split(b"?", 1)[0].decode("latin-1")
+    return [unquote(part, errors="replace") for part in path.split("/")[1:]]
+
+
+_EMPTY_JSON = [(b"content-type", b"application/json")]
 
 
 class HttpApp:
-    """The ASGI application; `repository` does the work, this class speaks HTTP."""
+    """The KServe v2 HTTP protocol: `handle` answers one `HttpRequest`; the instance is also an ASGI application.
+
+    `HttpApp(repository, ...)` serves the models of `repository` (``carton serve``). `HttpApp.front(control,
+    forward, ...)` serves the server-wide endpoints from `control` and passes every request about a model to
+    `forward` (the Ray Serve ingress, whose replicas run `HttpApp(repository, ...)` on the forwarded requests).
+    Routing, errors and encoding are the same code either way.
+    """
 
     def __init__(
         self,
-        repository: ModelRepository,
+        repository: ModelRepository | None,
         metrics: ServerMetrics,
         *,
         max_body_size: int,
         server_version: str,
+        control: ServerControl | None = None,
+        forward: Forward | None = None,
     ) -> None:
+        if control is None:
+            if repository is None:
+                raise ValueError("HttpApp needs a repository or a control")
+            control = RepositoryControl(repository)
+        if repository is None and forward is None:
+            raise ValueError("HttpApp without a repository must forward model requests")
         self.repository = repository
+        self.control = control
+        self.forward = forward
         self.metrics = metrics
         self.max_body_size = max_body_size
         self.server_version = server_version
+        self._asgi = AsgiAdapter(self.handle)
+
+    @classmethod
+    def front(cls, control: ServerControl, forward: Forward, *, max_body_size: int, server_version: str) -> HttpApp:
+        """An app that answers the server-wide endpoints from `control` and forwards requests about models."""
+        return cls(
+            None, ServerMetrics(), max_body_size=max_body_size, server_version=server_version, control=control,
+            forward=forward,
+        )  # fmt: skip
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return
-        raw_path: bytes = scope.get("raw_path") or scope["path"].encode()
-        path = raw_path.split(b"?", 1)[0].decode("latin-1")
-        request = _Request(
-            method=scope["method"],
-            segments=[unquote(part, errors="replace") for part in path.split("/")[1:]],
-            headers=dict(scope["headers"]),
-        )
-        try:
-            await self._route(request, receive, send)
-        except _HttpError as exc:
-            await self._reject(send, exc.status, str(exc))
-        except ServerError as exc:
-            # Composed by the server from names, numbers and already-scrubbed foreign text (`translate_error`, the
-            # repository's load errors): scrubbing again would mangle names the client chose, such as 'file:/etc/x'.
-            await self._reject(send, exc.http_status, str(exc))
+        await self._asgi(scope, receive, send)
 
-    async def _reject(self, send: Send, status: int, message: str) -> None:
+    async def handle(self, request: HttpRequest) -> HttpResponse:
+        """Answer one request; never raises for anything a client can send."""
+        try:
+            return await self._route(request, split_path(request.raw_path))
+        except _HttpError as exc:
+            return self._reject(exc.status, str(exc))
+        except ServerError as exc:
+            return self.refusal(exc)
+
+    def refusal(self, exc: ServerError) -> HttpResponse:
+        """The answer to a refused request: its status and ``{"error": message}``."""
+        # Composed by the server from names, numbers and already-scrubbed foreign text (`translate_error`, the
+        # repository's load errors): scrubbing again would mangle names the client chose, such as 'file:/etc/x'.
+        return self._reject(exc.http_status, str(exc))
+
+    def _reject(self, status: int, message: str) -> HttpResponse:
         self.metrics.rejected.labels(str(status)).inc()
-        await _send_json(send, status, {"error": message})
+        return _json(status, {"error": message})
+
+    def _models_of(self) -> ModelRepository:
+        if self.repository is None:  # a front app forwards every request that reaches here
+            raise ModelNotFound("this server holds no models itself")
+        return self.repository
 
     # ---- routing -------------------------------------------------------------------------------------------------
-    async def _route(self, request: _Request, receive: Receive, send: Send) -> None:
-        segments, method = request.segments, request.method
+    async def _route(self, request: HttpRequest, segments: list[str]) -> HttpResponse:
+        method = request.method
         if segments == ["metrics"]:
             _expect(method, "GET")
+            if self.forward is not None:
+                return await self.forward(request, None)
             body = generate_latest(self.metrics.registry)
-            await _send(send, 200, [(b"content-type", CONTENT_TYPE_LATEST.encode())], [body])
-            return
+            return HttpResponse(200, [(b"content-type", CONTENT_TYPE_LATEST.encode())], [body])
         if not segments or segments[0] != "v2":
             raise _HttpError(404, "Not Found")
         rest = segments[1:]
         if not rest or rest == [""]:
             _expect(method, "GET")
-            await _send_json(send, 200, {"name": "carton", "version": self.server_version, "extensions": EXTENSIONS})
-            return
+            return _json(200, {"name": "carton", "version": self.server_version, "extensions": EXTENSIONS})
         head = rest[0]
         if head == "health" and len(rest) == 2 and rest[1] in ("live", "ready"):
             _expect(method, "GET")
-            ok = rest[1] == "live" or self.repository.is_ready()
-            await _send(send, 200 if ok else 400, [], [b""])
-            return
+            ok = rest[1] == "live" or await self.control.is_ready()
+            return HttpResponse(200 if ok else 400, [], [b""])
         if head == "models":
-            await self._models(request, rest[1:], receive, send)
-            return
+            return await self._models(request, rest[1:])
         if head == "repository":
-            await self._repository(request, rest[1:], receive, send)
-            return
+            return await self._repository(request, rest[1:])
         if head in _UNSUPPORTED:
             raise _HttpError(501, f"the {_UNSUPPORTED[head]} extension is not supported by this server")
         raise _HttpError(404, "Not Found")
 
-    async def _models(self, request: _Request, rest: list[str], receive: Receive, send: Send) -> None:
+    async def _models(self, request: HttpRequest, rest: list[str]) -> HttpResponse:
         method = request.method
         if rest == ["stats"]:
             _expect(method, "GET")
-            await self._stats(send, self.repository.all_served())
-            return
+            if self.forward is not None:
+                return await self.forward(request, None)
+            return _stats(self._models_of().all_served())
         if not rest:
             raise _HttpError(404, "Not Found")
         name, rest = rest[0], rest[1:]
@@ -204,41 +279,34 @@ class HttpApp:
         action = rest[0] if rest else ""
         if len(rest) > 1 or action not in ("", "ready", "config", "stats", "infer"):
             raise _HttpError(404, "Not Found")
+        _expect(method, "POST" if action == "infer" else "GET")
+        if self.forward is not None:
+            return await self.forward(request, name)
+        repository = self._models_of()
         if action == "infer":
-            _expect(method, "POST")
-            await self._infer(request, name, version, receive, send)
-            return
-        _expect(method, "GET")
+            return await self._infer(repository, request, name, version)
         if action == "ready":
-            ready = self.repository.model_ready(name, version)
-            await _send(send, 200 if ready else 400, [], [b""])
-            return
-        served = self.repository.get(name, version)
+            return HttpResponse(200 if repository.model_ready(name, version) else 400, [], [b""])
+        served = repository.get(name, version)
         if action == "":
-            versions = [v.version_str for v in self.repository.versions(name)]
-            await _send_json(send, 200, model_metadata_json(served, versions))
-        elif action == "config":
-            await _send_json(send, 200, model_config_json(served, self.repository.options.workers))
-        else:
-            chosen = [served] if version else self.repository.versions(name)
-            await self._stats(send, chosen)
+            versions = [v.version_str for v in repository.versions(name)]
+            return _json(200, model_metadata_json(served, versions))
+        if action == "config":
+            return _json(200, model_config_json(served, repository.options.workers))
+        return _stats([served] if version else repository.versions(name))
 
-    async def _stats(self, send: Send, versions: list[ServedVersion]) -> None:
-        await _send_json(send, 200, {"model_stats": [served.stats.to_json() for served in versions]})
-
-    async def _repository(self, request: _Request, rest: list[str], receive: Receive, send: Send) -> None:
+    async def _repository(self, request: HttpRequest, rest: list[str]) -> HttpResponse:
         _expect(request.method, "POST")
         if rest == ["index"]:
-            body = await self._read_json(request, receive)
+            body = await self._read_json(request)
             ready = body.get("ready", False)
             if not isinstance(ready, bool):
                 raise BadRequest("'ready' must be true or false")
-            await _send_json(send, 200, self.repository.index(ready_only=ready))
-            return
+            return _json(200, await self.control.index(ready_only=ready))
         if len(rest) != 3 or rest[0] != "models" or rest[2] not in ("load", "unload"):
             raise _HttpError(404, "Not Found")
         name, action = rest[1], rest[2]
-        body = await self._read_json(request, receive)
+        body = await self._read_json(request)
         parameters = body.get("parameters", {})
         if not isinstance(parameters, dict):
             raise BadRequest("'parameters' must be a JSON object")
@@ -246,18 +314,18 @@ class HttpApp:
             dependents = parameters.get("unload_dependents", False)
             if not isinstance(dependents, bool):
                 raise BadRequest("'unload_dependents' must be true or false")
-            await self.repository.unload(name, unload_dependents=dependents)
+            await self.control.unload(name, unload_dependents=dependents)
         else:
             config, files = _load_parameters(parameters)
-            await self.repository.load(name, config=config, files=files)
-        await _send(send, 200, [(b"content-type", b"application/json")], [b""])
+            await self.control.load(name, config=config, files=files)
+        return HttpResponse(200, _EMPTY_JSON, [b""])
 
     # ---- inference (the hot path) --------------------------------------------------------------------------------
-    async def _infer(self, request: _Request, name: str, version: str, receive: Receive, send: Send) -> None:
+    async def _infer(self, repository: ModelRepository, request: HttpRequest, name: str, version: str) -> HttpResponse:
         started = time.perf_counter_ns()
-        served = self.repository.acquire(name, version)
+        served = repository.acquire(name, version)
         try:
-            body = await self._read_body(request, receive)
+            body = await self.read_body(request)
             decoded = parse_infer_request(served, body, request.headers.get(b"inference-header-content-length"))
             decoded_at = time.perf_counter_ns()
             outputs, _ = await served.infer(decoded.inputs)
@@ -265,41 +333,21 @@ class HttpApp:
             requested = [output for output, _ in decoded.outputs] if decoded.outputs is not None else None
             header, parts = encode_infer_response(served, decoded, select_outputs(served, outputs, requested))
         except Exception as exc:
-            raise request_failed(served, exc, self.repository.scrub, started_ns=started) from exc
+            raise request_failed(served, exc, repository.scrub, started_ns=started) from exc
         request_succeeded(served, started_ns=started, decoded_ns=decoded_at, inferred_ns=inferred_at)
         if parts:
             headers = [
                 (b"content-type", b"application/octet-stream"),
                 (b"inference-header-content-length", str(len(header)).encode()),
             ]
-            await _send(send, 200, headers, [header, *parts])
-        else:
-            await _send(send, 200, [(b"content-type", b"application/json")], [header])
+            return HttpResponse(200, headers, [header, *parts])
+        return HttpResponse(200, _EMPTY_JSON, [header])
 
     # ---- bodies --------------------------------------------------------------------------------------------------
-    async def _read_body(self, request: _Request, receive: Receive) -> bytes | bytearray:
+    async def read_body(self, request: HttpRequest) -> bytes | bytearray:
+        """The request's body under the size limit, inflated if ``Content-Encoding`` says gzip or deflate."""
         limit = self.max_body_size
-        declared = request.headers.get(b"content-length")
-        if declared is not None:
-            if not declared.strip().isdigit():
-                raise BadRequest("Content-Length is not a number")
-            if int(declared) > limit:
-                raise RequestTooLarge(f"request body of {int(declared)} bytes is over the {limit}-byte limit")
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise BadRequest("the client disconnected before sending the whole body")
-            chunk = message.get("body", b"")
-            if chunk:
-                size += len(chunk)
-                if size > limit:
-                    raise RequestTooLarge(f"request body is over the {limit}-byte limit")
-                chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        body: bytes | bytearray = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        body = await collect_body(request.body, declared=request.headers.get(b"content-length"), limit=limit)
         encoding = request.headers.get(b"content-encoding", b"identity").strip().lower()
         if encoding in (b"", b"identity"):
             return body
@@ -316,8 +364,8 @@ class HttpApp:
             raise BadRequest(f"the {encoding.decode()} request body is truncated")
         return inflated
 
-    async def _read_json(self, request: _Request, receive: Receive) -> dict[str, Any]:
-        body = await self._read_body(request, receive)
+    async def _read_json(self, request: HttpRequest) -> dict[str, Any]:
+        body = await self.read_body(request)
         if not body.strip():
             return {}
         try:
@@ -357,16 +405,9 @@ def _expect(method: str, allowed: str) -> None:
         raise _HttpError(405, f"method {method} is not allowed here (use {allowed})")
 
 
-async def _send(send: Send, status: int, headers: list[tuple[bytes, bytes]], parts: list[Any]) -> None:
-    length = sum(len(part) if isinstance(part, bytes) else part.nbytes for part in parts)
-    await send(
-        {"type": "http.response.start", "status": status, "headers": [*headers, (b"content-length", b"%d" % length)]}
-    )
-    last = len(parts) - 1
-    for index, part in enumerate(parts):
-        await send({"type": "http.response.body", "body": part, "more_body": index < last})
+def _json(status: int, document: object) -> HttpResponse:
+    return HttpResponse(status, _EMPTY_JSON, [orjson.dumps(document)])
 
 
-async def _send_json(send: Send, status: int, document: object) -> None:
-    body = orjson.dumps(document)
-    await _send(send, status, [(b"content-type", b"application/json")], [body])
+def _stats(versions: list[ServedVersion]) -> HttpResponse:
+    return _json(200, {"model_stats": [served.stats.to_json() for served in versions]})

@@ -225,7 +225,7 @@ class ModelRepository:
         serving = model.serving if model is not None else None
         if not serving:
             validate_model_name(name)
-            if model is None and not self._exists(name):
+            if model is None and not self.exists(name):
                 raise ModelNotFound(f"Request for unknown model: {name!r} is not found")
             raise ModelNotFound(f"Request for unknown model: {name!r} has no available versions")
         if not version:
@@ -235,7 +235,8 @@ class ModelRepository:
             raise ModelNotFound(f"Request for unknown model: {name!r} version {version} is not found")
         return found
 
-    def _exists(self, name: str) -> bool:
+    def exists(self, name: str) -> bool:
+        """Whether the repository folder holds a model called `name` (a valid name: see `validate_model_name`)."""
         return (self.root / name).is_dir() or (self.root / f"{name}.carton").exists()
 
     def acquire(self, name: str, version: str = "") -> ServedVersion:
@@ -330,7 +331,7 @@ class ModelRepository:
         model.users -= 1
         if model.users or model.serving or self._models.get(model.name) is not model:
             return
-        if not (model.statuses or model.failure) or not self._exists(model.name):
+        if not (model.statuses or model.failure) or not self.exists(model.name):
             # A name that resolved nowhere, or an upload that is not serving (failed or unloaded; the load answer
             # carried the reason): nothing is kept for it, so a client cannot grow the index with names.
             del self._models[model.name]
@@ -525,6 +526,11 @@ class ModelRepository:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+    async def settle(self) -> None:
+        """Wait until the unloads and retirements under way are done (their runners closed)."""
+        while self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)
+
     async def close(self) -> None:
         """Unload everything and wait for it (server shutdown)."""
         for name in list(self._models):
@@ -533,8 +539,7 @@ class ModelRepository:
             model.serving = {}
             self._spawn_retire(model, retiring, model.upload_dir, keep=set())
             model.upload_dir = None
-        while self._background:
-            await asyncio.gather(*list(self._background), return_exceptions=True)
+        await self.settle()
 
 
 def _close_late(future: asyncio.Future[ModelHandle]) -> None:

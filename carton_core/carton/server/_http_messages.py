@@ -1,0 +1,135 @@
+"""The seam between the KServe v2 HTTP protocol and whatever carries HTTP: one request in, one response out.
+
+`HttpApp.handle` (``_http.py``) takes an `HttpRequest` and returns an `HttpResponse`; it parses, routes, runs and
+encodes, and knows nothing of sockets, ASGI or Ray. A transport adapts to it:
+
+- `AsgiAdapter` turns an ASGI server's scope/receive/send into these (`carton serve` runs it under uvicorn);
+- ``carton.ray`` builds `HttpRequest`s from Serve's ASGI messages at its ingress and hands the same objects (with the
+  body read into bytes) to the replica that holds the model.
+
+A transport owes the handler: the method, the raw request target (percent-encoded, as sent, so that an encoded slash
+stays inside its path segment), header names in lower case, and the body either whole or as a reader of its chunks
+(so a handler can refuse a too-large or unrouted request before reading it). It sends the response's parts in order
+after a ``content-length`` of their total size, which the transport adds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import BadRequest, RequestTooLarge
+
+__all__ = [
+    "AsgiAdapter",
+    "BodyReader",
+    "HttpHandler",
+    "HttpRequest",
+    "HttpResponse",
+    "Message",
+    "Receive",
+    "Scope",
+    "Send",
+    "collect_body",
+]
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+#: Returns the next chunk of a request body and whether more follows; `BadRequest` if the client went away.
+BodyReader = Callable[[], Awaitable[tuple[bytes, bool]]]
+
+
+@dataclass(slots=True)
+class HttpRequest:
+    """One HTTP request as a transport hands it to `HttpApp.handle` (positional construction is allowed: it is made
+    once per request on the hot path)."""
+
+    method: str
+    #: The request target as sent: percent-encoded, possibly with a query (ignored).
+    raw_path: bytes
+    #: Header names in lower case (HTTP/2 and ASGI already give them so).
+    headers: Mapping[bytes, bytes]
+    #: The whole body, or a reader of its chunks (read only by the endpoints that take a body).
+    body: bytes | bytearray | BodyReader = b""
+
+
+@dataclass(slots=True)
+class HttpResponse:
+    """A status, headers (without ``content-length``, which the transport adds) and the body's parts in order.
+
+    Parts are ``bytes`` or buffers (binary tensor outputs are sent from the arrays' own memory)."""
+
+    status: int
+    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+    parts: list[Any] = field(default_factory=list)
+
+    def content_length(self) -> int:
+        return sum(part.nbytes if type(part) is memoryview else len(part) for part in self.parts)
+
+    def body(self) -> bytes:
+        """The parts joined (what a transport that cannot send buffers one by one sends)."""
+        return self.parts[0] if len(self.parts) == 1 and isinstance(self.parts[0], bytes) else b"".join(self.parts)
+
+
+HttpHandler = Callable[[HttpRequest], Awaitable[HttpResponse]]
+
+
+async def collect_body(
+    body: bytes | bytearray | BodyReader, *, declared: bytes | None, limit: int
+) -> bytes | bytearray:
+    """The whole body, refused with 413 over `limit` bytes: before reading when ``Content-Length`` (`declared`) says
+    so, and while reading otherwise (chunked bodies). Not decompressed."""
+    if declared is not None:
+        if not declared.strip().isdigit():
+            raise BadRequest("Content-Length is not a number")
+        if int(declared) > limit:
+            raise RequestTooLarge(f"request body of {int(declared)} bytes is over the {limit}-byte limit")
+    if not callable(body):
+        if len(body) > limit:
+            raise RequestTooLarge(f"request body is over the {limit}-byte limit")
+        return body
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        chunk, more = await body()
+        if chunk:
+            size += len(chunk)
+            if size > limit:
+                raise RequestTooLarge(f"request body is over the {limit}-byte limit")
+            chunks.append(chunk)
+        if not more:
+            break
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+class AsgiAdapter:
+    """An ASGI 3 application serving `handler` (HTTP only; other scope types are ignored)."""
+
+    __slots__ = ("handler",)
+
+    def __init__(self, handler: HttpHandler) -> None:
+        self.handler = handler
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+
+        async def read() -> tuple[bytes, bool]:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise BadRequest("the client disconnected before sending the whole body")
+            return message.get("body", b""), message.get("more_body", False)
+
+        raw_path = scope.get("raw_path") or scope["path"].encode()
+        response = await self.handler(HttpRequest(scope["method"], raw_path, dict(scope["headers"]), read))
+        # The start message with the parts' total as content-length, then each part (inline: the hot path).
+        headers = [*response.headers, (b"content-length", b"%d" % response.content_length())]
+        await send({"type": "http.response.start", "status": response.status, "headers": headers})
+        parts = response.parts or [b""]
+        last = len(parts) - 1
+        for index, part in enumerate(parts):
+            await send({"type": "http.response.body", "body": part, "more_body": index < last})
