@@ -41,14 +41,16 @@ and the facts a program needs are attributes, set by keyword-only arguments (``R
     ├── SandboxError                the sandbox could not be set up
     │   ├── SandboxConfigError      a sandbox policy or RunnerLimits value is invalid (also a ValueError)
     │   └── SandboxUnavailable      the strict policy needs a layer this machine does not have (names it)
-    └── ServerError                 the model server refused a request; defined in carton.server.errors with the
-        │                           table of the HTTP status and gRPC code each is answered with
-        ├── BadRequest              a request is malformed: body, header, tensor data, names (400)
-        │   └── RequestTooLarge     a request body is over the server's size limit (413)
-        ├── ModelNotFound           no such model, or no ready version of it (404)
-        ├── ModelUnavailable        the model timed out or went away under a request; retrying may work (503)
-        └── RepositoryError         a repository load or unload failed: config, files, carton, timeout (400)
-            └── UploadDisabled      a load sent `file:` payloads to a server started with uploads off (403)
+    ├── ServerError                 the model server refused a request; defined in carton.server.errors with the
+    │   │                           table of the HTTP status and gRPC code each is answered with
+    │   ├── BadRequest              a request is malformed: body, header, tensor data, names (400)
+    │   │   └── RequestTooLarge     a request body is over the server's size limit (413)
+    │   ├── ModelNotFound           no such model, or no ready version of it (404)
+    │   ├── ModelUnavailable        the model timed out or went away under a request; retrying may work (503)
+    │   └── RepositoryError         a repository load or unload failed: config, files, carton, timeout (400)
+    │       └── UploadDisabled      a load sent `file:` payloads to a server started with uploads off (403)
+    └── BuildAppError               `carton.ray.build_app` got an unknown key, no repository, or a bad value (.key;
+                                    also a ValueError); defined in carton.ray, which needs the `ray` extra
 
 Warnings: `CartonWarning` (root), `RunnerWarning` (a runner's warning, e.g. unknown options), `SandboxWarning`,
 `PlatformWarning` (a carton packed for platforms of which this machine is none).
