@@ -6,9 +6,8 @@ from __future__ import annotations
 import importlib
 import re
 
-import pytest
-
 import carton.errors
+import pytest
 from carton.errors import CartonError
 
 #: The modules that define public exceptions of the tree.
