@@ -305,7 +305,13 @@ class RunnerProcess:
                 f"{what}: it ran out of memory under its memory limit (memory_bytes={limit:.0f}): {line}",
                 limit_bytes=limit,
             )
-        return RunnerStartError(f"{what}{self._log_text()}")
+        hint = ""
+        if self.spec.environment is not None:
+            hint = (
+                f"\n(the runner runs in the environment {self.spec.environment}; if it is broken, rebuild it: carton "
+                f'runner install {self.spec.runner_name} --framework-version "={self.spec.framework_version}" --force)'
+            )
+        return RunnerStartError(f"{what}{self._log_text()}{hint}")
 
     def _kill(self, fate: RunnerError) -> None:
         with self._lock:
