@@ -182,11 +182,16 @@ def test_registered_environment_is_offered_to_discovery(data_dir: Path) -> None:
     assert any(found.environment == spec.environment for found in carton.discover_runners())
 
 
-def test_no_matching_runner_names_the_command_that_would_install_one(tmp_path: Path, data_dir: Path) -> None:
+def _any_onnxruntime_carton(tmp_path: Path) -> Path:
+    """An MLP packed for any onnxruntime version (validated by the installed one), for loads that pin a version."""
     write_mlp(tmp_path / "model")
-    packed = carton.pack(
+    return carton.pack(
         tmp_path / "model", tmp_path / "mlp.carton", runner_name="onnxruntime", required_framework_version="*"
     )
+
+
+def test_no_matching_runner_names_the_command_that_would_install_one(tmp_path: Path, data_dir: Path) -> None:
+    packed = _any_onnxruntime_carton(tmp_path)
     with pytest.raises(carton.NoCompatibleRunner) as raised:
         carton.load(packed, override_required_framework_version="=1.0.99")
     assert (
@@ -244,10 +249,7 @@ def test_a_stale_environment_is_not_offered_and_resolution_says_how_to_rebuild_i
     assert re.fullmatch(reason, stale_reason(environment) or "")
     assert environments_plugin.carton_runners() == []
     assert carton.list_runner_environments() == [environment]  # still listed, and removable
-    write_mlp(tmp_path / "model")
-    packed = carton.pack(
-        tmp_path / "model", tmp_path / "mlp.carton", runner_name="onnxruntime", required_framework_version="*"
-    )
+    packed = _any_onnxruntime_carton(tmp_path)
     with pytest.raises(carton.NoCompatibleRunner) as raised:
         carton.load(packed, override_required_framework_version="=1.19.2")
     message = str(raised.value)
@@ -263,6 +265,27 @@ def test_a_stale_environment_is_not_offered_and_resolution_says_how_to_rebuild_i
     )
     assert cli_main(["runner", "list", "--json"]) == 0
     assert re.fullmatch(reason, json.loads(capsys.readouterr().out)[0]["stale"])
+
+
+def test_a_runner_that_cannot_start_names_its_environment_and_the_rebuild_command(
+    tmp_path: Path, data_dir: Path
+) -> None:
+    """An environment that records the right requirements but lost them (here: a venv with nothing installed, so
+    its interpreter cannot even import carton_protocol) is offered, and its runner dies before the handshake: the
+    error names the environment and the command that rebuilds it."""
+    environment = _registered()
+    assert stale_reason(environment) is None
+    packed = _any_onnxruntime_carton(tmp_path)
+    with pytest.raises(carton.RunnerStartError) as raised:
+        carton.load(packed, override_required_framework_version="=1.19.2")
+    message = str(raised.value)
+    assert "before completing the handshake" in message
+    assert "No module named carton_protocol" in message  # the log: what went wrong in the environment
+    assert message.endswith(
+        "(the runner runs in the runner environment onnxruntime 1.19.2; if it is broken, rebuild it: "
+        'carton runner install onnxruntime --framework-version "=1.19.2" --force)'
+    )
+    assert str(environment.path) not in message.rpartition("runner log ends with")[0]
 
 
 def test_install_rebuilds_a_stale_environment_and_reuses_a_fresh_one(

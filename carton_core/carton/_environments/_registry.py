@@ -185,9 +185,11 @@ def stale_reason(environment: RunnerEnvironment) -> str | None:
     return None
 
 
-def rebuild_command(environment: RunnerEnvironment) -> str:
-    """The command that builds `environment` again (``carton runner install`` rebuilds a stale one)."""
-    return f'carton runner install {environment.runner_name} --framework-version "={environment.framework_version}"'
+def rebuild_command(runner_name: str, framework_version: str, *, force: bool = False) -> str:
+    """The command that builds the environment of `runner_name` at `framework_version` again: ``carton runner
+    install`` rebuilds a stale one by itself, and any one with ``force`` (one that is broken but looks fresh)."""
+    command = f'carton runner install {runner_name} --framework-version "={framework_version}"'
+    return f"{command} --force" if force else command
 
 
 def list_environments() -> list[RunnerEnvironment]:

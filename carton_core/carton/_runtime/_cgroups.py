@@ -32,6 +32,7 @@ from pathlib import Path
 
 from ._guardian import end as _end
 from ._guardian import kill as _kill
+from ._launch import pid_alive
 
 __all__ = ["CGROUPS_ENV", "CgroupSupport", "RunnerCgroup", "cgroup_support", "runner_cgroup"]
 
@@ -97,16 +98,6 @@ def _own_cgroup() -> Path:
 def _unescape(field: str) -> str:
     """mountinfo escapes space, tab, newline and backslash as octal (``\\040``)."""
     return field.encode().decode("unicode_escape") if "\\" in field else field
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class _HostCgroups:
@@ -234,7 +225,7 @@ def _sweep_stale(parent: Path) -> None:
     with contextlib.suppress(OSError):
         for entry in parent.iterdir():
             pid_text = entry.name.removeprefix("carton-")
-            if entry.name.startswith("carton-") and pid_text.isdigit() and not _pid_alive(int(pid_text)):
+            if entry.name.startswith("carton-") and pid_text.isdigit() and not pid_alive(int(pid_text)):
                 _end(str(entry))
 
 

@@ -37,6 +37,7 @@ __all__ = [
     "RuntimeDir",
     "build_launch_plan",
     "make_runtime_dir",
+    "pid_alive",
     "read_log_tail",
     "spawn",
 ]
@@ -98,7 +99,8 @@ def _runtime_base() -> Path:
     return Path(tempfile.gettempdir())
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process `pid` exists (one of another user counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -128,7 +130,7 @@ def _sweep_stale(base: Path) -> None:
                 continue
         except OSError:
             continue
-        if not _pid_alive(int(pid_text)):
+        if not pid_alive(int(pid_text)):
             _remove_tree(entry)
 
 

@@ -49,6 +49,7 @@ from carton_protocol import (
     WireLimits,
 )
 
+from .._environments import rebuild_command
 from .._warnings import warn_user
 from ..errors import (
     CartonError,
@@ -307,9 +308,12 @@ class RunnerProcess:
             )
         hint = ""
         if self.spec.environment is not None:
+            # A runner environment that cannot start its runner is broken (a package removed from it, say): the user
+            # can do nothing with the log alone.
+            command = rebuild_command(self.spec.runner_name, self.spec.framework_version, force=True)
             hint = (
-                f"\n(the runner runs in the environment {self.spec.environment}; if it is broken, rebuild it: carton "
-                f'runner install {self.spec.runner_name} --framework-version "={self.spec.framework_version}" --force)'
+                f"\n(the runner runs in the runner environment {self.spec.runner_name} {self.spec.framework_version};"
+                f" if it is broken, rebuild it: {command})"
             )
         return RunnerStartError(f"{what}{self._log_text()}{hint}")
 

@@ -136,7 +136,7 @@ def _stale_environments(request: RunnerRequest) -> list[str]:
             if reason is not None:
                 lines.append(
                     f"{environment.runner_name} {environment.framework_version} ({environment.path}): {reason}; "
-                    f"rebuild it: {rebuild_command(environment)}"
+                    f"rebuild it: {rebuild_command(environment.runner_name, environment.framework_version)}"
                 )
     except Exception:  # as for the hint: never another error instead of the resolution error
         return []

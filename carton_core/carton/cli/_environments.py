@@ -101,7 +101,7 @@ def _list(args: argparse.Namespace) -> int:
         reason = stale[environment.path]
         if reason is not None:
             print(f"stale: {environment.runner_name} {environment.framework_version} is not offered to models "
-                  f"({reason}); rebuild it: {rebuild_command(environment)}")
+                  f"({reason}); rebuild it: {rebuild_command(environment.runner_name, environment.framework_version)}")
     return 0
 
 
