@@ -33,7 +33,7 @@ if TYPE_CHECKING:
         Request,
         TensorEntry,
     )
-    from ._reaper import kill_tree
+    from ._reaper import descendants, kill_tree
     from ._runner import LoadContext, OptValue, PackContext, PackResult, Runner, Tensor
     from ._spec import DType, RunnerSpec, Shape, TensorSpec, hookimpl
     from ._zmqio import recv_message, send_message
@@ -97,6 +97,7 @@ __all__ = [
     "VersionMismatch",
     "WireLimits",
     "WireType",
+    "descendants",
     "hookimpl",
     "kill_tree",
     "recv_message",
@@ -150,6 +151,7 @@ _SOURCES = {
     "VersionMismatch": "errors",
     "WireLimits": "_limits",
     "WireType": "_dtypes",
+    "descendants": "_reaper",
     "hookimpl": "_spec",
     "kill_tree": "_reaper",
     "recv_message": "_zmqio",

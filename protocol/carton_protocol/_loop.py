@@ -1,9 +1,11 @@
-"""The runner side: ``python -m carton_protocol --endpoint ipc://... --entry module:Class [--host-pid N] [--fd N]``.
+"""The runner side: ``python -m carton_protocol --endpoint ipc://... --entry module:Class [--host-pid N] [--fd N]
+[--listen-fd N]``.
 
-The loop binds a ROUTER socket at the endpoint (each host thread talks to it over its own DEALER), imports the
-entry, answers ``hello``, then serves ``load``/``pack``/``infer``/``release``/``close``. A ``concurrent`` runner's
-infers run on a thread pool, their replies coming back to the socket-owning thread over an inproc socket, except
-short calls while the pool is idle, which run on the socket thread itself (`_Server._run_infer`).
+The loop binds a ROUTER socket at the endpoint (each host thread talks to it over its own DEALER), adopting the
+listening socket the host bound there when it passes one (``--listen-fd``), imports the entry, answers ``hello``,
+then serves ``load``/``pack``/``infer``/``release``/``close``. A ``concurrent`` runner's infers run on a thread
+pool, their replies coming back to the socket-owning thread over an inproc socket, except short calls while the pool
+is idle, which run on the socket thread itself (`_Server._run_infer`).
 
 It also guards against orphans: a parent-death signal (SIGTERM; the parent is the supervisor that forked it, see
 `carton_protocol._supervisor`) and a pidfd watch on the host both end the process, and as a child subreaper it
@@ -161,12 +163,24 @@ def _on_sigterm(signum: int, frame: types.FrameType | None) -> None:
 
 
 class _Server:
-    def __init__(self, endpoint: str, entry: str, fd_channel: FdChannel | None, threads: int, limits: WireLimits):
+    def __init__(
+        self,
+        endpoint: str,
+        entry: str,
+        fd_channel: FdChannel | None,
+        threads: int,
+        limits: WireLimits,
+        listen_fd: int | None = None,
+    ):
         self.entry = entry
         self.threads = threads
         self.context = zmq.Context()
         self.router = self.context.socket(zmq.ROUTER)
         self.router.linger = 1000
+        if listen_fd is not None:
+            # The host bound and listens on the endpoint's socket file, in a folder this process cannot write: the
+            # socket adopts that descriptor instead of creating (and owning) the file.
+            self.router.setsockopt(zmq.USE_FD, listen_fd)
         self.router.bind(endpoint)
         self.codec = RunnerCodec(limits=limits, channel=fd_channel)
         self.runner_class: type[Runner] | None = None
@@ -405,6 +419,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--entry", required=True, help="the Runner subclass, as module:Class")
     parser.add_argument("--host-pid", type=int, default=None, help="exit (killing descendants) when it exits")
     parser.add_argument("--fd", type=int, default=None, help="inherited Unix socket for shared-memory descriptors")
+    parser.add_argument(
+        "--listen-fd", type=int, default=None, help="inherited socket, bound at the endpoint and listening, to adopt"
+    )
     parser.add_argument("--threads", type=int, default=8, help="infer threads for a concurrent runner")
     args = parser.parse_args(argv)
 
@@ -418,7 +435,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     channel = None
     if args.fd is not None and SHM_AVAILABLE:
         channel = FdChannel(socket.socket(fileno=args.fd))
-    server = _Server(args.endpoint, args.entry, channel, max(1, args.threads), DEFAULT_LIMITS)
+    server = _Server(args.endpoint, args.entry, channel, max(1, args.threads), DEFAULT_LIMITS, args.listen_fd)
     try:
         code = server.serve()
     finally:

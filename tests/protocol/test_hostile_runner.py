@@ -38,6 +38,8 @@ class FakeRunner:
         self.context = zmq.Context()
         self.router = self.context.socket(zmq.ROUTER)
         self.router.linger = 0
+        if plan.listen_fd is not None:  # as the real runner does: adopt the socket the host bound at the endpoint
+            self.router.setsockopt(zmq.USE_FD, os.dup(plan.listen_fd))
         self.router.bind(plan.endpoint)
         self.channel = socket.socket(fileno=os.dup(plan.pass_fds[0])) if plan.pass_fds else None
         self.received: list[list[bytes]] = []

@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -33,6 +35,7 @@ from carton._environments._registry import (
     RunnerEnvironment,
     environment_dir,
     runners_dir,
+    stale_reason,
     sweep_leftovers,
     write_entry,
 )
@@ -144,10 +147,15 @@ def test_carton_is_installed_from_where_it_is_installed() -> None:
 # --- the registry ------------------------------------------------------------------------------------------------
 
 
-def _registered(runner_name: str = "onnxruntime", version: str = "1.19.2") -> RunnerEnvironment:
-    """A real (pip-less) venv registered by hand, as the last step of an install does."""
+def _registered(
+    runner_name: str = "onnxruntime", version: str = "1.19.2", *, requirements: tuple[str, ...] | None = None
+) -> RunnerEnvironment:
+    """A real (pip-less) venv registered by hand, as the last step of an install does: with what this carton would
+    install there, or with `requirements` (``()``: none recorded, as carton did before it recorded them)."""
     folder = environment_dir(runner_name, version)
-    venv.EnvBuilder(symlinks=True, with_pip=False).create(folder)
+    if not folder.exists():
+        venv.EnvBuilder(symlinks=True, with_pip=False).create(folder)
+    framework = FRAMEWORKS[runner_name]
     environment = RunnerEnvironment(
         runner_name=runner_name,
         framework_version=version,
@@ -156,6 +164,9 @@ def _registered(runner_name: str = "onnxruntime", version: str = "1.19.2") -> Ru
         runner_compat_version=1,
         entry="carton_runner_onnx.runner:OnnxRunner",
         concurrent=True,
+        carton_version=carton.__version__,
+        distribution=framework.distribution,
+        requirements=tuple(runner_requirements(framework, version) if requirements is None else requirements),
     )
     write_entry(environment)
     return environment
@@ -171,11 +182,16 @@ def test_registered_environment_is_offered_to_discovery(data_dir: Path) -> None:
     assert any(found.environment == spec.environment for found in carton.discover_runners())
 
 
-def test_no_matching_runner_names_the_command_that_would_install_one(tmp_path: Path, data_dir: Path) -> None:
+def _any_onnxruntime_carton(tmp_path: Path) -> Path:
+    """An MLP packed for any onnxruntime version (validated by the installed one), for loads that pin a version."""
     write_mlp(tmp_path / "model")
-    packed = carton.pack(
+    return carton.pack(
         tmp_path / "model", tmp_path / "mlp.carton", runner_name="onnxruntime", required_framework_version="*"
     )
+
+
+def test_no_matching_runner_names_the_command_that_would_install_one(tmp_path: Path, data_dir: Path) -> None:
+    packed = _any_onnxruntime_carton(tmp_path)
     with pytest.raises(carton.NoCompatibleRunner) as raised:
         carton.load(packed, override_required_framework_version="=1.0.99")
     assert (
@@ -202,6 +218,100 @@ def test_unfinished_and_broken_environments_are_never_offered(data_dir: Path) ->
     removed = sorted(path.name for path in sweep_leftovers())
     assert removed == [".tmp-onnxruntime-1.18.1-abc", "onnxruntime-1.17.3"]
     assert broken.exists() and newer.exists()  # an entry we cannot read is not ours to delete
+
+
+#: What an environment built before the wire moved from msgpack to msgspec holds.
+OLD_WIRE = ("onnxruntime==1.19.2", "onnx>=1.16", "numpy>=1.26", "pluggy>=1.5", "pyzmq>=26", "msgpack>=1.0")
+
+
+@pytest.mark.parametrize(
+    ("requirements", "carton_version", "reason"),
+    [
+        ((), None, r"it records no dependencies \(it was built by an older carton\)"),
+        (OLD_WIRE, None, r"this carton needs msgspec>=[0-9.]+ there, which it was not built with"),
+        (None, "0.0.1", rf"it was built by carton 0\.0\.1, this is carton {carton.__version__}"),
+    ],
+)
+def test_a_stale_environment_is_not_offered_and_resolution_says_how_to_rebuild_it(
+    tmp_path: Path,
+    data_dir: Path,
+    capsys: pytest.CaptureFixture[str],
+    requirements: tuple[str, ...] | None,
+    carton_version: str | None,
+    reason: str,
+) -> None:
+    """An environment built by another carton would fail at start (``No module named 'msgspec'``): it is skipped,
+    and the error says why and what rebuilds it."""
+    environment = _registered(requirements=requirements)
+    if carton_version is not None:
+        environment = dataclasses.replace(environment, carton_version=carton_version)
+        write_entry(environment)
+    assert re.fullmatch(reason, stale_reason(environment) or "")
+    assert environments_plugin.carton_runners() == []
+    assert carton.list_runner_environments() == [environment]  # still listed, and removable
+    packed = _any_onnxruntime_carton(tmp_path)
+    with pytest.raises(carton.NoCompatibleRunner) as raised:
+        carton.load(packed, override_required_framework_version="=1.19.2")
+    message = str(raised.value)
+    assert "Runner environments skipped, built for another carton:" in message
+    assert re.search(
+        rf"onnxruntime 1\.19\.2 \({re.escape(str(environment.path))}\): {reason}; rebuild it: "
+        r'carton runner install onnxruntime --framework-version "=1\.19\.2"',
+        message,
+    )
+    assert cli_main(["runner", "list"]) == 0
+    assert re.search(
+        rf"stale: onnxruntime 1\.19\.2 is not offered to models \({reason}\); rebuild it: ", capsys.readouterr().out
+    )
+    assert cli_main(["runner", "list", "--json"]) == 0
+    assert re.fullmatch(reason, json.loads(capsys.readouterr().out)[0]["stale"])
+
+
+def test_a_runner_that_cannot_start_names_its_environment_and_the_rebuild_command(
+    tmp_path: Path, data_dir: Path
+) -> None:
+    """An environment that records the right requirements but lost them (here: a venv with nothing installed, so
+    its interpreter cannot even import carton_protocol) is offered, and its runner dies before the handshake: the
+    error names the environment and the command that rebuilds it."""
+    environment = _registered()
+    assert stale_reason(environment) is None
+    packed = _any_onnxruntime_carton(tmp_path)
+    with pytest.raises(carton.RunnerStartError) as raised:
+        carton.load(packed, override_required_framework_version="=1.19.2")
+    message = str(raised.value)
+    assert "before completing the handshake" in message
+    assert "No module named carton_protocol" in message  # the log: what went wrong in the environment
+    assert message.endswith(
+        "(the runner runs in the runner environment onnxruntime 1.19.2; if it is broken, rebuild it: "
+        'carton runner install onnxruntime --framework-version "=1.19.2" --force)'
+    )
+    assert str(environment.path) not in message.rpartition("runner log ends with")[0]
+
+
+def test_install_rebuilds_a_stale_environment_and_reuses_a_fresh_one(
+    data_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(install_module, "available_versions", lambda distribution: ["1.19.2"])
+    fresh = _registered()
+    lines: list[str] = []
+    assert carton.install_runner("onnxruntime", framework_version="=1.19.2", progress=lines.append) == fresh
+    assert lines[-1].strip() == f"onnxruntime 1.19.2 is already installed in {fresh.path}"
+
+    class Building(Exception):
+        """The install went on to build a new environment (what follows needs the package index)."""
+
+    def building(*arguments: object) -> Path:
+        raise Building
+
+    monkeypatch.setattr(install_module, "new_build_dir", building)
+    _registered(requirements=OLD_WIRE)
+    with pytest.raises(Building):
+        carton.install_runner("onnxruntime", framework_version="=1.19.2", progress=lines.append)
+    assert re.fullmatch(
+        r"rebuilding onnxruntime 1\.19\.2 in .*: this carton needs msgspec>=\S+ there, which it "
+        r"was not built with",
+        lines[-1].strip(),
+    )
 
 
 def test_environment_whose_interpreter_is_gone_is_not_offered(data_dir: Path) -> None:
@@ -276,8 +386,14 @@ def _require_registry() -> None:
 
 
 def _cached_data_dir() -> Path:
-    """A data directory kept across test runs so the environment is built once per carton checkout."""
-    key = hashlib.sha256(" ".join(carton_install_args()).encode()).hexdigest()[:12]
+    """A data directory kept across test runs so the environment is built once per carton checkout, carton version
+    and set of requirements: a change of dependencies (of the wire, say) gets a fresh build."""
+    built_with = [
+        *carton_install_args(),
+        carton.__version__,
+        *runner_requirements(FRAMEWORKS["onnxruntime"], OLD_ONNXRUNTIME),
+    ]
+    key = hashlib.sha256("\n".join(built_with).encode()).hexdigest()[:12]
     base = os.environ.get("CARTON_TEST_ENVIRONMENTS_DIR") or Path.home() / ".cache" / "carton-tests"
     return Path(base) / f"environments-{key}"
 
@@ -292,6 +408,9 @@ def test_two_onnxruntime_versions_side_by_side(tmp_path: Path, monkeypatch: pyte
     assert lines[0].startswith("[1/5] looking up onnxruntime versions matching")
     assert environment.framework_version == OLD_ONNXRUNTIME and environment.python.exists()
     assert ort.__version__ != OLD_ONNXRUNTIME
+    # It records what it was built with, so that a later carton can tell it is stale.
+    assert environment.requirements == tuple(runner_requirements(FRAMEWORKS["onnxruntime"], OLD_ONNXRUNTIME))
+    assert environment.carton_version == carton.__version__ and stale_reason(environment) is None
 
     path = write_mlp(tmp_path / "model")
     # Packing for the old version validates the model in the old environment's runner.

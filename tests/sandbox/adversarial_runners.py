@@ -6,12 +6,16 @@ successful attack returns what it got, so the test sees a breach as a normal ans
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
+import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Mapping
+from pathlib import Path
 
 import numpy as np
 from carton_protocol import LoadContext, Runner, Tensor
@@ -30,6 +34,50 @@ def _spawn_orphan(marker: str) -> None:
         if os.fork() == 0:
             os.execv(sys.executable, [sys.executable, "-c", "import time; time.sleep(600)", marker])
         os._exit(0)
+
+
+_PR_SET_PDEATHSIG = 1
+#: What a daemonized descendant runs: it ignores every polite signal and disarms its parent-death signal.
+_STUBBORN_SLEEPER = (
+    "import ctypes, signal, time\n"
+    "for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):\n"
+    "    signal.signal(signum, signal.SIG_IGN)\n"
+    "ctypes.CDLL(None).prctl(1, 0, 0, 0, 0)\n"
+    "time.sleep(600)\n"
+)
+
+
+def _become_stubborn() -> None:
+    """Ignore SIGTERM/SIGHUP/SIGINT, disarm the parent-death signal, and leave the supervisor's session."""
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(signum, signal.SIG_IGN)
+    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, 0, 0, 0, 0)
+    # The runner loop's own ways out (its host watch and its SIGTERM handler end in _die): disabled.
+    import carton_protocol._loop as loop
+
+    loop._die = lambda code: None  # type: ignore[assignment]
+    with contextlib.suppress(OSError):  # already a session leader
+        os.setsid()
+
+
+def _daemonize(marker: str, count: int) -> None:
+    """Double-fork `count` stubborn sleepers tagged with `marker`, each in a session of its own."""
+    for _ in range(count):
+        if os.fork() == 0:
+            os.setsid()
+            if os.fork() == 0:
+                os.execv(sys.executable, [sys.executable, "-c", _STUBBORN_SLEEPER, marker])
+            os._exit(0)
+
+
+def _swap_for_link(path: Path, target: str) -> str:
+    """Replace `path` by a symlink to `target`; what happened, for the test to see."""
+    try:
+        path.unlink()
+        path.symlink_to(target)
+    except OSError as exc:
+        return f"refused: {type(exc).__name__}"
+    return "swapped"
 
 
 class Adversary(Runner):
@@ -86,6 +134,39 @@ class Adversary(Runner):
                 except OSError:
                     continue
             return {"out": np.array(["\n".join(sorted(targets))])}
+        if action == "swap_log":
+            # Its log (in the runtime folder, above scratch) becomes a link to a host file; then a crash makes the
+            # host quote the log.
+            print(_swap_for_link(Path.cwd().parent / "runner.log", arg), flush=True)
+            ctypes.string_at(0)
+        if action == "swap_socket":
+            return {"out": np.array([_swap_for_link(Path.cwd().parent / "runner.sock", arg)])}
+        if action == "plant_links":
+            # Links in scratch to a host folder and a host file: removing scratch must not follow them.
+            os.symlink(arg, "folder-link")
+            os.symlink(os.path.join(arg, "keep.txt"), "file-link")
+            os.mkdir("sub")
+            os.symlink(arg, os.path.join("sub", "deeper-link"))
+            return {"out": np.array(["planted"])}
+        if action == "suicide":
+            time.sleep(float(arg or 0.5))
+            os.kill(os.getpid(), signal.SIGKILL)
+        if action == "kill_supervisor":
+            os.kill(os.getppid(), signal.SIGKILL)
+            time.sleep(1.0)
+            return {"out": np.array(["supervisor killed"])}
+        if action == "spin_past_sigxcpu":
+            signal.signal(signal.SIGXCPU, signal.SIG_IGN)  # the kernel's SIGKILL at the hard limit then ends it
+            while True:
+                pass
+        if action == "outlive":
+            # Everything a runner can do to its own tree to survive close() and the host: stubborn, daemonized
+            # descendants, then the supervisor killed.
+            _become_stubborn()
+            if arg:
+                _daemonize(arg, 2)
+            threading.Timer(0.2, os.kill, (os.getppid(), signal.SIGKILL)).start()  # once this reply is out
+            return {"out": np.array([str(os.getpid())])}
         if action == "whoami":
             return {"out": np.array([f"{os.getuid()} {os.getpid()}"])}
         raise ValueError(f"unknown action {action!r}")

@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import uuid
 import warnings
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
+import carton
+import numpy as np
 import pytest
 from carton._runtime import plugin_manager
 from carton._sandbox import BACKEND_ENV, Backend, machine_support
-from carton.errors import CartonWarning
+from carton.errors import CartonWarning, SandboxWarning
 from carton_protocol import RunnerSpec, hookimpl
 
 HERE = Path(__file__).resolve().parent
@@ -63,6 +68,15 @@ def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     return value
 
 
+@pytest.fixture(params=[pytest.param(None, id="none"), *_backend_params()])
+def any_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Backend | None:
+    """Each backend this machine has, and no sandbox at all (``None``: policy ``none``)."""
+    value: Backend | None = request.param
+    if value is not None:
+        monkeypatch.setenv(BACKEND_ENV, value.value)
+    return value
+
+
 def policy_for(backend: Backend | None) -> str:
     """The strictest policy the backend can start here: strict when every layer is present, else best_effort;
     ``none`` without a backend."""
@@ -96,7 +110,8 @@ def home_secret() -> Iterator[Path]:
 
 
 def processes_mentioning(*needles: str) -> list[tuple[int, str]]:
-    """Host processes whose command line contains any of `needles` (runner trees carry their runtime dir)."""
+    """Host processes whose command line or environment contains any of `needles` (runner trees carry their
+    runtime dir: in the runner's arguments, and in ``HOME``/``TMPDIR`` of everything they start)."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
@@ -106,9 +121,13 @@ def processes_mentioning(*needles: str) -> list[tuple[int, str]]:
             status = (entry / "status").read_text()
         except OSError:
             continue
+        try:
+            environ = (entry / "environ").read_bytes().decode("utf-8", "replace")
+        except OSError:
+            environ = ""
         if "State:\tZ" in status:
             continue
-        if any(needle in cmdline for needle in needles):
+        if any(needle in cmdline or needle in environ for needle in needles):
             found.append((int(entry.name), cmdline))
     return found
 
@@ -118,3 +137,51 @@ def host_rss() -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+#: Every attack must be answered within this many seconds (timeouts and limits below are a few seconds).
+BOUND = 20.0
+
+
+def load(model_dir: Path, backend: Backend | None, limits: carton.RunnerLimits | None = None,
+         **options: Any) -> carton.Model:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SandboxWarning)
+        return carton.load_unpacked(model_dir, runner_name="adversary", required_framework_version="1",
+                                    sandbox=policy_for(backend), limits=limits, **options)
+
+
+def attack(model: carton.Model, action: str, arg: str = "") -> dict[str, Any]:
+    return model.infer({"action": np.array([action]), "arg": np.array([arg])})
+
+
+def runtime_dir(model: carton.Model) -> str:
+    process = model._workers[0].process
+    assert process is not None
+    return str(process.plan.runtime_dir)
+
+
+def wait_gone(*needles: str, timeout: float = 10.0) -> list[tuple[int, str]]:
+    deadline = time.monotonic() + timeout
+    while True:
+        left = processes_mentioning(*needles)
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
+
+
+@contextmanager
+def aftermath(models: tuple[Path, Path], backend: Backend | None, model: carton.Model, *markers: str) -> Iterator[None]:
+    """Checks the host after an attack on `model` (which this closes)."""
+    rss_before = host_rss()
+    started = time.monotonic()
+    needles = (runtime_dir(model), *markers)
+    try:
+        yield
+    finally:
+        model.close()
+    assert time.monotonic() - started < BOUND
+    assert wait_gone(*needles) == []
+    assert host_rss() - rss_before < 64 << 20
+    with load(models[0], backend) as benign:
+        assert attack(benign, "echo", "ok")["out"].tolist() == ["mine:ok"]

@@ -15,13 +15,9 @@ import textwrap
 import time
 import uuid
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import carton
-import numpy as np
 import pytest
 from carton._sandbox import Backend, machine_support
 from carton.errors import (
@@ -33,56 +29,9 @@ from carton.errors import (
     SandboxWarning,
 )
 
-from .conftest import HERE, host_rss, policy_for, processes_mentioning
+from .conftest import BOUND, HERE, aftermath, attack, load, policy_for, processes_mentioning, wait_gone
 
 pytestmark = pytest.mark.usefixtures("adversarial_plugin")
-
-#: Every attack must be answered within this many seconds (timeouts and limits below are a few seconds).
-BOUND = 20.0
-
-
-def load(model_dir: Path, backend: Backend | None, limits: carton.RunnerLimits | None = None,
-         **options: Any) -> carton.Model:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", SandboxWarning)
-        return carton.load_unpacked(model_dir, runner_name="adversary", required_framework_version="1",
-                                    sandbox=policy_for(backend), limits=limits, **options)
-
-
-def attack(model: carton.Model, action: str, arg: str = "") -> dict[str, Any]:
-    return model.infer({"action": np.array([action]), "arg": np.array([arg])})
-
-
-def runtime_dir(model: carton.Model) -> str:
-    process = model._workers[0].process
-    assert process is not None
-    return str(process.plan.runtime_dir)
-
-
-def wait_gone(*needles: str, timeout: float = 10.0) -> list[tuple[int, str]]:
-    deadline = time.monotonic() + timeout
-    while True:
-        left = processes_mentioning(*needles)
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.05)
-
-
-@contextmanager
-def aftermath(models: tuple[Path, Path], backend: Backend | None, model: carton.Model, *markers: str) -> Iterator[None]:
-    """Checks the host after an attack on `model` (which this closes)."""
-    rss_before = host_rss()
-    started = time.monotonic()
-    needles = (runtime_dir(model), *markers)
-    try:
-        yield
-    finally:
-        model.close()
-    assert time.monotonic() - started < BOUND
-    assert wait_gone(*needles) == []
-    assert host_rss() - rss_before < 64 << 20
-    with load(models[0], backend) as benign:
-        assert attack(benign, "echo", "ok")["out"].tolist() == ["mine:ok"]
 
 
 def test_reads_outside_the_model_are_refused(models: tuple[Path, Path], backend: Backend, home_secret: Path) -> None:

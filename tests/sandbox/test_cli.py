@@ -6,6 +6,7 @@ import dataclasses
 import json
 
 import pytest
+from carton._runtime import cgroup_support
 from carton._sandbox import Backend, Layer, _wrap, machine_support
 from carton.cli import build_parser, main
 
@@ -16,6 +17,8 @@ def test_doctor_json_lists_every_layer(capsys: pytest.CaptureFixture[str]) -> No
     assert list(report["layers"]) == [layer.value for layer in Layer]
     assert set(report["backends"]) == {backend.value for backend in Backend}
     assert report["landlock_abi"] == machine_support().landlock_abi
+    cgroups = cgroup_support()
+    assert report["runner_cgroups"] == {"available": cgroups.available, "detail": cgroups.detail}
 
 
 @pytest.mark.parametrize("backend", list(Backend))

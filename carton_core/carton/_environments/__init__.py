@@ -10,7 +10,7 @@ each registered one to discovery as a `RunnerSpec` whose ``python`` is the envir
 
 from ._frameworks import can_install
 from ._install import install_runner, remove_runner_environment
-from ._registry import RunnerEnvironment
+from ._registry import RunnerEnvironment, rebuild_command, stale_reason
 from ._registry import list_environments as list_runner_environments
 
 __all__ = [
@@ -18,5 +18,7 @@ __all__ = [
     "can_install",
     "install_runner",
     "list_runner_environments",
+    "rebuild_command",
     "remove_runner_environment",
+    "stale_reason",
 ]

@@ -7,6 +7,7 @@ declared.
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import json
 import urllib.parse
@@ -82,6 +83,7 @@ def framework_for(runner_name: str) -> Framework:
         ) from None
 
 
+@functools.cache
 def _carton() -> importlib.metadata.Distribution:
     """The installed carton distribution. A stale ``egg-info`` in the working directory (left by an old
     ``setup.py develop``) can shadow it on ``sys.path``, so prefer the metadata that records where carton was

@@ -34,6 +34,7 @@ from ._registry import (
     list_environments,
     new_build_dir,
     read_entry,
+    stale_reason,
     sweep_leftovers,
     write_entry,
 )
@@ -59,10 +60,11 @@ def install_runner(
     """Build (or reuse) an isolated environment for ``runner_name`` with the highest framework version that the
     Cargo-style requirement ``framework_version`` allows, register it, and return it.
 
-    An environment already registered for the chosen version is returned as is unless ``force``. ``progress``
-    receives one line per step (default: printed to stderr when it is a terminal). Raises `InvalidVersionReq`
-    for a bad requirement and `EnvironmentInstallError` when no version matches or a step fails; in every failure
-    case nothing is registered.
+    An environment already registered for the chosen version is returned as is unless ``force``, or unless it is
+    stale (built by another carton, or without a dependency this carton's runner side needs): it is rebuilt then.
+    ``progress`` receives one line per step (default: printed to stderr when it is a terminal). Raises
+    `InvalidVersionReq` for a bad requirement and `EnvironmentInstallError` when no version matches or a step fails;
+    in every failure case nothing is registered.
     """
     report = progress if progress is not None else _default_progress()
     framework = framework_for(runner_name)
@@ -73,9 +75,12 @@ def install_runner(
         sweep_leftovers()
         target = environment_dir(runner_name, version)
         existing = read_entry(target)
-        if existing is not None and not force:
+        stale = None if existing is None else stale_reason(existing)
+        if existing is not None and not force and stale is None:
             report(f"        {runner_name} {version} is already installed in {target}")
             return existing
+        if stale is not None:
+            report(f"        rebuilding {runner_name} {version} in {target}: {stale}")
         build = new_build_dir(runner_name, version)
         try:
             report(f"[2/{_STEPS}] creating a virtual environment in {build}")
@@ -94,7 +99,9 @@ def install_runner(
             raise
         try:
             report(f"[{_STEPS}/{_STEPS}] checking that the environment can start the {runner_name} runner")
-            environment = _describe(target, framework, version, requirement_text=framework_version)
+            environment = _describe(
+                target, framework, version, requirement_text=framework_version, installed=(distribution, requirements)
+            )
             write_entry(environment)
         except BaseException:
             shutil.rmtree(target, ignore_errors=True)
@@ -248,8 +255,13 @@ raise LookupError(f"no installed plugin offers runner {runner_name!r}; " + "; ".
 """
 
 
-def _describe(target: Path, framework: Framework, version: str, *, requirement_text: str) -> RunnerEnvironment:
-    """Start the environment's interpreter, import the framework and the runner, and read the runner's spec."""
+def _describe(
+    target: Path, framework: Framework, version: str, *, requirement_text: str, installed: tuple[str, list[str]]
+) -> RunnerEnvironment:
+    """Start the environment's interpreter, import the framework and the runner, and read the runner's spec.
+
+    ``installed`` is what was installed there: the framework's distribution and every requirement (recorded, so
+    that a later carton can tell the environment is stale)."""
     python = target / "bin" / "python"
     command = [str(python), "-I", "-c", _DESCRIBE, framework.runner_name, framework.module]
     completed = subprocess.run(command, capture_output=True, text=True, env=_clean_env(), cwd=target, check=False)
@@ -282,6 +294,8 @@ def _describe(target: Path, framework: Framework, version: str, *, requirement_t
         concurrent=bool(described["concurrent"]),
         carton_version=__version__,
         installed_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        distribution=installed[0],
+        requirements=tuple(installed[1]),
     )
 
 

@@ -8,6 +8,11 @@
 
 Discovery reads only ``<name>-<version>/carton-environment.json`` files that parse, so an install killed at any point
 leaves nothing resolution would pick; the next install or removal sweeps the leftovers.
+
+An entry records what the environment was built with: the carton version, the framework's distribution and every
+requirement pip installed. An environment built by another carton, or without a requirement this carton's runner
+side now needs (the wire moved from msgpack to msgspec, say), is stale (`stale_reason`): discovery does not offer it,
+resolution names it with the command that rebuilds it, and ``carton runner install`` rebuilds it.
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ from typing import Any
 from carton_protocol import RunnerSpec
 
 from .._paths import data_dir
+from .._version import __version__
 from ..errors import EnvironmentInstallError
+from ._frameworks import FRAMEWORKS, runner_requirements
 
 __all__ = [
     "ENTRY_FILE",
@@ -38,7 +45,9 @@ __all__ = [
     "list_environments",
     "new_build_dir",
     "read_entry",
+    "rebuild_command",
     "runners_dir",
+    "stale_reason",
     "sweep_leftovers",
     "write_entry",
 ]
@@ -67,6 +76,11 @@ class RunnerEnvironment:
     concurrent: bool = False
     carton_version: str = ""
     installed_at: str = ""
+    #: The distribution that provides the framework (``xgboost-cpu`` or ``xgboost``, say).
+    distribution: str = ""
+    #: Every requirement pip installed into the environment (the framework pinned, the runner's dependencies); empty
+    #: in entries written before carton recorded them.
+    requirements: tuple[str, ...] = ()
 
     @property
     def python(self) -> Path:
@@ -99,6 +113,8 @@ class RunnerEnvironment:
             "concurrent": self.concurrent,
             "carton_version": self.carton_version,
             "installed_at": self.installed_at,
+            "distribution": self.distribution,
+            "requirements": list(self.requirements),
         }
 
     @classmethod
@@ -118,6 +134,8 @@ class RunnerEnvironment:
                 concurrent=bool(data["concurrent"]),
                 carton_version=_str(data.get("carton_version", "")),
                 installed_at=_str(data.get("installed_at", "")),
+                distribution=_str(data.get("distribution", "")),
+                requirements=tuple(_str(item) for item in data.get("requirements", ())),
             )
         except (KeyError, TypeError, ValueError):
             return None
@@ -146,8 +164,37 @@ def environment_dir(runner_name: str, framework_version: str) -> Path:
     return runners_dir() / f"{runner_name}-{framework_version}"
 
 
+def stale_reason(environment: RunnerEnvironment) -> str | None:
+    """Why `environment` cannot run this carton's runner side, or ``None`` when it can: it was built by another
+    carton version, or lacks a requirement this carton needs there (`runner_requirements`), or records none."""
+    if environment.carton_version != __version__:
+        built_by = f"carton {environment.carton_version}" if environment.carton_version else "an unknown carton"
+        return f"it was built by {built_by}, this is carton {__version__}"
+    if not environment.requirements:
+        return "it records no dependencies (it was built by an older carton)"
+    framework = FRAMEWORKS.get(environment.runner_name)
+    if framework is None:
+        return None
+    try:
+        wanted = runner_requirements(framework, environment.framework_version, environment.distribution or None)
+    except EnvironmentInstallError:
+        return None  # carton's own metadata is unreadable: nothing to compare with
+    missing = [requirement for requirement in wanted if requirement not in environment.requirements]
+    if missing:
+        return f"this carton needs {', '.join(missing)} there, which it was not built with"
+    return None
+
+
+def rebuild_command(runner_name: str, framework_version: str, *, force: bool = False) -> str:
+    """The command that builds the environment of `runner_name` at `framework_version` again: ``carton runner
+    install`` rebuilds a stale one by itself, and any one with ``force`` (one that is broken but looks fresh)."""
+    command = f'carton runner install {runner_name} --framework-version "={framework_version}"'
+    return f"{command} --force" if force else command
+
+
 def list_environments() -> list[RunnerEnvironment]:
-    """Registered environments whose interpreter still exists, sorted by runner name then install order of folders.
+    """Registered environments whose interpreter still exists, sorted by runner name then install order of folders
+    (stale ones included: see `stale_reason`).
 
     Cheap (one small JSON read per environment) because discovery calls it on every `carton.load`.
     """

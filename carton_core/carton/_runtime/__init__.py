@@ -5,6 +5,7 @@ sandbox, then hands a `Model` its `LoadSettings`.
 """
 
 from .._semver import Comparator, VersionReq, framework_version
+from ._cgroups import CGROUPS_ENV, CgroupSupport, cgroup_support
 from ._hookspecs import hookspec
 from ._isolation import RunnerLimits, SandboxPolicy, check_limits, sandbox_policy
 from ._model import Model, close_started
@@ -19,8 +20,10 @@ from ._settings import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_LOAD_TIMEOUT, LoadSett
 from ._spares import spare_pool
 
 __all__ = [
+    "CGROUPS_ENV",
     "DEFAULT_HANDSHAKE_TIMEOUT",
     "DEFAULT_LOAD_TIMEOUT",
+    "CgroupSupport",
     "Comparator",
     "Discovery",
     "LoadSettings",
@@ -33,6 +36,7 @@ __all__ = [
     "SandboxPolicy",
     "SelfTestResult",
     "VersionReq",
+    "cgroup_support",
     "check_limits",
     "close_started",
     "discover",

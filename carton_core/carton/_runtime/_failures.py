@@ -32,7 +32,7 @@ from ..errors import (
     RunnerProtocolError,
     RunnerStartError,
 )
-from ._exits import memory_limit_hit
+from ._exits import memory_failure
 
 __all__ = ["Operation", "remote_failure"]
 
@@ -62,10 +62,12 @@ def remote_failure(
         what = f"runner {runner} failed to start" if operation is Operation.START else (
             f"runner {runner} failed to load {subject}"
         )  # fmt: skip
-        limit = memory_limit_hit(limits, text, reply.traceback)
-        if memory is not None and (code == ErrorCode.OUT_OF_MEMORY or limit is not None):
+        evidence = memory_failure(limits, reply.traceback, text)
+        if memory is not None and (code == ErrorCode.OUT_OF_MEMORY or evidence is not None):
+            # Only the line that shows it: a framework's import error can run to pages of advice.
+            shown = evidence or (text.strip().splitlines() or [text])[0]
             failure = RunnerMemoryLimit(
-                f"{what}: it ran out of memory under its memory limit (memory_bytes={memory:.0f}): {text}",
+                f"{what}: it ran out of memory under its memory limit (memory_bytes={memory:.0f}): {shown}",
                 limit_bytes=memory,
                 **facts,
             )

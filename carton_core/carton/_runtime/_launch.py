@@ -1,17 +1,25 @@
 """How a runner process is started: the `LaunchPlan` a sandbox may rewrite, the private runtime directory, spawning.
 
-The runtime directory (mode 0700, under ``/dev/shm`` when it exists) holds the runner's ``ipc://`` socket, its log
-and its scratch directory: one folder a sandbox binds into the runner's view. Large tensors do not live there: they
-travel in sealed memfd segments passed over an inherited Unix socket (see ``docs/protocol.md``), so nothing is left
-on disk when a process dies. Directories left by a host that was SIGKILLed are swept by the next host that starts.
+The runtime directory (mode 0700, under ``/dev/shm`` when it exists) belongs to the host. Before the runner starts,
+the host binds and listens on the ``ipc://`` socket there (the runner's ZeroMQ socket adopts the listening
+descriptor, ``--listen-fd``), creates the log (the runner's stdout and stderr, read back only through the
+descriptor the host keeps) and ``scratch/``, the one folder the runner may write (a sandbox binds only that one into
+its view). So after the start the host never opens, by name, anything the runner could have replaced: it connects
+to a socket in its own folder and reads its own descriptor; ``scratch/`` it only removes, with `shutil.rmtree`'s
+descriptor-based walk, which never follows a link (docs/sandbox.md, "What the host touches after the start").
+Large tensors do not live there: they travel in sealed memfd segments passed over an inherited Unix socket (see
+``docs/protocol.md``), so nothing is left on disk when a process dies. Directories left by a host that was SIGKILLed
+are swept by the next host that starts.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import queue
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -26,10 +34,11 @@ from carton_protocol import RunnerSpec
 __all__ = [
     "LaunchPlan",
     "LaunchWrapper",
+    "RuntimeDir",
     "build_launch_plan",
     "make_runtime_dir",
+    "pid_alive",
     "read_log_tail",
-    "remove_runtime_dir",
     "spawn",
 ]
 
@@ -37,6 +46,8 @@ _DIR_PREFIX = "carton-"
 _SOCKET_NAME = "runner.sock"
 _LOG_NAME = "runner.log"
 _SUN_PATH_MAX = 107
+#: Connections the runner's listening socket queues before the runner accepts them (one per host thread).
+_BACKLOG = 128
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -44,9 +55,12 @@ class LaunchPlan:
     """Everything needed to start one runner process. A sandbox ``wrap(plan) -> plan`` may rewrite any field.
 
     ``argv[0]`` is the interpreter; ``env`` is the complete environment (nothing else is inherited); ``pass_fds``
-    are the only descriptors the process inherits (the shared-memory channel). ``runtime_dir`` must stay visible
-    to the runner at the same path (it holds ``endpoint``'s socket file); ``model_dir`` is read-only input and
-    ``scratch_dir`` the runner's only writable place. ``host_pid`` is what the runner watches to exit with the host.
+    are the only descriptors the process inherits (the shared-memory channel and ``listen_fd``, the socket the host
+    bound at ``endpoint``). ``runtime_dir`` is the host's: the runner needs none of it but ``scratch_dir``, its only
+    writable place, which a sandbox must show it at the same path (its socket and log it reaches through inherited
+    descriptors); ``model_dir`` is read-only input. ``log_path`` is where the host created the log the runner
+    writes to (the host reads it only through its own descriptor). ``host_pid`` is what the runner watches to exit
+    with the host.
 
     ``limits`` records the resource limits a wrapper applied (keys ``memory_bytes``, ``cpu_seconds``,
     ``request_seconds``, ``processes``, ``open_files``, ``file_size_bytes``): the host names them when the runner
@@ -64,6 +78,8 @@ class LaunchPlan:
     log_path: Path
     model_dir: Path | None = None
     pass_fds: tuple[int, ...] = ()
+    #: The inherited listening socket the runner's ZeroMQ socket adopts (``--listen-fd``); one of `pass_fds`.
+    listen_fd: int | None = None
     host_pid: int = field(default_factory=os.getpid)
     #: Resource limits a sandbox applied, by `carton.RunnerLimits` field name (for error messages).
     limits: Mapping[str, float] = field(default_factory=dict)
@@ -83,7 +99,8 @@ def _runtime_base() -> Path:
     return Path(tempfile.gettempdir())
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process `pid` exists (one of another user counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -113,24 +130,74 @@ def _sweep_stale(base: Path) -> None:
                 continue
         except OSError:
             continue
-        if not _pid_alive(int(pid_text)):
-            shutil.rmtree(entry, ignore_errors=True)
+        if not pid_alive(int(pid_text)):
+            _remove_tree(entry)
 
 
-def make_runtime_dir() -> Path:
-    """A fresh private (0700) directory for one runner process; stale ones of dead hosts are swept first."""
+@dataclass(slots=True, eq=False)
+class RuntimeDir:
+    """A runner's runtime directory, and what the host made in it before the runner started.
+
+    ``log_fd`` is the runner's log (its stdout and stderr), opened by the host with ``O_EXCL | O_NOFOLLOW``: the
+    host reads the log through it and never by name. ``listener`` is the bound, listening ``runner.sock`` that the
+    runner's socket adopts; the host closes its copy once the runner is started (`close_listener`).
+    """
+
+    path: Path
+    log_fd: int
+    listener: socket.socket | None
+
+    @property
+    def scratch(self) -> Path:
+        return self.path / "scratch"
+
+    def close_listener(self) -> None:
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
+
+    def remove(self) -> None:
+        """Close what the host holds and delete the directory (a descriptor walk: no link in it is followed)."""
+        self.close_listener()
+        if self.log_fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self.log_fd)
+            self.log_fd = -1
+        _remove_tree(self.path)
+
+
+def _remove_tree(path: Path) -> None:
+    # On Linux rmtree walks by descriptor (openat, unlinkat, each directory checked against its lstat:
+    # `shutil.rmtree.avoids_symlink_attacks`), so it never follows a symlink a runner left in its scratch folder.
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def make_runtime_dir() -> RuntimeDir:
+    """A fresh private (0700) directory for one runner process, with its log, its bound socket and ``scratch/``;
+    stale ones of dead hosts are swept first."""
     base = _runtime_base()
     _sweep_stale(base)
     path = Path(tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{os.getpid()}-", dir=base))
-    if len(str(path / _SOCKET_NAME)) > _SUN_PATH_MAX:
-        shutil.rmtree(path, ignore_errors=True)
-        raise OSError(f"runtime directory {path} is too long for a Unix socket path (max {_SUN_PATH_MAX} bytes)")
-    (path / "scratch").mkdir(mode=0o700)
-    return path
-
-
-def remove_runtime_dir(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
+    listener: socket.socket | None = None
+    try:
+        socket_path = path / _SOCKET_NAME
+        if len(str(socket_path)) > _SUN_PATH_MAX:
+            raise OSError(f"runtime directory {path} is too long for a Unix socket path (max {_SUN_PATH_MAX} bytes)")
+        (path / "scratch").mkdir(mode=0o700)
+        log_fd = os.open(
+            path / _LOG_NAME,
+            os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+            0o600,
+        )
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(str(socket_path))
+        listener.listen(_BACKLOG)
+    except BaseException:
+        if listener is not None:
+            listener.close()
+        _remove_tree(path)
+        raise
+    return RuntimeDir(path=path, log_fd=log_fd, listener=listener)
 
 
 def _python_path(extra: str | None) -> str:
@@ -145,14 +212,15 @@ def _python_path(extra: str | None) -> str:
 def build_launch_plan(
     spec: RunnerSpec,
     *,
-    runtime_dir: Path,
+    runtime: RuntimeDir,
     channel_fd: int | None,
     extra_env: Mapping[str, str] | None = None,
     model_dir: Path | None = None,
     threads: int = 8,
 ) -> LaunchPlan:
     """The default plan: ``<python> -m carton_protocol ...`` with a clean environment."""
-    scratch = runtime_dir / "scratch"
+    runtime_dir = runtime.path
+    scratch = runtime.scratch
     endpoint = f"ipc://{runtime_dir / _SOCKET_NAME}"
     env: dict[str, str] = {
         "PATH": os.environ.get("PATH", os.defpath),
@@ -177,8 +245,14 @@ def build_launch_plan(
         "--threads",
         str(threads),
     ]
+    pass_fds: list[int] = []
     if channel_fd is not None:
         argv += ["--fd", str(channel_fd)]
+        pass_fds.append(channel_fd)
+    listen_fd = None if runtime.listener is None else runtime.listener.fileno()
+    if listen_fd is not None:
+        argv += ["--listen-fd", str(listen_fd)]
+        pass_fds.append(listen_fd)
     return LaunchPlan(
         argv=tuple(argv),
         env=env,
@@ -188,7 +262,8 @@ def build_launch_plan(
         scratch_dir=scratch,
         log_path=runtime_dir / _LOG_NAME,
         model_dir=model_dir,
-        pass_fds=() if channel_fd is None else (channel_fd,),
+        pass_fds=tuple(pass_fds),
+        listen_fd=listen_fd,
     )
 
 
@@ -230,31 +305,47 @@ class _Launcher:
 _launcher = _Launcher()
 
 
-def spawn(plan: LaunchPlan) -> subprocess.Popen[bytes]:
-    """Start the plan's process in its own session, with only its env and fds, output to the plan's log file."""
+#: Run by ``/bin/sh`` before the runner's own argv when the runner gets a cgroup of its own: the shell moves itself
+#: into the cgroup (``0`` is the writer's pid) and execs, so every process of the runner's tree starts inside it.
+#: (``PWD`` is the shell's addition to the environment.)
+_JOIN_CGROUP = 'echo 0 >"$1" || exit 125; shift; unset PWD; exec "$@"'
+
+
+def spawn(plan: LaunchPlan, *, log_fd: int, cgroup_procs: Path | None = None) -> subprocess.Popen[bytes]:
+    """Start the plan's process in its own session, with only its env and fds, its output to `log_fd`; inside the
+    cgroup whose ``cgroup.procs`` is `cgroup_procs`, when given, from its first instruction on."""
+    argv: tuple[str, ...] = plan.argv
+    if cgroup_procs is not None:
+        # The shell's exec fails after the start, as an exit status: say what Popen would have said, before it.
+        program = argv[0] if "/" in argv[0] else shutil.which(argv[0], path=plan.env.get("PATH")) or argv[0]
+        if not os.access(program, os.X_OK):
+            code = errno.EACCES if os.path.lexists(program) else errno.ENOENT
+            raise OSError(code, os.strerror(code), argv[0])
+        argv = ("/bin/sh", "-c", _JOIN_CGROUP, "carton-cgroup", str(cgroup_procs), *argv)
 
     def work() -> subprocess.Popen[bytes]:
-        with open(plan.log_path, "ab") as log:
-            return subprocess.Popen(
-                plan.argv,
-                env=dict(plan.env),
-                cwd=plan.cwd,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                close_fds=True,
-                pass_fds=plan.pass_fds,
-                start_new_session=True,
-            )
+        return subprocess.Popen(
+            argv,
+            env=dict(plan.env),
+            cwd=plan.cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=log_fd,
+            stderr=subprocess.STDOUT,
+            close_fds=True,
+            pass_fds=plan.pass_fds,
+            start_new_session=True,
+        )
 
     return _launcher.call(work)
 
 
-def read_log_tail(path: Path, limit: int = 4000) -> str:
-    """The end of a runner's log, for error messages."""
-    with contextlib.suppress(OSError), open(path, "rb") as log:
-        log.seek(0, os.SEEK_END)
-        size = log.tell()
-        log.seek(max(0, size - limit))
-        return log.read().decode("utf-8", "replace").strip()
+def read_log_tail(log_fd: int, limit: int = 4000) -> str:
+    """The end of a runner's log, for error messages, read through the descriptor the host opened before the
+    runner started (never by name: the runner could have replaced the file by a link)."""
+    if log_fd < 0:
+        return ""
+    with contextlib.suppress(OSError):
+        size = os.fstat(log_fd).st_size
+        start = max(0, size - limit)
+        return os.pread(log_fd, size - start, start).decode("utf-8", "replace").strip()
     return ""

@@ -49,6 +49,7 @@ from carton_protocol import (
     WireLimits,
 )
 
+from .._environments import rebuild_command
 from .._warnings import warn_user
 from ..errors import (
     CartonError,
@@ -64,11 +65,12 @@ from ..errors import (
     RunnerTimeout,
     RunnerWarning,
 )
+from ._cgroups import runner_cgroup
 from ._connection import AsyncChannel, CallTimeout, Connection, PeerGone
 from ._exits import Resources as _Resources
 from ._exits import describe_exit as _describe_exit
 from ._exits import exit_signal as _exit_signal
-from ._exits import memory_limit_hit as _memory_limit_hit
+from ._exits import memory_failure as _memory_failure
 from ._failures import Operation, remote_failure
 from ._launch import LaunchPlan, build_launch_plan, make_runtime_dir, read_log_tail, spawn
 
@@ -108,6 +110,7 @@ class RunnerProcess:
         self._channels: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncChannel] = weakref.WeakKeyDictionary()
         self._last_channel: tuple[weakref.ref[asyncio.AbstractEventLoop], AsyncChannel] | None = None
         self._finalizer = weakref.finalize(self, resources.release)
+        assert resources.process is not None, "a RunnerProcess is made once its process started"
         self.pid: int = resources.process.pid
         self.runner_pid: int | None = None
         self.concurrent = spec.concurrent
@@ -133,15 +136,15 @@ class RunnerProcess:
         """
         limits = limits if limits is not None else WireLimits()
         try:
-            runtime_dir = make_runtime_dir()
+            runtime = make_runtime_dir()
         except OSError as exc:
             raise RunnerStartError(f"cannot create a runtime directory for runner {spec.entry}: {exc}") from exc
-        resources = _Resources(runtime_dir)
+        resources = _Resources(runtime, runner_cgroup())
         codec = HostCodec(limits=limits, shm_threshold=shm_threshold)
         try:
             plan = build_launch_plan(
                 spec,
-                runtime_dir=runtime_dir,
+                runtime=runtime,
                 channel_fd=codec.runner_fd,
                 extra_env=extra_env,
                 model_dir=model_dir,
@@ -149,30 +152,31 @@ class RunnerProcess:
             )
             if wrap is not None:
                 plan = wrap(plan)
+            cgroup = resources.cgroup
             try:
-                resources.process = spawn(plan)
+                process = spawn(plan, log_fd=runtime.log_fd, cgroup_procs=None if cgroup is None else cgroup.procs)
             except OSError as exc:
                 raise RunnerStartError(f"cannot start runner {spec.entry} ({plan.argv[0]}): {exc}") from exc
+            resources.process = process
         except BaseException:
             codec.close()
             resources.release()
             raise
+        runtime.close_listener()  # the runner's now: a listening socket the host kept would take its connections
         codec.started()
-        process = resources.process
         try:
             resources.pidfd = os.pidfd_open(process.pid)
         except (OSError, AttributeError):
             resources.pidfd = None  # no pidfd (old kernel): calls poll the process instead
         resources.connection = Connection(
-            endpoint=plan.endpoint, pidfd=resources.pidfd, is_alive=lambda: process.poll() is None, codec=codec
+            endpoint=plan.endpoint, pidfd=resources.pidfd, is_alive=lambda: resources.poll() is None, codec=codec
         )
         runner = cls(spec, plan, resources)
         try:
             runner._handshake(codec, handshake_timeout)
         except (ProtocolMismatch, RunnerStartError, RunnerMemoryLimit):
             # The runner answered and is on its way out: let it finish saying why (its log) before cleanup.
-            with contextlib.suppress(Exception):
-                process.wait(timeout=2)
+            resources.wait(2.0)
             runner._finalizer()
             raise
         except BaseException:
@@ -189,6 +193,8 @@ class RunnerProcess:
             case HelloReply(pid=pid, concurrent=concurrent):
                 self.runner_pid = pid
                 self.concurrent = concurrent
+                if self._resources.cgroup is None:
+                    self._resources.watch_runner(pid)
             case ErrorReply():
                 raise self._remote_failure(reply, Operation.START)
             case _:
@@ -234,7 +240,7 @@ class RunnerProcess:
         match exc:
             case PeerGone() if starting:
                 text = f"runner {entry} {self._exit_text()} before completing the handshake"
-                return self._start_error(text, self._log_text(), read_log_tail(self.plan.log_path, 1 << 16))
+                return self._start_error(text)
             case PeerGone():
                 return self._gone_error(str(operation))
             case CallTimeout():
@@ -273,25 +279,43 @@ class RunnerProcess:
         if self._closed:
             return ModelClosed(f"runner {self.spec.entry} was closed during {what}")
         text = f"runner {self.spec.entry} (pid {self.pid}) {self._exit_text()} during {what}"
-        returncode = self.returncode
+        # Whatever is left of the tree goes now (a runner that killed its supervisor is still running).
+        self._resources.kill()
+        ended = self._resources.exit
+        returncode = None if ended is None else ended.returncode
         signum = _exit_signal(returncode, self.plan.exit_signal_base)
         cpu = self.plan.limits.get("cpu_seconds")
-        if cpu is not None and signum in (signal.SIGXCPU, signal.SIGKILL):
-            # SIGXCPU at the soft limit; SIGKILL at the hard one (a second later) if the runner caught SIGXCPU.
+        used = None if ended is None else ended.cpu_seconds
+        if cpu is not None and signum in (signal.SIGXCPU, signal.SIGKILL) and used is not None and used >= cpu:
+            # SIGXCPU at the soft limit; SIGKILL at the hard one (a second later) if the runner caught SIGXCPU. The
+            # signal alone proves nothing (a runner can send either to itself): its CPU time must show the limit.
             return RunnerCPULimit(
-                f"{text}: it went over its CPU-time limit (cpu_seconds={cpu:g}){self._log_text()}", limit_seconds=cpu
+                f"{text}: it went over its CPU-time limit (cpu_seconds={cpu:g}; it used {used:.1f} s)"
+                + self._log_text(),
+                limit_seconds=cpu,
             )
         return RunnerCrashed(f"{text}{self._log_text()}", returncode=returncode, signal=signum)
 
-    def _start_error(self, what: str, reason: str, detail: str) -> RunnerError:
-        """`RunnerStartError`, or `RunnerMemoryLimit` naming the limit when the failure shows it was out of memory."""
-        limit = _memory_limit_hit(self.plan.limits, reason, detail)
-        if limit is not None:
+    def _start_error(self, what: str) -> RunnerError:
+        """`RunnerStartError` quoting the log's end, or `RunnerMemoryLimit` naming the limit and quoting only the
+        line that shows an allocation failure, when the runner had a memory limit and its log shows one."""
+        line = _memory_failure(self.plan.limits, read_log_tail(self._resources.runtime.log_fd, 1 << 16))
+        if line is not None:
+            limit = self.plan.limits["memory_bytes"]
             return RunnerMemoryLimit(
-                f"{what}: it ran out of memory under its memory limit ({limit}){reason}",
-                limit_bytes=self.plan.limits.get("memory_bytes"),
+                f"{what}: it ran out of memory under its memory limit (memory_bytes={limit:.0f}): {line}",
+                limit_bytes=limit,
             )
-        return RunnerStartError(f"{what}{reason}")
+        hint = ""
+        if self.spec.environment is not None:
+            # A runner environment that cannot start its runner is broken (a package removed from it, say): the user
+            # can do nothing with the log alone.
+            command = rebuild_command(self.spec.runner_name, self.spec.framework_version, force=True)
+            hint = (
+                f"\n(the runner runs in the runner environment {self.spec.runner_name} {self.spec.framework_version};"
+                f" if it is broken, rebuild it: {command})"
+            )
+        return RunnerStartError(f"{what}{self._log_text()}{hint}")
 
     def _kill(self, fate: RunnerError) -> None:
         with self._lock:
@@ -471,13 +495,11 @@ class RunnerProcess:
     # --- state ---------------------------------------------------------------------------------------------------
     @property
     def alive(self) -> bool:
-        process = self._resources.process
-        return not self._closed and process is not None and process.poll() is None
+        return not self._closed and self._resources.process is not None and self._resources.poll() is None
 
     @property
     def returncode(self) -> int | None:
-        process = self._resources.process
-        return None if process is None else process.poll()
+        return self._resources.poll()
 
     def close(self, timeout: float = 5.0) -> None:
         """Ask the runner to close its model and exit; kill its whole tree if it has not within `timeout`."""
@@ -485,16 +507,15 @@ class RunnerProcess:
             if self._closed:
                 return
             self._closed = True
-        process = self._resources.process
-        connection = self._resources.connection
-        if process is not None and process.poll() is None and connection is not None:
+        resources = self._resources
+        connection = resources.connection
+        if resources.process is not None and resources.poll() is None and connection is not None:
             give_up = time.monotonic() + timeout
             with contextlib.suppress(*_FOREIGN):
                 connection.call(Close(id=0), timeout=timeout)
-            with contextlib.suppress(Exception):
-                # After its reply the runner still kills its descendants and tears down its sockets.
-                process.wait(timeout=max(0.2, give_up - time.monotonic()))
-        self._resources.kill()
+            # After its reply the runner still kills its descendants and tears down its sockets.
+            resources.wait(max(0.2, give_up - time.monotonic()))
+        resources.kill()
         # Calls still waiting see the pidfd fire and leave; give them a moment before their sockets go.
         deadline = time.monotonic() + 1.0
         with self._lock:
@@ -516,15 +537,11 @@ class RunnerProcess:
 
     # --- helpers -------------------------------------------------------------------------------------------------
     def _exit_text(self) -> str:
-        process = self._resources.process
-        returncode = None
-        if process is not None:
-            with contextlib.suppress(Exception):
-                returncode = process.wait(timeout=1)
-        return _describe_exit(returncode, self.plan.exit_signal_base)
+        ended = self._resources.wait(1.0)
+        return _describe_exit(None if ended is None else ended.returncode, self.plan.exit_signal_base)
 
     def _log_text(self) -> str:
-        tail = read_log_tail(self.plan.log_path)
+        tail = read_log_tail(self._resources.runtime.log_fd)
         return f"; runner log ends with:\n{tail}" if tail else ""
 
     def _raise_warnings(self, messages: tuple[str, ...]) -> None:

@@ -125,6 +125,24 @@ def _install_hint(request: RunnerRequest) -> str | None:
     return f'carton runner install {request.runner_name} --framework-version "{request.required_framework_version}"'
 
 
+def _stale_environments(request: RunnerRequest) -> list[str]:
+    """The request's runner's environments that discovery skipped as stale, each with why and how to rebuild it."""
+    from .._environments import list_runner_environments, rebuild_command, stale_reason
+
+    lines = []
+    try:
+        for environment in list_runner_environments():
+            reason = stale_reason(environment) if environment.runner_name == request.runner_name else None
+            if reason is not None:
+                lines.append(
+                    f"{environment.runner_name} {environment.framework_version} ({environment.path}): {reason}; "
+                    f"rebuild it: {rebuild_command(environment.runner_name, environment.framework_version)}"
+                )
+    except Exception:  # as for the hint: never another error instead of the resolution error
+        return []
+    return lines
+
+
 def _no_match_message(
     request: RunnerRequest, host: str, rejections: Sequence[Rejection], problems: Sequence[PluginProblem]
 ) -> str:
@@ -137,6 +155,10 @@ def _no_match_message(
     if problems:
         lines.append("Plugins skipped:")
         lines.extend(f"  - {problem}" for problem in problems)
+    stale = _stale_environments(request)
+    if stale:
+        lines.append("Runner environments skipped, built for another carton:")
+        lines.extend(f"  - {line}" for line in stale)
     hint = _install_hint(request)
     if hint is not None:
         lines.append(f"To install a matching runner environment: {hint}")

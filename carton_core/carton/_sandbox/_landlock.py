@@ -3,7 +3,7 @@
 Standard library only: the shim imports this module as a top-level module before it execs the runner.
 
 A ruleset handles every filesystem right the kernel's ABI knows; rules then allow reading (and executing) the paths
-the runner needs and writing only its scratch and runtime directories. From ABI 4 TCP bind and connect are handled
+the runner needs and writing only its scratch directory (and /dev/null). From ABI 4 TCP bind and connect are handled
 with no rule (so denied); from ABI 6 abstract Unix sockets and signals are scoped to the sandbox.
 """
 

@@ -95,10 +95,11 @@ class MachineSupport:
                 add(layer, None, f"via {how} ({self.backend_paths[backend]})")
         if backend is Backend.BWRAP:
             add(Layer.FILESYSTEM_VIEW, None, "bubblewrap binds: system and Python paths and the model read-only, "
-                "the runtime directory read-write, nothing else")
+                "the runner's scratch folder read-write, nothing else")
         elif backend is Backend.UNSHARE:
             add(Layer.FILESYSTEM_VIEW, None, "the shim's private root (tmpfs + pivot_root): system and Python "
-                "paths and the model bound read-only, the runtime directory read-write, fresh /proc, minimal /dev")
+                "paths and the model bound read-only, the runner's scratch folder read-write, fresh /proc, minimal "
+                "/dev")
         else:
             add(Layer.FILESYSTEM_VIEW, "no namespace backend to build a private root", "")
         add(Layer.RESOURCE_LIMITS, self.rlimits, "setrlimit AS, CPU, NOFILE, NPROC, FSIZE in the shim")

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 SETUP_FAILED = 121
 _PR_SET_PDEATHSIG = 1
+_PR_SET_DUMPABLE = 4
 _RLIMITS = {
     "AS": resource.RLIMIT_AS,
     "CPU": resource.RLIMIT_CPU,
@@ -52,11 +53,15 @@ def _parent_death_signal(signum: int) -> None:
 
 
 def _reaper() -> None:
-    """Become PID 1's reaper: fork the runner, reap every orphan, exit with the runner's status (signal N as
-    128+N, like bubblewrap); when PID 1 exits the kernel kills whatever is left in the namespace."""
+    """Become PID 1's reaper (the shim is PID 1 under both backends: bubblewrap runs it ``--as-pid-1``): fork the
+    runner, reap every orphan, exit with the runner's status (signal N as 128+N, like bubblewrap); when PID 1 exits
+    the kernel kills whatever is left in the namespace. Reaping the whole tree also adds its CPU time up to the
+    process the host reaps, which the host's CPU-limit verdict reads."""
     child = os.fork()
     if child == 0:
         return
+    # Like bubblewrap's init, and whatever uid the runner shares with it: no ptrace, no /proc/1/mem, no core.
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
     os.closerange(3, 1 << 20)  # the runner's descriptors are its own; PID 1 keeps none of them open
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, lambda num, _frame: os.kill(child, num))

@@ -84,7 +84,9 @@ class SandboxSetup:
         read, write = self._paths(plan)
         inner: dict[str, object] = {
             "pdeathsig": True,
-            "reaper": self.backend is Backend.UNSHARE,
+            # The shim is the namespace's PID 1 under both backends (bwrap with --as-pid-1): it reaps the whole
+            # tree, so the CPU time the runner used adds up to the process the host reaps (the CPU-limit verdict).
+            "reaper": True,
             "rlimits": self.rlimits(),
             "close_fds": True,
             "keep_fds": list(plan.pass_fds),
@@ -98,7 +100,7 @@ class SandboxSetup:
             argv = (*self._bwrap_argv(plan, read), *_shim_argv(shim_python, inner), *runner_argv)
         else:
             inner["namespaces"] = namespace_config(
-                read=[path for path in read if path not in ("/proc", "/dev")], write=[str(plan.runtime_dir)],
+                read=[path for path in read if path not in ("/proc", "/dev")], write=[str(plan.scratch_dir)],
                 cwd=str(plan.cwd), user_namespace=not self.support.is_root)
             argv = (*_shim_argv(shim_python, inner), *runner_argv)
         # The host's PATH names its own folders; the runner gets its interpreter's and the system's.
@@ -110,39 +112,40 @@ class SandboxSetup:
             return None  # unprivileged: bwrap or the shim maps the caller to uid 65534 in a user namespace
         uid = fresh_uid()
         try:
-            for path in (plan.runtime_dir, plan.scratch_dir):
-                os.chown(path, uid, uid)
+            # Only scratch: the runtime directory around it (the runner's socket and log) stays the host's.
+            os.chown(plan.scratch_dir, uid, uid)
         except OSError as exc:
-            raise SandboxError(f"cannot hand runtime directory {plan.runtime_dir} to sandbox uid {uid}: {exc}") from exc
+            raise SandboxError(f"cannot hand scratch directory {plan.scratch_dir} to sandbox uid {uid}: {exc}") from exc
         return uid
 
     def _paths(self, plan: LaunchPlan) -> tuple[list[str], list[str]]:
         read = [*system_paths(), *import_roots(plan.argv[0], plan.env), str(SHIM.parent), "/proc", "/dev"]
         if plan.model_dir is not None:
             read.append(str(plan.model_dir))
-        write = [str(plan.runtime_dir), "/dev/null"]
+        write = [str(plan.scratch_dir), "/dev/null"]
         return read, write
 
     def _bwrap_argv(self, plan: LaunchPlan, read: list[str]) -> list[str]:
         bwrap = self.support.backend_paths[Backend.BWRAP]
         assert bwrap is not None
-        argv = [bwrap, "--die-with-parent", "--new-session", "--unshare-pid", "--unshare-net", "--unshare-ipc",
-                "--unshare-uts", "--unshare-cgroup-try", "--hostname", "carton-sandbox"]
+        argv = [bwrap, "--die-with-parent", "--new-session", "--unshare-pid", "--as-pid-1", "--unshare-net",
+                "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--hostname", "carton-sandbox"]
         if not self.support.is_root:
             argv += ["--unshare-user", "--uid", str(_NOBODY), "--gid", str(_NOBODY), "--disable-userns"]
         binds = [path for path in read if path not in ("/proc", "/dev")]
         if plan.model_dir is not None:
             binds.append(str(plan.model_dir))
         # bubblewrap would create missing parents 0700 (root-owned), which the runner's uid could not traverse.
-        argv += _parent_dirs([*binds, str(plan.runtime_dir)])
+        argv += _parent_dirs([*binds, str(plan.scratch_dir)])
         for path in binds:
             if Path(path).is_symlink() and str(Path(path).parent) == "/":
                 argv += ["--symlink", str(Path(path).readlink()), path]
             else:
                 argv += ["--ro-bind", path, path]
         argv += ["--proc", "/proc", "--dev", "/dev"]
-        argv += _parent_dirs([str(plan.runtime_dir)], under_dev=True)
-        argv += ["--bind", str(plan.runtime_dir), str(plan.runtime_dir)]
+        argv += _parent_dirs([str(plan.scratch_dir)], under_dev=True)
+        # Of the runtime directory only scratch: its socket and log the runner reaches through inherited descriptors.
+        argv += ["--bind", str(plan.scratch_dir), str(plan.scratch_dir)]
         argv += ["--remount-ro", "/", "--chdir", str(plan.cwd), "--"]
         return argv
 

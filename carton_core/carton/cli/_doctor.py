@@ -22,7 +22,9 @@ def register(subparsers: Any) -> None:
             "sandboxed process); the filesystem view; resource limits; Landlock (with its "
             "ABI version); the seccomp filter; a non-root uid. 'best_effort' runs with whatever is present and "
             "warns about the rest; 'strict' refuses to start unless every layer is present. Set "
-            "CARTON_SANDBOX_BACKEND=bwrap|unshare to force a backend."
+            "CARTON_SANDBOX_BACKEND=bwrap|unshare to force a backend. Also whether each runner gets a cgroup of "
+            "its own (cgroup v2, cgroup.kill), which is what ends, under any policy, a runner that fights its own "
+            "process tree (CARTON_RUNNER_CGROUPS=0 turns that off)."
         ),
     )
     doctor.add_argument("--json", action="store_true", help="print a JSON object instead of a table")
@@ -33,10 +35,12 @@ def register(subparsers: Any) -> None:
 
 
 def _doctor(args: argparse.Namespace) -> int:
+    from .._runtime import cgroup_support
     from .._sandbox import machine_support
     from .._sandbox._wrap import forced_backend
 
     support = machine_support()
+    cgroups = cgroup_support()
     forced = forced_backend()
     backend = support.backend(forced)
     layers = support.layers(backend)
@@ -52,6 +56,7 @@ def _doctor(args: argparse.Namespace) -> int:
             "landlock_abi": support.landlock_abi,
             "layers": {s.layer.value: {"available": s.available, "detail": s.detail} for s in layers},
             "strict": strict_ok,
+            "runner_cgroups": {"available": cgroups.available, "detail": cgroups.detail},
         }
         json.dump(report, sys.stdout, indent=2)
         print()
@@ -64,6 +69,7 @@ def _doctor(args: argparse.Namespace) -> int:
         print("layers:")
         for status in layers:
             print(f"  {'yes' if status.available else 'NO ':<4}{status.layer.value:<20} {status.detail}")
+        print(f"runner cgroups: {'yes' if cgroups.available else 'NO'} ({cgroups.detail})")
         missing = [status.layer.value for status in layers if not status.available]
         if missing:
             print(f"strict: refused here (missing {', '.join(missing)}); best_effort: runs with a warning for each")

@@ -7,7 +7,13 @@ import json
 import sys
 from typing import Any
 
-from .._environments import install_runner, list_runner_environments, remove_runner_environment
+from .._environments import (
+    install_runner,
+    list_runner_environments,
+    rebuild_command,
+    remove_runner_environment,
+    stale_reason,
+)
 from .._environments._frameworks import FRAMEWORKS
 from .._environments._registry import runners_dir
 
@@ -77,9 +83,10 @@ def _install(args: argparse.Namespace) -> int:
 
 def _list(args: argparse.Namespace) -> int:
     environments = list_runner_environments()
+    stale = {environment.path: stale_reason(environment) for environment in environments}
     if args.json:
-        print(json.dumps([{**environment.to_json(), "path": str(environment.path),
-                           "python": str(environment.python)} for environment in environments], indent=2))
+        print(json.dumps([{**environment.to_json(), "path": str(environment.path), "python": str(environment.python),
+                           "stale": stale[environment.path]} for environment in environments], indent=2))
         return 0
     if not environments:
         print(f"no runner environments installed (in {runners_dir()})")
@@ -90,6 +97,11 @@ def _list(args: argparse.Namespace) -> int:
     widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]) - 1)]
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=False)) + "  " + row[-1])
+    for environment in environments:
+        reason = stale[environment.path]
+        if reason is not None:
+            print(f"stale: {environment.runner_name} {environment.framework_version} is not offered to models "
+                  f"({reason}); rebuild it: {rebuild_command(environment.runner_name, environment.framework_version)}")
     return 0
 
 
