@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import zmq
+from zmq.backend import zmq_poll
 
 from ._codec import Outgoing, Received, RunnerCodec
 from ._limits import DEFAULT_LIMITS, WireLimits
@@ -201,17 +202,17 @@ class _Server:
         self.results = self.context.socket(zmq.PULL)
         self.results.bind("inproc://results")
         self.executor = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="carton-infer")
-        poller = zmq.Poller()
-        poller.register(self.router, zmq.POLLIN)
-        poller.register(self.results, zmq.POLLIN)
+        router, results = self.router, self.results
+        # zmq_poll on a prepared list: zmq.Poller.poll rebuilds its list on every call.
+        items: list[tuple[Any, int]] = [(router, zmq.POLLIN), (results, zmq.POLLIN)]
         while self.running:
-            for sock, _ in poller.poll():
-                if sock is self.router:
-                    self._handle(recv_message(self.router))
+            for sock, _ in zmq_poll(items, -1):
+                if sock is router:
+                    self._handle(recv_message(router))
                 else:
                     # Counted down before the reply leaves: the host's next request then finds the pool idle.
                     self.pooled -= 1
-                    send_message(self.router, recv_message(self.results))
+                    send_message(router, recv_message(results))
         return self.exit_code
 
     def _run_infer(self, ident: Any, received: Received) -> None:
