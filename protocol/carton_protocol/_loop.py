@@ -55,7 +55,7 @@ from ._messages import (
 from ._reaper import kill_tree, reap_children, set_child_subreaper, set_parent_death_signal
 from ._runner import LoadContext, PackContext, PackResult, Runner
 from ._shm import SHM_AVAILABLE, FdChannel
-from ._zmqio import recv_message, send_message
+from ._zmqio import new_context, recv_message, send_message
 from .errors import ErrorCode, FrameError, InvalidOutput, ProtocolError, RunnerFault, VersionMismatch
 
 __all__ = ["DEFAULT_INLINE_MAX_SECONDS", "INLINE_MAX_ENV", "error_code", "error_reply", "import_entry", "main"]
@@ -165,7 +165,7 @@ class _Server:
     def __init__(self, endpoint: str, entry: str, fd_channel: FdChannel | None, threads: int, limits: WireLimits):
         self.entry = entry
         self.threads = threads
-        self.context = zmq.Context()
+        self.context = new_context()
         self.router = self.context.socket(zmq.ROUTER)
         self.router.linger = 1000
         self.router.bind(endpoint)
