@@ -1,7 +1,18 @@
 """Load generator for the model server: carton's server vs real Triton and MLServer, same computation, one run, ratios.
 
-    python bench/bench_server.py [--requests 2000] [--big-requests 16] [--skip-triton] [--skip-mlserver]
-                                 [--stack-requests 2000]
+    python bench/bench_server.py [--sections goals,servers,stacks] [--rounds 3] [--requests 2000]
+                                 [--big-requests 16] [--json-elements 10000000] [--runtime-calls 5000]
+                                 [--skip-triton] [--skip-mlserver] [--stack-requests 2000]
+
+The goals section (the default) prints one row per goal of the server's performance issue: carton and Triton both
+running, measured turn about (carton first in odd rounds, Triton first in even ones), each row the median over
+rounds with the median of the per-round ratios, whether the goal is met, and the load average it ran under:
+p50 at one client and throughput at eight, over HTTP (tritonclient.http, binary tensors) and gRPC
+(tritonclient.grpc); CPU time per request of each server's whole process tree (runners and backend stubs included)
+read from /proc around the same runs; the [64,3,224,224] FP32 request; one request with a 10-million-element JSON
+tensor, timed while another connection probes /v2/health/ready and runs a small inference on another model
+(the slowest of each is reported); and `Model.infer` of the [1,16] ONNX carton against a raw pyzmq REQ/REP round
+trip between two processes. Every server is started and stopped here; nothing is left running.
 
 Starts every server itself: `carton serve` on ONNX Identity cartons; Triton 2.51 (python backend identity models)
 through ../shared/peers/triton.sh when it has been set up (``triton.sh setup``); MLServer 1.7 (an identity MLModel)
