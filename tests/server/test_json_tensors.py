@@ -10,11 +10,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from carton.server import ModelControlMode, ServerOptions, _http, serve_in_thread
-from carton.server._http_codec import _json_tensor
+from carton.server._http_codec import _LIFT_BYTES, _decode_header, _json_tensor
 from carton.server.errors import BadRequest
 from carton_protocol import DType
+
+_DTYPE = {"FP32": DType.FLOAT32, "FP64": DType.FLOAT64, "INT32": DType.INT32, "INT8": DType.INT8, "BYTES": DType.STRING}
 
 
 def _post(port: int, path: str, body: bytes) -> tuple[int, bytes]:
@@ -110,3 +113,49 @@ def test_json_tensor_refusals(data: object, dtype: DType, message: str) -> None:
     with pytest.raises(BadRequest) as caught:
         _json_tensor(data, dtype, [2], tensor="x")
     assert message in str(caught.value) and "'x'" in str(caught.value)
+
+
+def _large_header(data: bytes, datatype: str = "FP32") -> memoryview:
+    """A request header over the size from which tensors' data are parsed piece by piece (padded with spaces)."""
+    head = b'{"inputs": [{"name": "x", "shape": [3], "datatype": "%s", "data": %s}]}' % (datatype.encode(), data)
+    return memoryview(head + b" " * (_LIFT_BYTES + 1))
+
+
+@pytest.mark.parametrize(
+    ("data", "datatype", "message"),
+    [
+        (b"[1, 2, true]", "FP32", "FP32 'data' elements must be numbers, got True"),
+        (b'[1, 2, "a"]', "FP32", "must be numbers, got 'a'"),
+        (b"[1, null, 3]", "FP64", "must be numbers, got None"),
+        (b"[1, 2.5, 3]", "INT32", "INT32 'data' elements must be integers, got 2.5"),
+        (b"[1, 300, 3]", "INT8", "does not fit INT8"),
+        (b"[1, 2]", "FP32", "holds 2 elements but shape [3] needs 3"),
+        (b"[[1, 2], [3, 4]]", "FP32", "holds 4 elements but shape [3] needs 3"),
+        (b"5", "FP32", "holds 1 element but shape [3] needs 3"),
+        (b"[1, 2, 3]", "BYTES", "BYTES 'data' elements must be strings"),
+    ],
+)
+def test_large_headers_refuse_the_same(data: bytes, datatype: str, message: str) -> None:
+    header = _decode_header(_large_header(data, datatype))
+    assert isinstance(header["inputs"][0]["data"], msgspec.Raw)  # the piecewise path, not the whole parse
+    with pytest.raises(BadRequest) as caught:
+        _json_tensor(header["inputs"][0]["data"], _DTYPE[datatype], [3], tensor="x")
+    assert message in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [(b"[1, 2.5, 3]", [1.0, 2.5, 3.0]), (b" [ 1 ,2,\n3 ] ", [1.0, 2.0, 3.0]), (b"[[1], [2, 3]]", [1.0, 2.0, 3.0])],
+)
+def test_large_headers_decode_the_same(data: bytes, expected: list[float]) -> None:
+    header = _decode_header(_large_header(data))
+    assert _json_tensor(header["inputs"][0]["data"], DType.FLOAT32, [3], tensor="x").tolist() == expected
+
+
+def test_large_headers_keep_the_structure_errors() -> None:
+    padding = b" " * (_LIFT_BYTES + 1)
+    assert _decode_header(memoryview(b'{"inputs": 5}' + padding)) == {"inputs": 5}
+    with pytest.raises(BadRequest, match="not valid JSON"):
+        _decode_header(memoryview(b'{"inputs": [}' + padding))
+    with pytest.raises(BadRequest, match="not valid JSON"):
+        _decode_header(memoryview(b'{"inputs": [{"data": [1, 2,]}]}' + padding))
