@@ -1,7 +1,18 @@
 """Load generator for the model server: carton's server vs real Triton and MLServer, same computation, one run, ratios.
 
-    python bench/bench_server.py [--requests 2000] [--big-requests 16] [--skip-triton] [--skip-mlserver]
-                                 [--stack-requests 2000]
+    python bench/bench_server.py [--sections goals,servers,stacks] [--rounds 3] [--requests 2000]
+                                 [--big-requests 16] [--json-elements 10000000] [--runtime-calls 5000]
+                                 [--skip-triton] [--skip-mlserver] [--stack-requests 2000]
+
+The goals section (the default) prints one row per goal of the server's performance issue: carton and Triton both
+running, measured turn about (carton first in odd rounds, Triton first in even ones), each row the median over
+rounds with the median of the per-round ratios, whether the goal is met, and the load average it ran under:
+p50 at one client and throughput at eight, over HTTP (tritonclient.http, binary tensors) and gRPC
+(tritonclient.grpc); CPU time per request of each server's whole process tree (runners and backend stubs included)
+read from /proc around the same runs; the [64,3,224,224] FP32 request; one request with a 10-million-element JSON
+tensor, timed while another connection probes /v2/health/ready and runs a small inference on another model
+(the slowest of each is reported); and `Model.infer` of the [1,16] ONNX carton against a raw pyzmq REQ/REP round
+trip between two processes. Every server is started and stopped here; nothing is left running.
 
 Starts every server itself: `carton serve` on ONNX Identity cartons; Triton 2.51 (python backend identity models)
 through ../shared/peers/triton.sh when it has been set up (``triton.sh setup``); MLServer 1.7 (an identity MLModel)
@@ -28,16 +39,30 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _server_load import LoadResult, json_request, json_tensor_body, run_load
 
-TRITON_SH = Path(__file__).resolve().parents[2] / "shared" / "peers" / "triton.sh"
+
+def _find_triton_sh() -> Path:
+    """$TRITON_SH, else ``shared/peers/triton.sh`` beside the checkout or beside one of its parent folders (a
+    worktree of the repository sits one level deeper than the main checkout)."""
+    if "TRITON_SH" in os.environ:
+        return Path(os.environ["TRITON_SH"])
+    for folder in Path(__file__).resolve().parents[1:]:
+        candidate = folder.parent / "shared" / "peers" / "triton.sh"
+        if candidate.exists():
+            return candidate
+    return Path(__file__).resolve().parents[2] / "shared" / "peers" / "triton.sh"
+
+
+TRITON_SH = _find_triton_sh()
 MLSERVER_VENV = Path(os.environ.get("MLSERVER_VENV", Path.home() / ".cache" / "carton-peers" / "mlserver-venv"))
 
 MLSERVER_MODEL = """
@@ -112,38 +137,60 @@ def build_repository(root: Path) -> Path:
     return repo
 
 
+@dataclass(frozen=True, slots=True)
+class Served:
+    """A running server: its ports and the pid whose process tree (runners included) does its work."""
+
+    name: str
+    http: int
+    grpc: int
+    pid: int
+
+
+@contextmanager
+def carton_served(repo: Path, *extra: str) -> Iterator[Served]:
+    http, grpc = free_port(), free_port()
+    command = [sys.executable, "-m", "carton", "serve", str(repo), "--http-port", str(http), "--grpc-port", str(grpc)]
+    process = subprocess.Popen([*command, *extra], start_new_session=True)
+    try:
+        wait_ready(http)
+        yield Served("carton", http, grpc, process.pid)
+    finally:
+        stop_group(process)
+
+
 @contextmanager
 def carton_server(repo: Path) -> Iterator[int]:
-    port = free_port()
+    with carton_served(repo) as served:
+        yield served.http
+
+
+@contextmanager
+def triton_served() -> Iterator[Served | None]:
+    if not TRITON_SH.exists():
+        yield None
+        return
+    http, grpc = free_port(), free_port()
+    env = {**os.environ, "TRITON_HTTP_PORT": str(http), "TRITON_GRPC_PORT": str(grpc)}
     process = subprocess.Popen(
-        [sys.executable, "-m", "carton", "serve", str(repo), "--http-port", str(port), "--grpc-port", "0"],
+        ["bash", str(TRITON_SH), "start"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         start_new_session=True,
-    )
+    )  # fmt: skip
     try:
-        wait_ready(port)
-        yield port
+        try:
+            wait_ready(http, 180)
+        except RuntimeError:
+            yield None
+            return
+        yield Served("triton", http, grpc, process.pid)
     finally:
         stop_group(process)
 
 
 @contextmanager
 def triton_server() -> Iterator[int | None]:
-    if not TRITON_SH.exists():
-        yield None
-        return
-    port = free_port()
-    env = {**os.environ, "TRITON_HTTP_PORT": str(port), "TRITON_GRPC_PORT": str(free_port())}
-    process = subprocess.Popen(
-        ["bash", str(TRITON_SH), "start"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        wait_ready(port, 180)
-        yield port
-    except RuntimeError:
-        yield None
-    finally:
-        stop_group(process)
+    with triton_served() as served:
+        yield None if served is None else served.http
 
 
 @contextmanager
@@ -246,47 +293,10 @@ def stack_server(stack: str, root: Path) -> Iterator[int | None]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def run_load(
-    port: int, model: str, shape: tuple[int, ...], concurrency: int, requests: int, *, binary: bool = True
-) -> tuple[float, float, float]:
-    """Returns (p50 ms, p99 ms, requests/s)."""
-    import tritonclient.http as httpclient
-
-    data = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
-    latencies: list[float] = []
-    lock = threading.Lock()
-    per_thread = max(1, requests // concurrency)
-
-    def worker() -> None:
-        client = httpclient.InferenceServerClient(f"127.0.0.1:{port}", network_timeout=300, connection_timeout=300)
-        tensor = httpclient.InferInput("INPUT0", list(shape), "FP32")
-        tensor.set_data_from_numpy(data, binary_data=binary)
-        outputs = [httpclient.InferRequestedOutput("OUTPUT0", binary_data=binary)]
-        client.infer(model, [tensor], outputs=outputs)  # warm the connection
-        mine = []
-        for _ in range(per_thread):
-            started = time.perf_counter()
-            client.infer(model, [tensor], outputs=outputs).as_numpy("OUTPUT0")
-            mine.append(time.perf_counter() - started)
-        with lock:
-            latencies.extend(mine)
-
-    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
-    started = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    elapsed = time.perf_counter() - started
-    latencies.sort()
-    p99 = latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))]
-    return statistics.median(latencies) * 1e3, p99 * 1e3, len(latencies) / elapsed
-
-
 def print_table(
     title: str,
     cases: list[tuple[str, int]],
-    results: dict[str, dict[tuple[str, int], tuple[float, ...]]],
+    results: dict[str, dict[tuple[str, int], LoadResult]],
     reference: str,
 ) -> None:
     print(f"\n{title}")
@@ -298,12 +308,146 @@ def print_table(
         for name in results:
             if key not in results[name]:
                 continue
-            p50, p99, rate = results[name][key]
-            ratio = f"{p50 / base[0]:.2f}x" if base else "-"
-            rate_ratio = f"{rate / base[2]:.2f}x" if base else "-"
+            found = results[name][key]
+            p50, p99, rate = found.p50_ms, found.p99_ms, found.rate
+            ratio = f"{p50 / base.p50_ms:.2f}x" if base else "-"
+            rate_ratio = f"{rate / base.rate:.2f}x" if base else "-"
             case = f"{key[0]} c={key[1]}"
             print(f"{case:<22}{name:<19}{p50:>10.3f}{p99:>10.3f}{rate:>10.1f}{ratio:>11}{rate_ratio:>13}")
     print(f"ratios are server / {reference} (p50: lower is better; req/s: higher is better)")
+
+
+# ---- goals: carton against Triton, A/B alternated, one row per goal of the server's performance issue --------------
+@dataclass(frozen=True, slots=True)
+class Goal:
+    label: str
+    unit: str
+    #: "le": carton/Triton must be at most `bound`; "ge": at least.
+    sense: str
+    bound: float = 1.0
+
+
+GOALS = {
+    "http_p50": Goal("HTTP p50, 1 client, [1,16] FP32", "ms", "le"),
+    "grpc_p50": Goal("gRPC p50, 1 client, [1,16] FP32", "ms", "le"),
+    "http_rate": Goal("HTTP throughput, 8 clients", "req/s", "ge"),
+    "grpc_rate": Goal("gRPC throughput, 8 clients", "req/s", "ge"),
+    "http_cpu1": Goal("CPU per HTTP request, 1 client", "us", "le"),
+    "http_cpu8": Goal("CPU per HTTP request, 8 clients", "us", "le"),
+    "grpc_cpu1": Goal("CPU per gRPC request, 1 client", "us", "le"),
+    "grpc_cpu8": Goal("CPU per gRPC request, 8 clients", "us", "le"),
+    "big_p50": Goal("[64,3,224,224] FP32 (38.5 MB) HTTP p50", "ms", "le"),
+    "json_s": Goal("10M-element JSON tensor, request time", "s", "le"),
+    "json_health": Goal("  slowest health probe meanwhile", "ms", "le"),
+    "json_other": Goal("  slowest [1,16] infer of another model", "ms", "le"),
+}
+
+
+def measure_goals(served: Served, args: argparse.Namespace, json_body: bytes | None) -> dict[str, tuple[float, float]]:
+    """One pass over every goal on `served`: {goal: (value, load average)}."""
+    found: dict[str, tuple[float, float]] = {}
+    small = (1, 16)
+    for protocol, port in (("http", served.http), ("grpc", served.grpc)):
+        one = run_load(port, "identity", small, 1, args.requests, protocol=protocol, pid=served.pid)
+        eight = run_load(port, "identity", small, 8, args.requests * 2, protocol=protocol, pid=served.pid)
+        found[f"{protocol}_p50"] = (one.p50_ms, one.load)
+        found[f"{protocol}_cpu1"] = (one.cpu_us, one.load)
+        found[f"{protocol}_rate"] = (eight.rate, eight.load)
+        found[f"{protocol}_cpu8"] = (eight.cpu_us, eight.load)
+    if args.big_requests:
+        big = run_load(served.http, "identity4", (64, 3, 224, 224), 1, args.big_requests)
+        found["big_p50"] = (big.p50_ms, big.load)
+    if json_body is not None:
+        result = json_request(served.http, json_body)
+        found["json_s"] = (result.seconds, result.load)
+        found["json_health"] = (result.health_max_ms, result.load)
+        found["json_other"] = (result.other_max_ms, result.load)
+    return found
+
+
+def print_goals(rounds: list[dict[str, dict[str, tuple[float, float]]]]) -> None:
+    """Medians over the rounds for each server, the median of the per-round ratios, and the mean load average."""
+    print("\ngoals: carton against Triton (medians over A/B-alternated rounds; ratio = median of per-round ratios)")
+    header = f"{'goal':<44}{'unit':>6}{'carton':>11}{'Triton':>11}{'ratio':>8}{'goal':>9}{'met':>5}{'load':>7}"
+    print(header)
+    print("-" * len(header))
+    for key, goal in GOALS.items():
+        pairs = [
+            (r["carton"][key], r["triton"][key])
+            for r in rounds
+            if key in r.get("carton", {}) and key in r.get("triton", {})
+        ]
+        ours = [r["carton"][key] for r in rounds if key in r.get("carton", {})]
+        if not ours:
+            continue
+        value = statistics.median(v for v, _ in ours)
+        loads = [load for v, load in ours] + [load for _, (v, load) in pairs]
+        if pairs:
+            reference = statistics.median(t for _, (t, _) in pairs)
+            ratio = statistics.median(c / t if t else float("inf") for (c, _), (t, _) in pairs)
+            met = ratio <= goal.bound if goal.sense == "le" else ratio >= goal.bound
+            bound = f"{'<=' if goal.sense == 'le' else '>='}{goal.bound:g}x"
+            row = f"{reference:>11.3f}{ratio:>7.2f}x{bound:>9}{'yes' if met else 'no':>5}"
+        else:
+            row = f"{'-':>11}{'-':>8}{'':>9}{'':>5}"
+        print(f"{goal.label:<44}{goal.unit:>6}{value:>11.3f}{row}{statistics.mean(loads):>7.2f}")
+    print("CPU: user + system time of the server's whole process tree (runner processes included) from /proc, per")
+    print("request; load: the 1-minute load average while the row ran (mean over rounds and servers)")
+
+
+def run_goals(repo: Path, args: argparse.Namespace) -> None:
+    json_body = json_tensor_body(args.json_elements) if args.json_elements else None
+    rounds: list[dict[str, dict[str, tuple[float, float]]]] = []
+    with carton_served(repo) as carton, triton_served() as triton:
+        servers = [carton] if triton is None else [carton, triton]
+        if triton is None:
+            print("triton: not available (run ../shared/peers/triton.sh setup), carton alone", file=sys.stderr)
+        for index in range(args.rounds):
+            order = servers if index % 2 == 0 else servers[::-1]
+            measured: dict[str, dict[str, tuple[float, float]]] = {}
+            for served in order:
+                measured[served.name] = measure_goals(served, args, json_body)
+            rounds.append(measured)
+            print(f"round {index + 1}/{args.rounds} done (load {os.getloadavg()[0]:.2f})", file=sys.stderr)
+    print_goals(rounds)
+    if args.runtime_calls:
+        print_model_infer_ratio(repo, args.runtime_calls)
+
+
+def print_model_infer_ratio(repo: Path, calls: int) -> None:
+    """`Model.infer` of the [1,16] ONNX identity carton against a raw pyzmq REQ/REP round trip of the same bytes
+    between two processes, interleaved in rounds (the issue's in-process goal: at most 1.5x)."""
+    import carton
+    from bench_runtime import RawZmq
+    from carton_protocol import Infer
+    from carton_protocol._framing import encode_tensors
+    from carton_protocol._messages import encode
+
+    x = np.random.default_rng(0).random((1, 16), dtype=np.float32)
+    frames = [
+        encode(Infer(id=1, tensors=encode_tensors({"INPUT0": x}, pool=None, threshold=1 << 62).entries)),
+        x.tobytes(),
+    ]
+    raw = RawZmq()
+    model = carton.load(repo / "identity" / "1" / "model.carton")
+    samples: dict[str, list[float]] = {"raw": [], "model": []}
+    try:
+        for _ in range(10):
+            for name, call in (("raw", lambda: raw.call(frames)), ("model", lambda: model.infer({"INPUT0": x}))):
+                for _ in range(50):
+                    call()
+                for _ in range(calls // 10):
+                    started = time.perf_counter()
+                    call()
+                    samples[name].append(time.perf_counter() - started)
+    finally:
+        raw.close()
+        model.close()
+    raw_p50, model_p50 = (statistics.median(samples[name]) * 1e6 for name in ("raw", "model"))
+    print(
+        f"\nModel.infer, [1,16] ONNX identity carton: p50 {model_p50:.1f} us; raw pyzmq REQ/REP: {raw_p50:.1f} us; "
+        f"ratio {model_p50 / raw_p50:.2f}x (goal <= 1.5x); load {os.getloadavg()[0]:.2f}"
+    )
 
 
 def main() -> None:
@@ -319,22 +463,39 @@ def main() -> None:
     parser.add_argument("--stack-requests", type=int, default=2000, help="requests per HTTP-stack case (0: skip)")
     parser.add_argument("--skip-triton", action="store_true")
     parser.add_argument("--skip-mlserver", action="store_true")
+    parser.add_argument("--sections", default="goals", help="comma-separated: goals, servers, stacks")
+    parser.add_argument("--rounds", type=int, default=3, help="A/B-alternated rounds of the goals section")
+    parser.add_argument("--json-elements", type=int, default=10_000_000, help="JSON tensor size (0: skip)")
+    parser.add_argument("--runtime-calls", type=int, default=5000, help="Model.infer vs raw pyzmq calls (0: skip)")
     args = parser.parse_args()
+    sections = set(args.sections.split(","))
+    if "goals" in sections:
+        root = Path(tempfile.mkdtemp(prefix="carton-bench-server-"))
+        try:
+            run_goals(build_repository(root), args)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+    if not sections & {"servers", "stacks"}:
+        return
+    if "stacks" not in sections:
+        args.stack_requests = 0
     cases = [
         ("[1,16]", "identity", (1, 16), 1, args.requests),
         ("[1,16]", "identity", (1, 16), 8, args.requests),
         ("[64,3,224,224]", "identity4", (64, 3, 224, 224), 1, args.big_requests),
         ("[64,3,224,224]", "identity4", (64, 3, 224, 224), 8, args.big_requests),
     ]
-    results: dict[str, dict[tuple[str, int], tuple[float, ...]]] = {}
-    stacks: dict[str, dict[tuple[str, int], tuple[float, ...]]] = {}
+    results: dict[str, dict[tuple[str, int], LoadResult]] = {}
+    stacks: dict[str, dict[tuple[str, int], LoadResult]] = {}
     root = Path(tempfile.mkdtemp(prefix="carton-bench-server-"))
     try:
         repo = build_repository(root)
-        servers: list[tuple[str, Any, bool]] = [("carton", lambda: carton_server(repo), True)]
-        if not args.skip_triton:
+        servers: list[tuple[str, Any, bool]] = []
+        if "servers" in sections:
+            servers.append(("carton", lambda: carton_server(repo), True))
+        if "servers" in sections and not args.skip_triton:
             servers.append(("triton", triton_server, True))
-        if not args.skip_mlserver:
+        if "servers" in sections and not args.skip_mlserver:
             servers.append(("mlserver (JSON)", lambda: mlserver_server(root), False))
         for name, start, binary in servers:
             with start() as port:

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from ._reaper import descendants, kill_tree
     from ._runner import LoadContext, OptValue, PackContext, PackResult, Runner, Tensor
     from ._spec import DType, RunnerSpec, Shape, TensorSpec, hookimpl
-    from ._zmqio import recv_message, send_message
+    from ._zmqio import new_context, recv_message, send_message
     from .errors import (
         ErrorCode,
         FrameError,
@@ -100,6 +100,7 @@ __all__ = [
     "descendants",
     "hookimpl",
     "kill_tree",
+    "new_context",
     "recv_message",
     "send_message",
 ]
@@ -154,6 +155,7 @@ _SOURCES = {
     "descendants": "_reaper",
     "hookimpl": "_spec",
     "kill_tree": "_reaper",
+    "new_context": "_zmqio",
     "recv_message": "_zmqio",
     "send_message": "_zmqio",
 }

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import zmq
+from zmq.backend import zmq_poll
 
 from ._codec import Outgoing, Received, RunnerCodec
 from ._limits import DEFAULT_LIMITS, WireLimits
@@ -56,7 +57,7 @@ from ._messages import (
 from ._reaper import kill_tree, reap_children, set_child_subreaper, set_parent_death_signal
 from ._runner import LoadContext, PackContext, PackResult, Runner
 from ._shm import SHM_AVAILABLE, FdChannel
-from ._zmqio import recv_message, send_message
+from ._zmqio import new_context, recv_message, send_message
 from .errors import ErrorCode, FrameError, InvalidOutput, ProtocolError, RunnerFault, VersionMismatch
 
 __all__ = ["DEFAULT_INLINE_MAX_SECONDS", "INLINE_MAX_ENV", "error_code", "error_reply", "import_entry", "main"]
@@ -174,7 +175,7 @@ class _Server:
     ):
         self.entry = entry
         self.threads = threads
-        self.context = zmq.Context()
+        self.context = new_context()
         self.router = self.context.socket(zmq.ROUTER)
         self.router.linger = 1000
         if listen_fd is not None:
@@ -215,17 +216,17 @@ class _Server:
         self.results = self.context.socket(zmq.PULL)
         self.results.bind("inproc://results")
         self.executor = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="carton-infer")
-        poller = zmq.Poller()
-        poller.register(self.router, zmq.POLLIN)
-        poller.register(self.results, zmq.POLLIN)
+        router, results = self.router, self.results
+        # zmq_poll on a prepared list: zmq.Poller.poll rebuilds its list on every call.
+        items: list[tuple[Any, int]] = [(router, zmq.POLLIN), (results, zmq.POLLIN)]
         while self.running:
-            for sock, _ in poller.poll():
-                if sock is self.router:
-                    self._handle(recv_message(self.router))
+            for sock, _ in zmq_poll(items, -1):
+                if sock is router:
+                    self._handle(recv_message(router))
                 else:
                     # Counted down before the reply leaves: the host's next request then finds the pool idle.
                     self.pooled -= 1
-                    send_message(self.router, recv_message(self.results))
+                    send_message(router, recv_message(results))
         return self.exit_code
 
     def _run_infer(self, ident: Any, received: Received) -> None:

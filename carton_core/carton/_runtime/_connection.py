@@ -32,6 +32,7 @@ from carton_protocol import (
     Reply,
     Request,
     Tensor,
+    new_context,
     recv_message,
     send_message,
 )
@@ -76,7 +77,7 @@ class Connection:
         self.pidfd = pidfd
         self._is_alive = is_alive
         # Our own context: destroying it at close closes every thread's socket in one go.
-        self._context = zmq.Context()
+        self._context = new_context()
         self._local = threading.local()
         self._sockets_lock = threading.Lock()
         self._sockets: set[zmq.Socket[Any]] = set()
@@ -203,7 +204,7 @@ def _shared_async_context() -> zmq.Context[Any]:
     global _async_context
     with _async_context_lock:
         if _async_context is None or _async_context[0] != os.getpid():
-            _async_context = (os.getpid(), zmq.Context())
+            _async_context = (os.getpid(), new_context())
         return _async_context[1]
 
 

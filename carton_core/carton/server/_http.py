@@ -11,6 +11,7 @@ under the same limit.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import zlib
@@ -18,13 +19,15 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
 from urllib.parse import unquote
 
+import numpy as np
 import orjson
+from carton_protocol import Tensor
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ._config import ModelConfig
 from ._datatypes import DATATYPE_OF
 from ._handle import metadata_shape
-from ._http_codec import encode_infer_response, parse_infer_request
+from ._http_codec import InferBody, encode_infer_response, parse_infer_request
 from ._http_messages import AsgiAdapter, HttpRequest, HttpResponse, Receive, Scope, Send, collect_body
 from ._inference import request_failed, request_succeeded, select_outputs
 from ._repository import ModelRepository, ServedVersion
@@ -326,12 +329,20 @@ class HttpApp:
         served = repository.acquire(name, version)
         try:
             body = await self.read_body(request)
-            decoded = parse_infer_request(served, body, request.headers.get(b"inference-header-content-length"))
+            header_length = request.headers.get(b"inference-header-content-length")
+            if _json_bytes(body, header_length) < _OFF_LOOP_BYTES:
+                decoded = parse_infer_request(served, body, header_length)
+            else:  # JSON tensors: decoded on a thread, so that other requests and health probes keep answering
+                decoded = await asyncio.to_thread(parse_infer_request, served, body, header_length)
             decoded_at = time.perf_counter_ns()
             outputs, _ = await served.infer(decoded.inputs)
             inferred_at = time.perf_counter_ns()
             requested = [output for output, _ in decoded.outputs] if decoded.outputs is not None else None
-            header, parts = encode_infer_response(served, decoded, select_outputs(served, outputs, requested))
+            selected = select_outputs(served, outputs, requested)
+            if _json_output_bytes(decoded, selected) < _OFF_LOOP_BYTES:
+                header, parts = encode_infer_response(served, decoded, selected)
+            else:
+                header, parts = await asyncio.to_thread(encode_infer_response, served, decoded, selected)
         except Exception as exc:
             raise request_failed(served, exc, repository.scrub, started_ns=started) from exc
         request_succeeded(served, started_ns=started, decoded_ns=decoded_at, inferred_ns=inferred_at)
@@ -398,6 +409,28 @@ def _load_parameters(parameters: dict[str, Any]) -> tuple[str | None, dict[str, 
         else:
             raise BadRequest(f"unknown load parameter {key!r} (expected 'config' or 'file:<version>/<path>')")
     return config, files
+
+
+#: A JSON request header, or JSON response outputs, at least this large is decoded (encoded) on a worker thread:
+#: below it, the thread hand-off would cost more than the event loop is held.
+_OFF_LOOP_BYTES = 1 << 16
+
+
+def _json_bytes(body: bytes | bytearray, header_length: bytes | None) -> int:
+    """How many bytes of `body` are JSON (a malformed length counts as the whole body: the decoder refuses it)."""
+    if header_length is not None and header_length.strip().isdigit():
+        return min(int(header_length), len(body))
+    return len(body)
+
+
+def _json_output_bytes(request: InferBody, selected: list[tuple[str, Tensor]]) -> int:
+    """The size of the outputs the response carries as JSON numbers (a bound on the work of writing them)."""
+    binary_of = dict(request.outputs) if request.outputs is not None else {}
+    return sum(
+        tensor.nbytes
+        for name, tensor in selected
+        if isinstance(tensor, np.ndarray) and not binary_of.get(name, request.binary_default)
+    )
 
 
 def _expect(method: str, allowed: str) -> None:

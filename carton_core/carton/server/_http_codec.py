@@ -8,11 +8,13 @@ arrays' memory.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import numpy as np
 import orjson
 from carton_protocol import DType, Tensor
@@ -64,6 +66,22 @@ def _flag(parameters: dict[str, Any], key: str, *, where: str) -> bool | None:
 
 def _json_tensor(data: object, dtype: DType, shape: Sequence[int], *, tensor: str) -> np.ndarray:
     count = element_count(shape, tensor=tensor)
+    array: np.ndarray | None = None
+    if isinstance(data, msgspec.Raw):
+        if dtype is not DType.STRING:
+            array = _raw_numbers(data, NUMPY_OF[DATATYPE_OF[dtype]])
+        if array is None:
+            data = orjson.loads(memoryview(data))  # valid JSON: the header's decoder checked it
+    if array is None and dtype is not DType.STRING:
+        array = _json_numbers(data, NUMPY_OF[DATATYPE_OF[dtype]])
+    if array is not None:
+        if array.size != count:
+            raise BadRequest(
+                f"input {tensor!r}: 'data' holds {counted(array.size, 'element')} but shape {list(shape)} needs {count}"
+            )
+        return array.reshape(shape)
+    # Anything the fast path does not take (strings, ragged nesting, a wrong element) is checked element by element,
+    # which also names what is wrong.
     flat: list[Any] = []
     stack = [data]
     while stack:
@@ -91,6 +109,120 @@ def _json_tensor(data: object, dtype: DType, shape: Sequence[int], *, tensor: st
         return np.array(flat, dtype=numpy_dtype).reshape(shape)
     except (OverflowError, ValueError) as exc:
         raise BadRequest(f"input {tensor!r}: a 'data' element does not fit {DATATYPE_OF[dtype]} ({exc})") from exc
+
+
+#: Elements converted per numpy call: the decoding thread gives the event loop's thread the GIL between calls.
+_CHUNK = 1 << 18
+
+
+def _json_numbers(data: object, numpy_dtype: np.dtype[Any]) -> np.ndarray | None:
+    """`data` (a flat or evenly nested JSON list of numbers) as an array of `numpy_dtype`, in C, or None when it
+    is anything else (the caller's element-by-element path then names the fault).
+
+    msgspec checks the element types as the element-by-element path does (no booleans, no strings, integers only for
+    integer types) without a Python-level loop; numpy converts in chunks."""
+    depth = 0
+    probe = data
+    while isinstance(probe, list):
+        depth += 1
+        probe = probe[0] if probe else None
+    if depth == 0:
+        return None
+    element: Any = int if numpy_dtype.kind in "iu" else float
+    try:
+        checked = msgspec.convert(data, _nested_list(element, depth))
+        if depth > 1:
+            return np.array(checked, dtype=numpy_dtype)
+        array = np.empty(len(checked), dtype=numpy_dtype)
+        for start in range(0, len(checked), _CHUNK):
+            part = checked[start : start + _CHUNK]
+            array[start : start + len(part)] = np.fromiter(part, numpy_dtype, len(part))
+        return array
+    except (msgspec.ValidationError, OverflowError, ValueError, TypeError):
+        return None
+
+
+#: A JSON header at least this large is decoded with its tensors' ``data`` left as raw text (`_decode_header`).
+_LIFT_BYTES = 1 << 20
+#: Bytes of a raw ``data`` array parsed per call (`_raw_numbers`).
+_PIECE_BYTES = 1 << 20
+
+
+class _LiftedInput(msgspec.Struct):
+    name: Any = None
+    datatype: Any = None
+    shape: Any = None
+    parameters: Any = None
+    data: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
+
+
+class _LiftedHeader(msgspec.Struct):
+    id: Any = None
+    parameters: Any = None
+    inputs: list[_LiftedInput] | None = None
+    outputs: Any = None
+
+
+_LIFTED = msgspec.json.Decoder(_LiftedHeader)
+
+
+def _decode_header(text: memoryview) -> Any:
+    """The request's JSON header. A large one is decoded with each input's ``data`` kept as raw JSON text (parsed
+    later piece by piece, `_raw_numbers`): one parse of millions of numbers into Python objects would hold the GIL,
+    and so stall the event loop, for its whole length. Any header that shape does not fit is decoded in full, which
+    also gives the error messages."""
+    if len(text) >= _LIFT_BYTES:
+        try:
+            lifted = _LIFTED.decode(text)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            pass
+        else:
+            inputs = None
+            if lifted.inputs is not None:
+                inputs = [
+                    {"name": i.name, "datatype": i.datatype, "shape": i.shape, "parameters": i.parameters}
+                    | ({} if i.data is msgspec.UNSET else {"data": i.data})
+                    for i in lifted.inputs
+                ]
+            return {"id": lifted.id, "parameters": lifted.parameters, "inputs": inputs, "outputs": lifted.outputs}
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"the inference request header is not valid JSON: {exc}") from exc
+
+
+def _raw_numbers(raw: msgspec.Raw, numpy_dtype: np.dtype[Any]) -> np.ndarray | None:
+    """A flat JSON array of numbers, given as its text, parsed about a megabyte at a time (the GIL is free between
+    pieces); None for anything else, which the caller decodes in full."""
+    text = bytes(memoryview(raw)).strip()
+    if not (text.startswith(b"[") and text.endswith(b"]")) or text.count(b"[") != 1 or b'"' in text:
+        return None  # nested, or holding strings: commas do not separate elements
+    inner = text[1:-1]
+    count = inner.count(b",") + 1 if inner.strip() else 0
+    array = np.empty(count, dtype=numpy_dtype)
+    element: Any = int if numpy_dtype.kind in "iu" else float
+    element_list = list[element]
+    # The pieces' Python numbers are freed together at the end: freed piece by piece, the allocator would hand their
+    # memory back to the system and fault fresh pages in for the next piece, which costs more than the parse.
+    pieces = []
+    filled = start = 0
+    try:
+        while start < len(inner):
+            end = inner.find(b",", start + _PIECE_BYTES)
+            end = len(inner) if end < 0 else end
+            piece = msgspec.convert(orjson.loads(b"[" + inner[start:end] + b"]"), element_list)
+            pieces.append(piece)
+            array[filled : filled + len(piece)] = np.fromiter(piece, numpy_dtype, len(piece))
+            filled += len(piece)
+            start = end + 1
+    except (orjson.JSONDecodeError, msgspec.ValidationError, OverflowError, ValueError, TypeError):
+        return None
+    return array if filled == count else None
+
+
+@functools.cache
+def _nested_list(element: type, depth: int) -> Any:
+    return element if depth == 0 else list[_nested_list(element, depth - 1)]  # type: ignore[misc]
 
 
 def _raw_request(served: ServedVersion, body: memoryview) -> InferBody:
@@ -152,10 +284,7 @@ def parse_infer_request(served: ServedVersion, body: bytes | bytearray, header_l
             )
         if json_end == 0:
             return _raw_request(served, view)
-    try:
-        header = orjson.loads(view[:json_end])
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"the inference request header is not valid JSON: {exc}") from exc
+    header = _decode_header(view[:json_end])
     if not isinstance(header, dict):
         raise BadRequest("the inference request header must be a JSON object")
     request_id = header.get("id")

@@ -1,0 +1,200 @@
+"""Load generators for bench_server.py: tritonclient over HTTP and gRPC, CPU time of a server's process tree from
+/proc, and the JSON-tensor request timed while health and a small inference are probed (imported as a sibling)."""
+
+from __future__ import annotations
+
+import http.client
+import os
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def tree_cpu_seconds(root: int) -> float:
+    """User + system CPU time of process `root` and every descendant (every thread), from /proc."""
+    parents: dict[int, int] = {}
+    times: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as file:
+                text = file.read()
+        except OSError:
+            continue
+        fields = text[text.rindex(b")") + 2 :].split()
+        parents[int(entry)] = int(fields[1])
+        times[int(entry)] = int(fields[11]) + int(fields[12])
+    tree = {root}
+    grown = True
+    while grown:
+        grown = False
+        for pid, parent in parents.items():
+            if parent in tree and pid not in tree:
+                tree.add(pid)
+                grown = True
+    return sum(times.get(pid, 0) for pid in tree) / _TICKS
+
+
+@dataclass(frozen=True, slots=True)
+class LoadResult:
+    p50_ms: float
+    p99_ms: float
+    rate: float
+    #: CPU time of the server's process tree per request, in microseconds (0 when no pid was given).
+    cpu_us: float
+    load: float
+
+
+def _client(protocol: str, port: int, shape: tuple[int, ...], data: np.ndarray, binary: bool) -> Any:
+    """A callable sending one inference to model `identity`-like endpoints, made for one thread."""
+    if protocol == "grpc":
+        import tritonclient.grpc as grpcclient
+
+        grpc_client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+        grpc_tensor = grpcclient.InferInput("INPUT0", list(shape), "FP32")
+        grpc_tensor.set_data_from_numpy(data)
+        grpc_outputs = [grpcclient.InferRequestedOutput("OUTPUT0")]
+
+        def grpc_call(model: str) -> None:
+            grpc_client.infer(model, [grpc_tensor], outputs=grpc_outputs).as_numpy("OUTPUT0")
+
+        return grpc_call
+    import tritonclient.http as httpclient
+
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{port}", network_timeout=300, connection_timeout=300)
+    tensor = httpclient.InferInput("INPUT0", list(shape), "FP32")
+    tensor.set_data_from_numpy(data, binary_data=binary)
+    outputs = [httpclient.InferRequestedOutput("OUTPUT0", binary_data=binary)]
+
+    def call(model: str) -> None:
+        client.infer(model, [tensor], outputs=outputs).as_numpy("OUTPUT0")
+
+    return call
+
+
+def run_load(
+    port: int,
+    model: str,
+    shape: tuple[int, ...],
+    concurrency: int,
+    requests: int,
+    *,
+    binary: bool = True,
+    protocol: str = "http",
+    pid: int | None = None,
+) -> LoadResult:
+    """`requests` inferences over `concurrency` threads (each with its own client, warmed up first)."""
+    data = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    latencies: list[float] = []
+    lock = threading.Lock()
+    per_thread = max(1, requests // concurrency)
+    barrier = threading.Barrier(concurrency + 1)
+
+    def worker() -> None:
+        call = _client(protocol, port, shape, data, binary)
+        call(model)  # warm the connection
+        barrier.wait()
+        mine = []
+        for _ in range(per_thread):
+            started = time.perf_counter()
+            call(model)
+            mine.append(time.perf_counter() - started)
+        with lock:
+            latencies.extend(mine)
+
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    barrier.wait()
+    cpu_before = tree_cpu_seconds(pid) if pid is not None else 0.0
+    started = time.perf_counter()
+    for thread in threads:
+        thread.join()
+    elapsed = time.perf_counter() - started
+    cpu = (tree_cpu_seconds(pid) - cpu_before) if pid is not None else 0.0
+    latencies.sort()
+    p99 = latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))]
+    return LoadResult(
+        p50_ms=statistics.median(latencies) * 1e3,
+        p99_ms=p99 * 1e3,
+        rate=len(latencies) / elapsed,
+        cpu_us=cpu / len(latencies) * 1e6,
+        load=os.getloadavg()[0],
+    )
+
+
+def json_tensor_body(elements: int) -> bytes:
+    """An inference request for model `identity` whose input is `elements` FP32 numbers as a JSON list (shape
+    [1, elements]); the output is asked for as binary data, so the response costs little to either server."""
+    import orjson
+
+    values = (np.arange(elements, dtype=np.float32) % 1000) / np.float32(8)
+    document = {
+        "inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, elements], "data": values}],
+        "outputs": [{"name": "OUTPUT0", "parameters": {"binary_data": True}}],
+    }
+    return orjson.dumps(document, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+@dataclass(frozen=True, slots=True)
+class JsonResult:
+    seconds: float
+    #: The slowest health probe and the slowest small inference of another model while the request was in flight.
+    health_max_ms: float
+    other_max_ms: float
+    probes: int
+    load: float
+
+
+def json_request(port: int, body: bytes) -> JsonResult:
+    """Time one JSON-tensor request while another thread probes ``/v2/health/ready`` and infers on `identity4`."""
+    done = threading.Event()
+    health: list[float] = []
+    other: list[float] = []
+    ready = threading.Event()
+
+    def probe() -> None:
+        # tritonclient's HTTP client runs on gevent: made and used on this thread only.
+        small = _client("http", port, (1, 1, 1, 16), np.ones((1, 1, 1, 16), np.float32), True)
+        small("identity4")
+        ready.set()
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        while not done.is_set():
+            started = time.perf_counter()
+            connection.request("GET", "/v2/health/ready")
+            connection.getresponse().read()
+            health.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            small("identity4")
+            other.append(time.perf_counter() - started)
+            time.sleep(0.002)
+        connection.close()
+
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+    thread = threading.Thread(target=probe)
+    thread.start()
+    ready.wait()
+    started = time.perf_counter()
+    connection.request("POST", "/v2/models/identity/infer", body, {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    response.read()
+    seconds = time.perf_counter() - started
+    done.set()
+    thread.join()
+    connection.close()
+    if response.status != 200:
+        raise RuntimeError(f"the JSON-tensor request failed with HTTP {response.status}")
+    return JsonResult(
+        seconds=seconds,
+        health_max_ms=max(health, default=0.0) * 1e3,
+        other_max_ms=max(other, default=0.0) * 1e3,
+        probes=len(health),
+        load=os.getloadavg()[0],
+    )

@@ -1,0 +1,161 @@
+"""JSON tensors: large ones are decoded off the event loop (health keeps answering meanwhile), and the numpy fast
+path refuses exactly what the element-by-element checks refuse."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from carton.server import ModelControlMode, ServerOptions, _http, serve_in_thread
+from carton.server._http_codec import _LIFT_BYTES, _decode_header, _json_tensor
+from carton.server.errors import BadRequest
+from carton_protocol import DType
+
+_DTYPE = {"FP32": DType.FLOAT32, "FP64": DType.FLOAT64, "INT32": DType.INT32, "INT8": DType.INT8, "BYTES": DType.STRING}
+
+
+def _post(port: int, path: str, body: bytes) -> tuple[int, bytes]:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    try:
+        connection.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+        response = connection.getresponse()
+        return response.status, response.read()
+    finally:
+        connection.close()
+
+
+def test_health_answers_while_a_json_tensor_decodes(repository: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    decodes: list[tuple[float, float]] = []
+    decode = _http.parse_infer_request
+
+    def timed_decode(*args: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return decode(*args)
+        finally:
+            decodes.append((started, time.perf_counter()))
+
+    monkeypatch.setattr(_http, "parse_infer_request", timed_decode)
+    options = ServerOptions(
+        repository=repository,
+        http_port=0,
+        grpc_port=None,
+        model_control_mode=ModelControlMode.EXPLICIT,
+        load_models=("identity",),
+        max_body_size=64 * 1024 * 1024,
+        upload_sandbox=None,
+    )
+    count = 4_000_000
+    body = (
+        b'{"inputs": [{"name": "INPUT0", "shape": [1, %d], "datatype": "FP32", "data": [' % count
+        + b"1," * (count - 1)
+        + b'1]}], "outputs": [{"name": "OUTPUT0", "parameters": {"binary_data": true}}]}'
+    )
+    with serve_in_thread(options) as server:
+        answer: list[tuple[int, bytes]] = []
+        sender = threading.Thread(
+            target=lambda: answer.append(_post(server.http_port, "/v2/models/identity/infer", body))
+        )
+        probe = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=120)
+        answered: list[float] = []
+        sender.start()
+        while sender.is_alive():
+            probe.request("GET", "/v2/health/ready")
+            response = probe.getresponse()
+            response.read()
+            assert response.status == 200
+            answered.append(time.perf_counter())
+        sender.join()
+        probe.close()
+    status, payload = answer[0]
+    assert status == 200, payload[:200]
+    header_length = int(payload.index(b"}]}") + 3)
+    header = json.loads(payload[:header_length])
+    assert header["outputs"][0]["shape"] == [1, count]
+    assert header["outputs"][0]["parameters"]["binary_data_size"] == 4 * count
+    started, finished = max(decodes, key=lambda window: window[1] - window[0])
+    assert any(started < moment < finished for moment in answered), "no health answer while the tensor decoded"
+
+
+@pytest.mark.parametrize(
+    ("data", "dtype", "shape", "expected"),
+    [
+        ([[1, 2.5], [3, 4]], DType.FLOAT32, [2, 2], [[1.0, 2.5], [3.0, 4.0]]),
+        ([1, 2, 3], DType.INT64, [3], [1, 2, 3]),
+        ([[1], [2, 3]], DType.FLOAT32, [3], [1.0, 2.0, 3.0]),  # ragged nesting: only the count must agree
+        ([], DType.FLOAT32, [0], []),
+    ],
+)
+def test_json_tensor_values(data: object, dtype: DType, shape: list[int], expected: object) -> None:
+    assert _json_tensor(data, dtype, shape, tensor="x").tolist() == expected
+
+
+@pytest.mark.parametrize(
+    ("data", "dtype", "message"),
+    [
+        ([1.0, True], DType.FLOAT32, "FP32 'data' elements must be numbers, got True"),
+        ([1, 2.5], DType.INT32, "INT32 'data' elements must be integers, got 2.5"),
+        (["1.5", 2], DType.FLOAT32, "must be numbers, got '1.5'"),
+        ([None, 2], DType.FLOAT64, "must be numbers, got None"),
+        ([300, 1], DType.INT8, "does not fit INT8"),
+        ([-1, 1], DType.UINT16, "does not fit UINT16"),
+        ([[1, 2], [3]], DType.FLOAT32, "holds 3 elements but shape [2] needs 2"),
+        (5, DType.FLOAT32, "holds 1 element but shape [2] needs 2"),
+    ],
+)
+def test_json_tensor_refusals(data: object, dtype: DType, message: str) -> None:
+    with pytest.raises(BadRequest) as caught:
+        _json_tensor(data, dtype, [2], tensor="x")
+    assert message in str(caught.value) and "'x'" in str(caught.value)
+
+
+def _large_header(data: bytes, datatype: str = "FP32") -> memoryview:
+    """A request header over the size from which tensors' data are parsed piece by piece (padded with spaces)."""
+    head = b'{"inputs": [{"name": "x", "shape": [3], "datatype": "%s", "data": %s}]}' % (datatype.encode(), data)
+    return memoryview(head + b" " * (_LIFT_BYTES + 1))
+
+
+@pytest.mark.parametrize(
+    ("data", "datatype", "message"),
+    [
+        (b"[1, 2, true]", "FP32", "FP32 'data' elements must be numbers, got True"),
+        (b'[1, 2, "a"]', "FP32", "must be numbers, got 'a'"),
+        (b"[1, null, 3]", "FP64", "must be numbers, got None"),
+        (b"[1, 2.5, 3]", "INT32", "INT32 'data' elements must be integers, got 2.5"),
+        (b"[1, 300, 3]", "INT8", "does not fit INT8"),
+        (b"[1, 2]", "FP32", "holds 2 elements but shape [3] needs 3"),
+        (b"[[1, 2], [3, 4]]", "FP32", "holds 4 elements but shape [3] needs 3"),
+        (b"5", "FP32", "holds 1 element but shape [3] needs 3"),
+        (b"[1, 2, 3]", "BYTES", "BYTES 'data' elements must be strings"),
+    ],
+)
+def test_large_headers_refuse_the_same(data: bytes, datatype: str, message: str) -> None:
+    header = _decode_header(_large_header(data, datatype))
+    assert isinstance(header["inputs"][0]["data"], msgspec.Raw)  # the piecewise path, not the whole parse
+    with pytest.raises(BadRequest) as caught:
+        _json_tensor(header["inputs"][0]["data"], _DTYPE[datatype], [3], tensor="x")
+    assert message in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [(b"[1, 2.5, 3]", [1.0, 2.5, 3.0]), (b" [ 1 ,2,\n3 ] ", [1.0, 2.0, 3.0]), (b"[[1], [2, 3]]", [1.0, 2.0, 3.0])],
+)
+def test_large_headers_decode_the_same(data: bytes, expected: list[float]) -> None:
+    header = _decode_header(_large_header(data))
+    assert _json_tensor(header["inputs"][0]["data"], DType.FLOAT32, [3], tensor="x").tolist() == expected
+
+
+def test_large_headers_keep_the_structure_errors() -> None:
+    padding = b" " * (_LIFT_BYTES + 1)
+    assert _decode_header(memoryview(b'{"inputs": 5}' + padding)) == {"inputs": 5}
+    with pytest.raises(BadRequest, match="not valid JSON"):
+        _decode_header(memoryview(b'{"inputs": [}' + padding))
+    with pytest.raises(BadRequest, match="not valid JSON"):
+        _decode_header(memoryview(b'{"inputs": [{"data": [1, 2,]}]}' + padding))
