@@ -92,9 +92,23 @@ def pids() -> list[int]:
     return [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
 
 
+def _descends_from(pid: int, ancestor: int) -> bool:
+    while pid > 1:
+        pid = _parent(pid)
+        if pid == ancestor:
+            return True
+    return False
+
+
 def replica_pids(deployment: str = "CartonModels") -> list[int]:
-    """Processes of the deployment's replicas (Ray titles them ``ray::ServeReplica:<app>:<deployment>``)."""
-    return [pid for pid in pids() if f":{deployment}" in _cmdline(pid) and "ServeReplica" in _cmdline(pid)]
+    """Processes of the deployment's replicas (Ray titles them ``ray::ServeReplica:<app>:<deployment>``) in this
+    test session's cluster, whose raylets are children of this process: another cluster on the machine is not
+    counted."""
+    return [
+        pid
+        for pid in pids()
+        if f":{deployment}" in _cmdline(pid) and "ServeReplica" in _cmdline(pid) and _descends_from(pid, os.getpid())
+    ]
 
 
 def runner_pids(hosts: Iterable[int], *, direct: bool = False) -> list[int]:
