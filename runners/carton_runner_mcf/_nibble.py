@@ -71,7 +71,7 @@ def quantize_pairs(x, xq, xs, xe, xoff):  # type: ignore[no-untyped-def]
                 column = base + c
                 value = x[j, column] * inverse if column < k else np.float32(0.0)
                 code = np.int16(np.rint(value))
-                total += code
+                total += int(code)
                 xq[j, lanes + _LANE_OF_CODE[code0 + c]] = code
             for lane in range(4):
                 xe[j, (b // 2) * 8 + (b % 2) * 4 + lane] = scale
