@@ -81,24 +81,14 @@ def quantize_pairs(x, xq, xs, xe, xoff):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(**JIT)
-def _pair(payload, at):  # type: ignore[no-untyped-def]
-    """The four nibble vectors of the pair of blocks whose codes start at byte ``at``."""
+def _pair(payload, at, half):  # type: ignore[no-untyped-def]
+    """The four nibble vectors of the pair of blocks whose codes start at byte ``at``; with ``half`` 1 (a constant)
+    a row's odd last block alone (16 bytes), the second block's lanes zero."""
     return (
-        nibbles(payload, at, 0, 0),
-        nibbles(payload, at, 1, 0),
-        nibbles(payload, at, 2, 0),
-        nibbles(payload, at, 3, 0),
-    )
-
-
-@numba.njit(**JIT)
-def _last(payload, at):  # type: ignore[no-untyped-def]
-    """`_pair` for a row's odd last block (16 bytes): the second block's lanes are zero."""
-    return (
-        nibbles(payload, at, 0, 1),
-        nibbles(payload, at, 1, 1),
-        nibbles(payload, at, 2, 1),
-        nibbles(payload, at, 3, 1),
+        nibbles(payload, at, 0, half),
+        nibbles(payload, at, 1, half),
+        nibbles(payload, at, 2, half),
+        nibbles(payload, at, 3, half),
     )
 
 
@@ -169,9 +159,9 @@ def nibble_rows(payload, meta, xq, xs, xe, xoff, y, first, last):  # type: ignor
         while j + 4 <= m:  # four activation rows share each unpacked pair
             tile = (zeros(), zeros(), zeros(), zeros())
             for p in range(pairs):
-                tile = _four_rows(_pair(payload, at + 32 * p), xq, xe, spread_scales, j, p, tile)
+                tile = _four_rows(_pair(payload, at + 32 * p, 0), xq, xe, spread_scales, j, p, tile)
             if odd:
-                tile = _four_rows(_last(payload, at + 32 * pairs), xq, xe, spread_scales, j, pairs, tile)
+                tile = _four_rows(_pair(payload, at + 32 * pairs, 1), xq, xe, spread_scales, j, pairs, tile)
             y[j, r] = hsum(tile[0]) - _offset(scales, xoff, j, padded)
             y[j + 1, r] = hsum(tile[1]) - _offset(scales, xoff, j + 1, padded)
             y[j + 2, r] = hsum(tile[2]) - _offset(scales, xoff, j + 2, padded)
@@ -187,17 +177,17 @@ def nibble_rows(payload, meta, xq, xs, xe, xoff, y, first, last):  # type: ignor
             even, odd_sum = zeros(), zeros()
             x0 = j * stride
             for p in range(0, pairs - 1, 2):
-                products = _products(_pair(payload, at + 32 * p), xq, x0 + 64 * p)
+                products = _products(_pair(payload, at + 32 * p, 0), xq, x0 + 64 * p)
                 even = fma(to_float(products), load_f32x8(spread_scales, 8 * p), even)
-                products = _products(_pair(payload, at + 32 * p + 32), xq, x0 + 64 * p + 64)
+                products = _products(_pair(payload, at + 32 * p + 32, 0), xq, x0 + 64 * p + 64)
                 odd_sum = fma(to_float(products), load_f32x8(spread_scales, 8 * p + 8), odd_sum)
             if pairs % 2:
                 p = pairs - 1
-                products = _products(_pair(payload, at + 32 * p), xq, x0 + 64 * p)
+                products = _products(_pair(payload, at + 32 * p, 0), xq, x0 + 64 * p)
                 even = fma(to_float(products), load_f32x8(spread_scales, 8 * p), even)
             if odd:
                 p = pairs
-                products = _products(_last(payload, at + 32 * p), xq, x0 + 64 * p)
+                products = _products(_pair(payload, at + 32 * p, 1), xq, x0 + 64 * p)
                 odd_sum = fma(to_float(products), load_f32x8(spread_scales, 8 * p), odd_sum)
             y[j, r] = hsum(even) + hsum(odd_sum) - hsum(offset)
             j += 1
