@@ -31,6 +31,7 @@ from ._simd import (
     mul,
     nibble_order,
     nibbles,
+    prefetch,
     spread,
     store_f32x8,
     to_float,
@@ -42,6 +43,8 @@ __all__ = ["PAIR_LANES", "nibble_rows", "quantize_pairs"]
 _INV32767 = np.float32(1.0 / 32767.0)
 #: code index (within a pair of blocks) -> lane of `_simd.nibble_order`, for `quantize_pairs`.
 _LANE_OF_CODE = np.argsort(np.array(nibble_order(), dtype=np.int64)).astype(np.int64)
+#: How far ahead of the codes being read the single-row loop asks for the next ones (bytes).
+_AHEAD = 1024
 #: int16 activations per pair of blocks.
 PAIR_LANES = 64
 
@@ -177,6 +180,7 @@ def nibble_rows(payload, meta, xq, xs, xe, xoff, y, first, last):  # type: ignor
             even, odd_sum = zeros(), zeros()
             x0 = j * stride
             for p in range(0, pairs - 1, 2):
+                prefetch(payload, at + 32 * p + _AHEAD)
                 products = _products(_pair(payload, at + 32 * p, 0), xq, x0 + 64 * p)
                 even = fma(to_float(products), load_f32x8(spread_scales, 8 * p), even)
                 products = _products(_pair(payload, at + 32 * p + 32, 0), xq, x0 + 64 * p + 64)

@@ -46,6 +46,7 @@ __all__ = [
     "mul",
     "nibble_order",
     "nibbles",
+    "prefetch",
     "splat",
     "spread",
     "store_f32x8",
@@ -451,3 +452,19 @@ def spread(typingctx: Any, vector: Any, k: Any) -> tuple[Any, Codegen] | None:
         return builder.shuffle_vector(args[0], args[0], _constant(_I32, [2 * pair] * 4 + [2 * pair + 1] * 4))
 
     return F32x8(F32x8, k), codegen
+
+
+@intrinsic
+def prefetch(typingctx: Any, payload: Any, byte_index: Any) -> tuple[Any, Codegen]:
+    """Ask the cache to fetch the line holding byte ``byte_index`` of the uint8 array ``payload`` for reading
+    (``llvm.prefetch``; a hint: no fault past the end, nothing where the machine has no such instruction)."""
+
+    def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: list[Any]) -> Any:
+        pointer = builder.gep(_element_pointer(context, builder, sig.args[0], args[0], _I8), [args[1]])
+        function = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]), "llvm.prefetch.p0i8"
+        )
+        builder.call(function, [pointer, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+        return context.get_dummy_value()
+
+    return types.none(payload, byte_index), codegen
