@@ -1,10 +1,11 @@
 """Compiled (numba) forms of a decode step's small operations: RMSNorm, rotary embedding with attention over the KV
-cache for one new token, SwiGLU.
+cache for one new token, SwiGLU; and rotary embedding of a chunk of tokens (prefill).
 
 numpy spends a few microseconds on each of the few dozen small calls a layer makes for one token, as much as the
 quantized products themselves on a small model (docs/performance.md, "Compiled kernels"), and all of it on the
 calling thread, which bounds what threads give. These do the same float32 arithmetic in one call each; `_llama`
-uses them for single-token steps when the compiled kernels are in use. Attention sums in a different order than
+uses them for single-token steps when the compiled kernels are in use, and the norm, SwiGLU and `rotary` for
+longer chunks too. Attention sums in a different order than
 numpy's matmul, so results agree to float32 rounding.
 """
 
@@ -15,7 +16,7 @@ import math
 import numba
 import numpy as np
 
-__all__ = ["attend_one", "rms_norm", "swiglu"]
+__all__ = ["attend_one", "rms_norm", "rotary", "swiglu"]
 
 # fastmath lets LLVM vectorize the sums (a dot product over head_dim, over hidden for the norm) by reassociating
 # them; every other operation keeps IEEE semantics.
@@ -42,6 +43,22 @@ def swiglu(gate, up, out):  # type: ignore[no-untyped-def]
     for i in range(flat_gate.size):
         g = flat_gate[i]
         flat_out[i] = g / (np.float32(1.0) + np.float32(math.exp(-g))) * flat_up[i]
+
+
+@numba.njit(**_JIT)
+def rotary(x, cos, sin, out):  # type: ignore[no-untyped-def]
+    """Rotary embedding of ``x [b, heads, seq, d]`` into ``out`` (same shape; may be a view such as a slice of the KV
+    cache): the two halves of a head rotated by ``cos`` / ``sin [b, 1, seq, d / 2]``."""
+    batch, heads, seq, d = x.shape
+    half = d // 2
+    for b in range(batch):
+        for h in range(heads):
+            for t in range(seq):
+                for i in range(half):
+                    first, second = x[b, h, t, i], x[b, h, t, half + i]
+                    c, s = cos[b, 0, t, i], sin[b, 0, t, i]
+                    out[b, h, t, i] = first * c - second * s
+                    out[b, h, t, half + i] = second * c + first * s
 
 
 @numba.njit(**_JIT)

@@ -163,6 +163,15 @@ class LlamaModel:
         normed: F32 = (x / np.sqrt(variance + np.float32(self.config.rms_norm_eps))) * weight
         return normed
 
+    def _norm(self, x: F32, weight: F32) -> F32:
+        """`_rms_norm`, compiled (`_fused.rms_norm`) when the compiled kernels are in use."""
+        if self._fused is None:
+            return self._rms_norm(x, weight)
+        rows = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
+        out = np.empty_like(rows)
+        self._fused.rms_norm(rows, weight, np.float32(self.config.rms_norm_eps), out)
+        return out.reshape(x.shape)
+
     def _rotary(self, positions: I64) -> tuple[F32, F32]:
         """cos and sin, ``[batch, 1, seq, head_dim // 2]``; the two halves of a head share them."""
         freqs = positions[:, None, :, None].astype(np.float32) * self._inv_freq
@@ -200,16 +209,23 @@ class LlamaModel:
         cos, sin = self._rotary(positions)
         groups = config.num_heads // config.num_kv_heads
         heads, kv_heads, head_dim, reduce = self.heads, self.kv_heads, config.head_dim, self.reduce
+        fused = self._fused
 
         hidden = self.embedding(input_ids)
         for index, layer in enumerate(self.layers):
-            normed = self._rms_norm(hidden, layer.input_norm)
+            normed = self._norm(hidden, layer.input_norm)
             q = layer.q_proj(normed).reshape(batch, seq, heads, head_dim).transpose(0, 2, 1, 3)
             k = layer.k_proj(normed).reshape(batch, seq, kv_heads, head_dim).transpose(0, 2, 1, 3)
             v = layer.v_proj(normed).reshape(batch, seq, kv_heads, head_dim).transpose(0, 2, 1, 3)
-            q = self._apply_rotary(q, cos, sin)
             keys, values = cache.keys[index], cache.values[index]
-            keys[:, :, start:end] = self._apply_rotary(k, cos, sin)
+            if fused is not None:
+                rotated = np.empty(q.shape, dtype=np.float32)
+                fused.rotary(q, cos, sin, rotated)
+                q = rotated
+                fused.rotary(k, cos, sin, keys[:, :, start:end])
+            else:
+                q = self._apply_rotary(q, cos, sin)
+                keys[:, :, start:end] = self._apply_rotary(k, cos, sin)
             values[:, :, start:end] = v
             # Grouped-query attention: the `groups` query heads sharing a kv head are one batched matmul.
             grouped = q.reshape(batch, kv_heads, groups * seq, head_dim) * self._scale
@@ -225,9 +241,10 @@ class LlamaModel:
                 attention += layer.o_bias
             hidden = hidden + attention
 
-            normed = self._rms_norm(hidden, layer.post_attention_norm)
+            normed = self._norm(hidden, layer.post_attention_norm)
             gate = layer.gate_proj(normed)
-            # SiLU(gate) * up, with the sigmoid computed in place to spare temporaries.
+            # SiLU(gate) * up, with the sigmoid computed in place to spare temporaries (numpy's exp is vectorized,
+            # the compiled swiglu's is not: that one serves single tokens)
             activated = np.negative(gate)
             np.exp(activated, out=activated)
             activated += np.float32(1.0)
@@ -238,7 +255,7 @@ class LlamaModel:
                 mlp += layer.down_bias
             hidden = hidden + mlp
         cache.length = end
-        return self._rms_norm(hidden, self.final_norm)
+        return self._norm(hidden, self.final_norm)
 
     def _step_one(self, input_ids: I64, positions: I64, cache: KVCache, fused: ModuleType) -> F32:
         """`forward` for one token per row with the compiled small operations (`_fused`): the same computation,

@@ -7,8 +7,8 @@ in it) and calls the kernels of `_compiled`:
 
 - batches up to ``gemv_max_batch`` rows: activations rounded to int16 per block, integer block products
   (`_compiled.block_kernels`), rows split across numba's threads when ``threads > 1``;
-- larger batches (prefill): row tiles decoded to float32 in the kernels' lane order, multiplied by the
-  activations reordered the same way with BLAS; tiles split across a small thread pool;
+- larger batches (prefill): row tiles decoded to float32 and multiplied by the activations with BLAS; tiles split
+  across a small thread pool;
 - int8 / int4 payloads (one tensor scale, rows not aligned to blocks): decoded tiles and BLAS for every batch.
 """
 
@@ -32,7 +32,15 @@ from carton.mcf import (
     parallel_ranges,
 )
 
-__all__ = ["KERNELS_ENV", "PREFILL_TILE_BYTES", "Activations", "CompiledPayload", "Kernels", "compiled_kernels"]
+__all__ = [
+    "KERNELS_ENV",
+    "PREFILL_TILE_BYTES",
+    "Activations",
+    "CompiledPayload",
+    "Kernels",
+    "activation_buffers",
+    "compiled_kernels",
+]
 
 Kernels = Literal["auto", "numba", "numpy"]
 #: Environment variable choosing the kernels when ``kernels="auto"``: ``auto``, ``numba`` or ``numpy``.
@@ -74,21 +82,27 @@ def compiled_kernels(choice: Kernels | str = "auto") -> ModuleType | None:
     return module
 
 
-Activations = tuple[npt.NDArray[np.int16], npt.NDArray[np.float32]]
+Activations = tuple[npt.NDArray[np.int16], npt.NDArray[np.float32], npt.NDArray[np.float32], npt.NDArray[np.float32]]
 
 
-def _activation_buffers(m: int, width: int) -> Activations:
-    """This thread's int16 activations ``[m, width]`` and block scales ``[m, width / 32]`` (reused across calls;
-    no buffer escapes a call)."""
+def activation_buffers(kernels: ModuleType, m: int, blocks: int) -> Activations:
+    """This thread's work arrays for ``m`` activation rows of a part of ``blocks`` blocks: int16 codes, block
+    scales, spread scales and offsets (`_compiled.activation_shapes`; reused across calls, no buffer escapes a
+    call)."""
     buffers: dict[tuple[int, int], Activations] | None = getattr(_local, "activations", None)
     if buffers is None:
         buffers = _local.activations = {}
-    found = buffers.get((m, width))
+    found = buffers.get((m, blocks))
     if found is None:
         if len(buffers) > 64:  # many shapes (prefill chunks of every length): start over
             buffers.clear()
-        blocks = (m, width // BLOCK)
-        found = buffers[(m, width)] = (np.empty((m, width), np.int16), np.empty(blocks, np.float32))
+        codes, scales, spread = kernels.activation_shapes(m, blocks)
+        found = buffers[(m, blocks)] = (
+            np.empty(codes, np.int16),
+            np.empty(scales, np.float32),
+            np.empty(spread, np.float32),
+            np.empty(scales, np.float32),
+        )
     return found
 
 
@@ -125,20 +139,24 @@ class CompiledPayload:
             self.width = self.cols
             return
         block_scales(flat, layout)  # validates every scale and sub-scale once, as the other caches do
-        blocks = -(-c1 // BLOCK) - c0 // BLOCK
+        self.blocks = -(-c1 // BLOCK) - c0 // BLOCK
         sub = layout.sub_scales.offset if layout.sub_scales is not None else 0
-        self._meta = np.array(
+        self.meta = np.array(
             [layout.data.offset, layout.scales.offset, sub, layout.blocks_per_row, layout.supers_per_row, r0,
-             c0 // BLOCK, blocks],
+             c0 // BLOCK, self.blocks, layout.method.family == "k", layout.bits],
             dtype=np.int64,
         )  # fmt: skip
-        self.width = blocks * BLOCK
-        self._order = kernels.LANE_ORDERS[layout.bits]
-        self._kernels = kernels.block_kernels(layout.bits, layout.method.family == "k")
+        self.width = self.blocks * BLOCK
+        self._kernels = kernels.block_kernels(layout.bits)
 
     @property
     def nbytes(self) -> int:
         return int(self._flat.nbytes)
+
+    @property
+    def payload(self) -> npt.NDArray[np.uint8]:
+        """The payload as stored (a view of the mapped file, or of the bytes given)."""
+        return self._flat
 
     # --- products ------------------------------------------------------------------------------------------------
     def matmul(
@@ -153,29 +171,23 @@ class CompiledPayload:
 
     def _blockwise(self, x2: npt.NDArray[np.float32], threads: int) -> npt.NDArray[np.float32]:
         global _parallel_broken
-        xq, xs = _activation_buffers(x2.shape[0], self.width)
+        xq, xs, xe, xoff = activation_buffers(self._k, x2.shape[0], self.blocks)
         out = np.empty((x2.shape[0], self.rows), dtype=np.float32)
         parts = min(threads, self._k.MAX_THREADS, self.rows // _MIN_ROWS_PER_PART)
         if parts > 1 and not _parallel_broken:
             try:
-                self._kernels.matmul_parallel(self._flat, self._meta, x2, self._order, xq, xs, out, parts)
+                self._kernels.matmul_parallel(self._flat, self.meta, x2, xq, xs, xe, xoff, out, parts)
                 return out
             except ValueError as exc:  # numba found no thread-safe threading layer (tbb or OpenMP)
                 if "threading layer" not in str(exc):
                     raise
                 _parallel_broken = True
                 warnings.warn(f"mcf kernels run on one thread: {exc}", RuntimeWarning, stacklevel=2)
-        self._kernels.matmul(self._flat, self._meta, x2, self._order, xq, xs, out)
+        self._kernels.matmul(self._flat, self.meta, x2, xq, xs, xe, xoff, out)
         return out
 
     def _tiled(self, x2: npt.NDArray[np.float32], threads: int, tile_bytes: int) -> npt.NDArray[np.float32]:
         m = x2.shape[0]
-        if self._int:
-            x_lanes = x2
-        else:  # the columns of each block in the kernels' lane order, padding zero
-            padded = np.zeros((m, self.width), dtype=np.float32)
-            padded[:, : self.cols] = x2
-            x_lanes = padded.reshape(m, -1, BLOCK)[:, :, self._order].reshape(m, self.width)
         out = np.empty((m, self.rows), dtype=np.float32)
         step = max(1, tile_bytes // (4 * self.width))
 
@@ -186,17 +198,19 @@ class CompiledPayload:
                 t1 = min(last, t0 + step)
                 part = tile[: (t1 - t0) * self.width].reshape(t1 - t0, self.width)
                 self.decode(t0, t1, part)
+                weights = part[:, : self.cols]  # codes past the last column, if any, are not part of the matrix
                 if t1 - t0 == self.rows:
-                    np.matmul(x_lanes, part.T, out=out)
+                    np.matmul(x2, weights.T, out=out)
                 else:
-                    out[:, t0:t1] = x_lanes @ part.T
+                    out[:, t0:t1] = x2 @ weights.T
 
         parts = min(threads, max(1, self.rows // _MIN_ROWS_PER_PART))
         parallel_ranges(self.rows, parts, 16, work)
         return out
 
     def decode(self, first: int, last: int, out: npt.NDArray[np.float32]) -> None:
-        """Rows ``first..last`` of the part as float32 ``[last - first, width]`` (q* / k*: lane order)."""
+        """Rows ``first..last`` of the part as float32 ``[last - first, width]`` (q* / k*: columns past ``cols``
+        hold the payload's padding codes)."""
         if self._int:
             first_code = self._r0 * self.layout.cols + self._c0
             self._k.decode_int_rows(
@@ -212,7 +226,7 @@ class CompiledPayload:
                 last,
             )
             return
-        self._kernels.decode(self._flat, self._meta, out, first, last)
+        self._kernels.decode(self._flat, self.meta, out, first, last)
 
     def take_rows(self, indices: npt.NDArray[np.intp]) -> npt.NDArray[np.float32]:
         """Dequantized rows ``indices`` of the part, ``[len(indices), cols]``."""
@@ -220,10 +234,5 @@ class CompiledPayload:
         row = np.empty((1, self.width), dtype=np.float32)
         for i, r in enumerate(indices):
             self.decode(int(r), int(r) + 1, row)
-            if self._int:
-                out[i] = row[0]
-            else:
-                natural = np.empty(self.width, dtype=np.float32)
-                natural.reshape(-1, BLOCK)[:, self._order] = row.reshape(-1, BLOCK)
-                out[i] = natural[: self.cols]
+            out[i] = row[0, : self.cols]
         return out

@@ -10,7 +10,9 @@ target's equivalents.
 
 Values: `F32x8` (eight float32), `I32x8`, `I16x16`. Code unpacking: `unpack_codes(payload, byte_index, width,
 group)` turns half of a 32-code block of ``width``-bit codes into sixteen int16 lanes, in the lane order
-`lane_order` gives, so activations quantized into that order line up with them.
+`lane_order` gives, so activations quantized into that order line up with them. 4-bit codes have a cheaper form,
+`nibbles`: two blocks' 32 bytes read as sixteen 16-bit words, one nibble of each word per vector (a mask and a
+shift, no byte shuffles), as unsigned codes ``code + 8`` (`nibble_order` gives the lanes).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ __all__ = [
     "I32x8",
     "VectorType",
     "broadcast",
+    "first_lanes",
     "fma",
     "hsum",
     "iadd",
@@ -41,8 +44,13 @@ __all__ = [
     "load_u8x8",
     "madd",
     "mul",
+    "nibble_order",
+    "nibbles",
+    "prefetch",
     "splat",
+    "spread",
     "store_f32x8",
+    "store_natural",
     "store_scaled",
     "to_float",
     "unpack_codes",
@@ -183,6 +191,20 @@ def fma(typingctx: Any, a: Any, b: Any, c: Any) -> tuple[Any, Codegen]:
 
 
 @intrinsic
+def first_lanes(typingctx: Any, vector: Any, count: Any) -> tuple[Any, Codegen]:
+    """Eight float32 with the lanes from ``count`` on set to zero (a row's last, partial group of blocks)."""
+
+    def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: list[Any]) -> Any:
+        limit = context.cast(builder, args[1], sig.args[1], types.int32)
+        one = builder.insert_element(ir.Constant(ir.VectorType(_I32, 8), ir.Undefined), limit, ir.Constant(_I32, 0))
+        limits = builder.shuffle_vector(one, one, _constant(_I32, [0] * 8))
+        keep = builder.icmp_signed("<", _constant(_I32, list(range(8))), limits)
+        return builder.select(keep, args[0], ir.Constant(_llvm(F32x8), [0.0] * 8))
+
+    return F32x8(F32x8, count), codegen
+
+
+@intrinsic
 def hsum(typingctx: Any, vector: Any) -> tuple[Any, Codegen]:
     """The sum of the eight lanes (pairwise: halves, then quarters, then the last two)."""
 
@@ -253,6 +275,34 @@ def store_scaled(typingctx: Any, array: Any, index: Any, codes: Any, scale: Any)
         return context.get_dummy_value()
 
     return types.none(array, index, I16x16, types.float32), codegen
+
+
+@intrinsic
+def store_natural(
+    typingctx: Any, array: Any, index: Any, low: Any, high: Any, scale: Any, width: Any
+) -> tuple[Any, Codegen] | None:
+    """Store a block's 32 codes (its two `unpack_codes` groups ``low`` and ``high`` of ``width``-bit codes, a
+    constant) times the float32 ``scale`` into a float32 array at flat element ``index``, in the block's natural
+    column order."""
+    bits = _literal(width)
+    if bits is None:
+        return None
+    order = lane_order(bits)
+    natural = [order.index(code) for code in range(_BLOCK)]
+
+    def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: list[Any]) -> Any:
+        floats = ir.VectorType(_F32, _GROUP)
+        both = builder.shuffle_vector(
+            builder.sitofp(args[2], floats), builder.sitofp(args[3], floats), _constant(_I32, natural)
+        )
+        lanes = ir.VectorType(_F32, _BLOCK)
+        one = builder.insert_element(ir.Constant(lanes, ir.Undefined), args[4], ir.Constant(_I32, 0))
+        values = builder.fmul(both, builder.shuffle_vector(one, one, _constant(_I32, [0] * _BLOCK)))
+        pointer = builder.gep(_element_pointer(context, builder, sig.args[0], args[0], _F32), [args[1]])
+        builder.store(values, builder.bitcast(pointer, lanes.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return types.none(array, index, I16x16, I16x16, types.float32, width), codegen
 
 
 def _vector_load(vector: VectorType, doc: str) -> Any:
@@ -353,3 +403,68 @@ def unpack_codes(typingctx: Any, payload: Any, byte_index: Any, width: Any, grou
         return builder.ashr(words, _constant(_I16, [16 - bits] * _GROUP))
 
     return I16x16(payload, byte_index, width, group), codegen
+
+
+# --- 4-bit codes as words ------------------------------------------------------------------------------------------
+def nibble_order() -> tuple[int, ...]:
+    """Which code of a pair of 4-bit blocks (64 codes, block ``b`` then ``b + 1``) each of the 64 lanes of `nibbles`
+    holds: vector ``k`` (lanes ``16 k ..``) is nibble ``k`` of the sixteen words; words 0-7 are the first block's
+    bytes, 8-15 the second's, and a word's nibbles are codes ``4 w .. 4 w + 3``."""
+    return tuple((word // 8) * _BLOCK + 4 * (word % 8) + k for k in range(4) for word in range(16))
+
+
+@intrinsic
+def nibbles(typingctx: Any, payload: Any, byte_index: Any, k: Any, half: Any) -> tuple[Any, Codegen] | None:
+    """Nibble ``k`` (a compile-time constant) of the sixteen 16-bit words at ``byte_index`` of the uint8 array
+    ``payload``, as unsigned codes ``code + 8`` (0..15) in int16 lanes, lane order `nibble_order`. With ``half`` (a
+    constant) 1 only one block (16 bytes, eight words) is read and lanes 8-15 are zero: a row's odd last block,
+    read without touching the bytes after it."""
+    shift, single = _literal(k), _literal(half)
+    if shift is None or single is None:
+        return None  # numba retries with the constants as literals
+
+    def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: list[Any]) -> Any:
+        pointer = builder.gep(_element_pointer(context, builder, sig.args[0], args[0], _I8), [args[1]])
+        lanes = 8 if single else 16
+        words = builder.load(builder.bitcast(pointer, ir.VectorType(_I16, lanes).as_pointer()), align=1)
+        words = builder.xor(words, _constant(_I16, [0x8888] * lanes))  # two's complement -> offset binary
+        if shift:
+            words = builder.lshr(words, _constant(_I16, [4 * shift] * lanes))
+        if shift != 3:
+            words = builder.and_(words, _constant(_I16, [15] * lanes))
+        if single:
+            zero = ir.Constant(ir.VectorType(_I16, 8), [0] * 8)
+            words = builder.shuffle_vector(words, zero, _constant(_I32, list(range(16))))
+        return words
+
+    return I16x16(payload, byte_index, k, half), codegen
+
+
+@intrinsic
+def spread(typingctx: Any, vector: Any, k: Any) -> tuple[Any, Codegen] | None:
+    """Lanes ``2 k`` and ``2 k + 1`` of eight float32 (``k`` a constant), each repeated in four lanes: the scales of
+    a pair of blocks laid out as `nibbles`' products are."""
+    pair = _literal(k)
+    if pair is None:
+        return None
+
+    def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: list[Any]) -> Any:
+        return builder.shuffle_vector(args[0], args[0], _constant(_I32, [2 * pair] * 4 + [2 * pair + 1] * 4))
+
+    return F32x8(F32x8, k), codegen
+
+
+@intrinsic
+def prefetch(typingctx: Any, payload: Any, byte_index: Any) -> tuple[Any, Codegen]:
+    """Ask the cache to fetch the line holding byte ``byte_index`` of the uint8 array ``payload`` for reading
+    (``llvm.prefetch``; a hint: no fault past the end, nothing where the machine has no such instruction)."""
+
+    def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: list[Any]) -> Any:
+        pointer = builder.gep(_element_pointer(context, builder, sig.args[0], args[0], _I8), [args[1]])
+        function = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]), "llvm.prefetch.p0i8"
+        )
+        builder.call(function, [pointer, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+        return context.get_dummy_value()
+
+    return types.none(payload, byte_index), codegen
