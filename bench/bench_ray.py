@@ -109,8 +109,9 @@ def main() -> None:
 
         def measure(label: str, target: int) -> None:
             run_load(target, "identity", SHAPE, 1, 50)  # warm: the model loads on its first request
-            p50, _, _ = run_load(target, "identity", SHAPE, 1, args.requests)
-            c8_p50, _, throughput = run_load(target, "identity", SHAPE, 8, args.concurrent_requests)
+            p50 = run_load(target, "identity", SHAPE, 1, args.requests).p50_ms
+            busy = run_load(target, "identity", SHAPE, 8, args.concurrent_requests)
+            c8_p50, throughput = busy.p50_ms, busy.rate
             results.setdefault(label, []).append((p50, c8_p50, throughput, os.getloadavg()[0]))
             print(f"  {label:<28} c=1 p50 {p50:6.2f} ms   c=8 {throughput:7.0f} req/s (p50 {c8_p50:.2f} ms)")
 
