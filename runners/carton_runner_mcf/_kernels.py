@@ -286,10 +286,10 @@ class QuantizedLinear:
                 self._over_rows(lambda r0, r1: self._blockwise_gemv(xb, out, r0, r1))
             else:
                 out = np.empty((m, self.rows), dtype=np.float32)
-                self._over_rows(lambda r0, r1: self._ktiled_gemm(xp, out, r0, r1))
+                self._over_rows(lambda r0, r1: self._ktiled(xp, out, r0, r1))
         elif self._codes_t is not None:
             out = np.empty((m, self.rows), dtype=np.float32)
-            self._over_rows(lambda r0, r1: self._int_ktiled(x2, out, r0, r1))
+            self._over_rows(lambda r0, r1: self._ktiled(x2, out, r0, r1))
         else:
             width = self.cols if self.method.family == "int" else self.layout.padded_cols
             xp_t = np.ascontiguousarray((x2 if width == self.cols else self._padded_input(x2)).T)
@@ -378,46 +378,35 @@ class QuantizedLinear:
             part *= scales_t[b0:b1, None, r0:r1]
             dest += part.sum(axis=0)
 
-    def _ktiled_gemm(self, xp: npt.NDArray[np.float32], out: npt.NDArray[np.float32], r0: int, r1: int) -> None:
-        codes_t, scales_t = self._codes_t, self._scales_t
-        assert codes_t is not None and scales_t is not None
-        m, rows, kp = xp.shape[0], r1 - r0, self.layout.padded_cols
-        kt = max(BLOCK, min(kp, (self.tile_bytes // (4 * rows)) // BLOCK * BLOCK))
-        tile_buf = self._buffer("tile", (kt, rows))
-        acc = out[:, r0:r1]  # BLAS writes a column range in place (leading dimension = all rows)
-        tmp = self._buffer("partial", (m, rows))
-        for k0 in range(0, kp, kt):
-            k1 = min(kp, k0 + kt)
-            tile = tile_buf[: k1 - k0]
-            np.copyto(tile, codes_t[k0:k1, r0:r1], casting="unsafe")
-            blocks = tile.reshape((k1 - k0) // BLOCK, BLOCK, rows)
-            np.multiply(blocks, scales_t[k0 // BLOCK : k1 // BLOCK, None, r0:r1], out=blocks)
-            if k0 == 0:
-                np.matmul(xp[:, k0:k1], tile, out=acc)
-            else:
-                np.matmul(xp[:, k0:k1], tile, out=tmp)
-                acc += tmp
-
-    def _int_ktiled(self, x2: npt.NDArray[np.float32], out: npt.NDArray[np.float32], r0: int, r1: int) -> None:
+    def _ktiled(self, x: npt.NDArray[np.float32], out: npt.NDArray[np.float32], r0: int, r1: int) -> None:
+        """``out[:, r0:r1] = x @ W[r0:r1].T`` from the int8 cache, decoding K-tiles of the transposed codes to fp32
+        for BLAS: per-block scales for the block methods, the tensor's zero point and scale for int8 / int4."""
         codes_t = self._codes_t
         assert codes_t is not None
-        m, rows, cols = x2.shape[0], r1 - r0, self.cols
-        kt = max(1, min(cols, self.tile_bytes // (4 * rows)))
+        blockwise = self.method.family != "int"
+        step, width = (BLOCK, self.layout.padded_cols) if blockwise else (1, self.cols)
+        m, rows = x.shape[0], r1 - r0
+        kt = max(step, min(width, (self.tile_bytes // (4 * rows)) // step * step))
         tile_buf = self._buffer("tile", (kt, rows))
         acc = out[:, r0:r1]  # BLAS writes a column range in place (leading dimension = all rows)
         tmp = self._buffer("partial", (m, rows))
-        for k0 in range(0, cols, kt):
-            k1 = min(cols, k0 + kt)
+        for k0 in range(0, width, kt):
+            k1 = min(width, k0 + kt)
             tile = tile_buf[: k1 - k0]
             np.copyto(tile, codes_t[k0:k1, r0:r1], casting="unsafe")
+            if blockwise:
+                assert self._scales_t is not None
+                blocks = tile.reshape((k1 - k0) // BLOCK, BLOCK, rows)
+                np.multiply(blocks, self._scales_t[k0 // BLOCK : k1 // BLOCK, None, r0:r1], out=blocks)
             if k0 == 0:
-                np.matmul(x2[:, k0:k1], tile, out=acc)
+                np.matmul(x[:, k0:k1], tile, out=acc)
             else:
-                np.matmul(x2[:, k0:k1], tile, out=tmp)
+                np.matmul(x[:, k0:k1], tile, out=tmp)
                 acc += tmp
-        if self._int_zero != 0:
-            acc -= self._int_zero * x2.sum(axis=1, keepdims=True)
-        acc *= self._int_scale
+        if not blockwise:
+            if self._int_zero != 0:
+                acc -= self._int_zero * x.sum(axis=1, keepdims=True)
+            acc *= self._int_scale
 
     def _decode_rows(self, r0: int, r1: int) -> npt.NDArray[np.float32]:
         """fp32 rows ``[r1 - r0, cols_padded]`` of W decoded from the referenced payload (packed cache)."""
