@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     )
     from ._reaper import descendants, kill_tree
     from ._runner import LoadContext, OptValue, PackContext, PackResult, Runner, Tensor
-    from ._spec import DType, RunnerSpec, Shape, TensorSpec, hookimpl
+    from ._spec import DType, RunnerSpec, Shape, TensorSpec, hookimpl, installed_version
     from ._zmqio import new_context, recv_message, send_message
     from .errors import (
         ErrorCode,
@@ -99,6 +99,7 @@ __all__ = [
     "WireType",
     "descendants",
     "hookimpl",
+    "installed_version",
     "kill_tree",
     "new_context",
     "recv_message",
@@ -154,6 +155,7 @@ _SOURCES = {
     "WireType": "_dtypes",
     "descendants": "_reaper",
     "hookimpl": "_spec",
+    "installed_version": "_spec",
     "kill_tree": "_reaper",
     "new_context": "_zmqio",
     "recv_message": "_zmqio",

@@ -7,11 +7,12 @@ anything of the host. `carton` re-exports them.
 from __future__ import annotations
 
 import enum
+import importlib.metadata
 from dataclasses import dataclass, field
 
 import pluggy
 
-__all__ = ["DType", "RunnerSpec", "Shape", "TensorSpec", "hookimpl"]
+__all__ = ["DType", "RunnerSpec", "Shape", "TensorSpec", "hookimpl", "installed_version"]
 
 #: Marks a plugin's hook implementations; the project name is ``carton``, the entry-point group too.
 hookimpl = pluggy.HookimplMarker("carton")
@@ -69,3 +70,14 @@ class RunnerSpec:
     concurrent: bool = False
     source: str = ""
     env: tuple[tuple[str, str], ...] = field(default=())
+
+
+def installed_version(*distributions: str) -> str | None:
+    """The version of the first of `distributions` installed in this environment, or None when none is: for a
+    ``carton_runners`` hook whose framework ships under several distribution names (a CPU and a GPU build)."""
+    for distribution in distributions:
+        try:
+            return importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None

@@ -5,10 +5,9 @@ Discovery must stay cheap and must not import onnxruntime: the framework version
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 
-from carton_protocol import RunnerSpec, hookimpl
+from carton_protocol import RunnerSpec, hookimpl, installed_version
 
 __all__ = ["FRAMEWORK_DISTRIBUTIONS", "MALLOC_TUNABLES", "RUNNER_COMPAT_VERSION", "RUNNER_NAME", "carton_runners"]
 
@@ -31,13 +30,8 @@ MALLOC_TUNABLES = "glibc.malloc.hugetlb=1"
 @hookimpl
 def carton_runners() -> list[RunnerSpec]:
     """Offer the runner when onnxruntime is installed in this environment; offer nothing otherwise."""
-    for distribution in FRAMEWORK_DISTRIBUTIONS:
-        try:
-            framework_version = importlib.metadata.version(distribution)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-        break
-    else:
+    framework_version = installed_version(*FRAMEWORK_DISTRIBUTIONS)
+    if framework_version is None:
         return []
     return [
         RunnerSpec(

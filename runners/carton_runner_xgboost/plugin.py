@@ -6,12 +6,11 @@ models by duck typing (``get_booster`` for the sklearn wrappers, ``save_raw`` fo
 
 from __future__ import annotations
 
-import importlib.metadata
 import math
 from pathlib import Path
 from typing import Any
 
-from carton_protocol import OptValue, RunnerSpec, hookimpl
+from carton_protocol import OptValue, RunnerSpec, hookimpl, installed_version
 
 from ._options import ModelType
 
@@ -41,13 +40,8 @@ FRAMEWORK_DISTRIBUTIONS = ("xgboost-cpu", "xgboost")
 @hookimpl
 def carton_runners() -> list[RunnerSpec]:
     """Offer the runner when xgboost is installed in this environment (either build); offer nothing otherwise."""
-    for distribution in FRAMEWORK_DISTRIBUTIONS:
-        try:
-            framework_version = importlib.metadata.version(distribution)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-        break
-    else:
+    framework_version = installed_version(*FRAMEWORK_DISTRIBUTIONS)
+    if framework_version is None:
         return []
     return [
         RunnerSpec(
