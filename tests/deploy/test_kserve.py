@@ -12,11 +12,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from serving_process import wait_answering
 
 yaml = pytest.importorskip("yaml")
 onnx = pytest.importorskip("onnx")
@@ -111,16 +111,11 @@ def test_the_entrypoint_serves_the_storage_initializers_layout(tmp_path: Path) -
     process = subprocess.Popen([carton_command, "serve", *args], stderr=subprocess.PIPE)
     try:
         client = httpclient.InferenceServerClient(f"127.0.0.1:{port}")
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if client.is_server_ready() and client.is_model_ready("mlp") and client.is_model_ready("single"):
-                    break
-            except Exception:
-                pass
-            assert process.poll() is None, process.stderr.read() if process.stderr else ""
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
+        wait_answering(
+            process,
+            lambda: client.is_server_ready() and client.is_model_ready("mlp") and client.is_model_ready("single"),
+            timeout=120,
+        )
         for name, constant in (("mlp", 2.0), ("single", 3.0)):
             x = np.arange(5, dtype=np.float32)
             tensor = httpclient.InferInput("x", [5], "FP32")

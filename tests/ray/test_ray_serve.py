@@ -18,6 +18,7 @@ import httpx
 import numpy as np
 import pytest
 from carton_ray_support import CONSTANTS, alive, expected, free_port, parent_of, replica_pids, runner_pids
+from serving_process import wait_answering
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -361,16 +362,7 @@ def test_serve_run_answers_and_sigint_leaves_nothing_behind(
     hosts: list[int] = []
     try:
         client = httpclient.InferenceServerClient(f"127.0.0.1:{port}", network_timeout=120)
-        deadline = time.monotonic() + 240
-        while True:
-            try:
-                if client.is_server_ready():
-                    break
-            except Exception:
-                pass
-            assert process.poll() is None, process.stderr.read() if process.stderr else ""
-            assert time.monotonic() < deadline, "serve run did not answer"
-            time.sleep(0.5)
+        wait_answering(process, client.is_server_ready, timeout=240, what="serve run")
         x = np.arange(8, dtype=np.float32).reshape(2, 4)
         tensor = httpclient.InferInput("x", [2, 4], "FP32")
         tensor.set_data_from_numpy(x)

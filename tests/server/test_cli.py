@@ -7,12 +7,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
+from serving_process import wait_answering
 
 
 def _free_port() -> int:
@@ -29,16 +29,10 @@ def test_serve_subprocess_stops_on_sigint(repository: Path) -> None:
         stderr=subprocess.PIPE,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/models/sum/ready").status == 200:
-                    break
-            except OSError:
-                pass
-            assert process.poll() is None, process.stderr.read() if process.stderr else ""
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
+        wait_answering(
+            process, lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/models/sum/ready").status == 200,
+            timeout=60,
+        )  # fmt: skip
         process.send_signal(signal.SIGINT)
         assert process.wait(30) == 0
         # Where it listens reaches the user as a plain line on stderr, not as a warning in the log.
@@ -100,11 +94,8 @@ def test_serve_strict_readiness(repository: Path, strict: bool, ready: int) -> N
         stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 120
         # Every model of the repository loads at start; `broken` fails.
-        while set(_states(port).values()) != {"READY", "UNAVAILABLE"}:
-            assert process.poll() is None and time.monotonic() < deadline
-            time.sleep(0.2)
+        wait_answering(process, lambda: set(_states(port).values()) == {"READY", "UNAVAILABLE"}, timeout=120)
         assert _status(f"http://127.0.0.1:{port}/v2/health/ready") == ready
         process.send_signal(signal.SIGINT)
         assert process.wait(30) == 0
