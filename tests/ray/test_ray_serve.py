@@ -301,6 +301,34 @@ def test_ray_kill_of_a_replica_actor_leaves_no_runner(app: tuple[int, int]) -> N
                 time.sleep(0.5)
 
 
+def test_a_dead_node_leaves_no_runner_and_serve_recovers(app: tuple[int, int], ray_cluster: object) -> None:
+    """The worker node dies (its raylet and every process of it SIGKILLed): the model replica it held goes, and its
+    runners with it; with a new node in its place, Serve places a replacement and every model serves again."""
+    import tritonclient.http as httpclient
+
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{app[0]}", network_timeout=120)
+    for name in CONSTANTS:
+        _infer(client, name, _x(0))
+    before = {pid: runner_pids([pid]) for pid in replica_pids()}
+    (worker,) = ray_cluster.worker_nodes  # type: ignore[attr-defined]
+    ray_cluster.remove_node(worker, allow_graceful=False)  # type: ignore[attr-defined]
+    _wait_until(lambda: set(before) - set(replica_pids()), 60)
+    gone = set(before) - set(replica_pids())
+    _wait_until(lambda: not runner_pids(gone), 30)
+    assert not any(alive(pid) for host in gone for pid in before[host])
+    ray_cluster.add_node(num_cpus=1)  # type: ignore[attr-defined]
+    _wait_until(lambda: len(replica_pids()) == 2, 180)
+    deadline = time.monotonic() + 180
+    for name in CONSTANTS:
+        while True:
+            try:
+                np.testing.assert_array_equal(_infer(client, name, _x(3)), expected(name, _x(3)))
+                break
+            except Exception:
+                assert time.monotonic() < deadline
+                time.sleep(0.5)
+
+
 def test_a_url_repository_serves_the_cartons_under_it(
     app: tuple[int, int], ray_repository: Path, tmp_path: Path
 ) -> None:
