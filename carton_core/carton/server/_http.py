@@ -425,6 +425,8 @@ def _json_bytes(body: bytes | bytearray, header_length: bytes | None) -> int:
 
 def _json_output_bytes(request: InferBody, selected: list[tuple[str, Tensor]]) -> int:
     """The size of the outputs the response carries as JSON numbers (a bound on the work of writing them)."""
+    if request.outputs is None and request.binary_default:
+        return 0  # the usual binary request: nothing to count
     binary_of = dict(request.outputs) if request.outputs is not None else {}
     return sum(
         tensor.nbytes

@@ -128,9 +128,8 @@ def _json_numbers(data: object, numpy_dtype: np.dtype[Any]) -> np.ndarray | None
         probe = probe[0] if probe else None
     if depth == 0:
         return None
-    element: Any = int if numpy_dtype.kind in "iu" else float
     try:
-        checked = msgspec.convert(data, _nested_list(element, depth))
+        checked = msgspec.convert(data, _nested_list(_element_type(numpy_dtype), depth))
         if depth > 1:
             return np.array(checked, dtype=numpy_dtype)
         array = np.empty(len(checked), dtype=numpy_dtype)
@@ -200,8 +199,7 @@ def _raw_numbers(raw: msgspec.Raw, numpy_dtype: np.dtype[Any]) -> np.ndarray | N
     inner = text[1:-1]
     count = inner.count(b",") + 1 if inner.strip() else 0
     array = np.empty(count, dtype=numpy_dtype)
-    element: Any = int if numpy_dtype.kind in "iu" else float
-    element_list = list[element]
+    element_list = _nested_list(_element_type(numpy_dtype), 1)
     # The pieces' Python numbers are freed together at the end: freed piece by piece, the allocator would hand their
     # memory back to the system and fault fresh pages in for the next piece, which costs more than the parse.
     pieces = []
@@ -218,6 +216,12 @@ def _raw_numbers(raw: msgspec.Raw, numpy_dtype: np.dtype[Any]) -> np.ndarray | N
     except (orjson.JSONDecodeError, msgspec.ValidationError, OverflowError, ValueError, TypeError):
         return None
     return array if filled == count else None
+
+
+def _element_type(numpy_dtype: np.dtype[Any]) -> type:
+    """The JSON number type a `numpy_dtype` element must be: integers only for integer types (as the element-by-element
+    path checks)."""
+    return int if numpy_dtype.kind in "iu" else float
 
 
 @functools.cache
