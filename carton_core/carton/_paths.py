@@ -4,6 +4,9 @@
 ``$XDG_DATA_HOME/carton``, falling back to ``~/.cache/carton`` and ``~/.local/share/carton``. The cache holds only
 what can be rebuilt (extracted models, downloaded LINKS files); the data directory holds what cannot (installed
 runner environments). Both are read from the environment on every call so tests can redirect them.
+
+`pid_alive` answers, for the folders named after the process that made them (runtime folders, upload folders,
+cgroups), whether that process still runs, so that what a killed process left behind can be swept.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["cache_dir", "data_dir"]
+__all__ = ["cache_dir", "data_dir", "pid_alive"]
 
 
 def _xdg(override: str, xdg_var: str, fallback: tuple[str, ...]) -> Path:
@@ -35,3 +38,14 @@ def data_dir() -> Path:
     """The data directory (not created): ``CARTON_DATA_DIR``, else ``$XDG_DATA_HOME/carton`` or
     ``~/.local/share/carton``."""
     return _xdg("CARTON_DATA_DIR", "XDG_DATA_HOME", (".local", "share"))
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process `pid` exists (one of another user counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -30,9 +30,9 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from .._paths import pid_alive
 from ._guardian import end as _end
 from ._guardian import kill as _kill
-from ._launch import pid_alive
 
 __all__ = ["CGROUPS_ENV", "CgroupSupport", "RunnerCgroup", "cgroup_support", "runner_cgroup"]
 

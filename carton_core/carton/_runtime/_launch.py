@@ -31,13 +31,14 @@ from pathlib import Path
 import carton_protocol
 from carton_protocol import RunnerSpec
 
+from .._paths import pid_alive
+
 __all__ = [
     "LaunchPlan",
     "LaunchWrapper",
     "RuntimeDir",
     "build_launch_plan",
     "make_runtime_dir",
-    "pid_alive",
     "read_log_tail",
     "spawn",
 ]
@@ -97,17 +98,6 @@ def _runtime_base() -> Path:
     if shm.is_dir() and os.access(shm, os.W_OK | os.X_OK):
         return shm
     return Path(tempfile.gettempdir())
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process `pid` exists (one of another user counts)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _sweep_stale(base: Path) -> None:

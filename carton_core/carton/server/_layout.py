@@ -20,6 +20,7 @@ import uuid
 from collections.abc import Mapping
 from pathlib import Path
 
+from .._paths import pid_alive
 from .errors import BadRequest, RepositoryError
 
 __all__ = [
@@ -210,18 +211,6 @@ def make_upload_root() -> Path:
     return Path(tempfile.mkdtemp(prefix=f"{_UPLOAD_PREFIX}{os.getpid()}-"))
 
 
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # EPERM: it exists, under another user
-        return True
-    return True
-
-
 def sweep_stale_upload_roots(temp_dir: Path | None = None) -> list[Path]:
     """Delete upload folders left by servers that died without cleaning up (SIGKILL, power loss); returns them.
 
@@ -242,7 +231,7 @@ def sweep_stale_upload_roots(temp_dir: Path | None = None) -> list[Path]:
             status = entry.lstat()
         except OSError:
             continue
-        if not stat.S_ISDIR(status.st_mode) or status.st_uid != os.getuid() or _alive(int(match.group(1))):
+        if not stat.S_ISDIR(status.st_mode) or status.st_uid != os.getuid() or pid_alive(int(match.group(1))):
             continue
         shutil.rmtree(entry, ignore_errors=True)
         removed.append(entry)
