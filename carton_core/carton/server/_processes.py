@@ -35,7 +35,7 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -150,6 +150,7 @@ class ProcessGroup(_Totals):
         self._transitions = 0
         self._locks: dict[str, tuple[asyncio.Lock, list[int]]] = {}
         self._stopping = False
+        self._started = False
         self._broken: asyncio.Future[ServerError] | None = None
 
     def attach(self, repository: ModelRepository, metrics: ServerMetrics) -> None:
@@ -158,8 +159,9 @@ class ProcessGroup(_Totals):
         self.own_metrics = metrics
 
     # ---- lifecycle -----------------------------------------------------------------------------------------------
-    async def start(self, server: Server) -> None:
-        """Start the children on `server`'s bound ports; return once each listens and has loaded its models."""
+    async def start(self, server: Server, loading: Awaitable[None]) -> None:
+        """Start the children on `server`'s bound ports while `loading` loads the coordinator's start-up models;
+        return once every process listens and has loaded its models (the server is not ready before)."""
         self._broken = asyncio.get_running_loop().create_future()
         setup = ChildOptions(
             repository=str(self.options.repository.absolute()),
@@ -183,10 +185,11 @@ class ProcessGroup(_Totals):
                 child = await self._spawn(index)
                 self._children.append(child)
                 child.channel.notify(Setup(index=index, processes=self.options.processes, options=setup))
-            await asyncio.gather(*(child.started for child in self._children))
+            await asyncio.gather(loading, *(child.started for child in self._children))
         except BaseException:
             await self.stop()
             raise
+        self._started = True
 
     async def _spawn(self, index: int) -> _Child:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -287,6 +290,8 @@ class ProcessGroup(_Totals):
             return False
         if self._broken is None or self._broken.done():
             return False
+        if not self._started:
+            return False  # a process is still loading its start-up models
         try:
             answers = await asyncio.gather(*(child.channel.call(Readiness()) for child in self._children))
         except ServerError:
@@ -422,8 +427,9 @@ class CoordinatorLink(_Totals):
         self.repository = repository
         self.own_metrics = metrics
 
-    async def start(self, server: Server) -> None:
-        """Nothing to start: the coordinator started this process."""
+    async def start(self, server: Server, loading: Awaitable[None]) -> None:
+        """Load the start-up models (the coordinator started this process)."""
+        await loading
 
     async def broken(self) -> ServerError:
         """Wait until the coordinator has gone."""

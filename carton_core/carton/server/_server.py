@@ -184,7 +184,7 @@ class Server:
         if self.peers is None:
             await self._load_startup_models()
         else:
-            await asyncio.gather(self._load_startup_models(), self.peers.start(self))
+            await self.peers.start(self, self._load_startup_models())
 
     async def _load_startup_models(self) -> None:
         if self.options.model_control_mode is ModelControlMode.NONE or "*" in self.options.load_models:
