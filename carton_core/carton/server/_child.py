@@ -5,5 +5,7 @@ import sys
 
 from ._processes import child_main
 
+__all__: list[str] = []
+
 if __name__ == "__main__":
     sys.exit(child_main(sys.argv[1:]))
