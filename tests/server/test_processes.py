@@ -139,8 +139,10 @@ def test_both_processes_serve_http_and_grpc_and_metrics_add_up(server: Server) -
     http_coordinator = _local_success(server) - coordinator_start
     assert 0 < http_coordinator < sent  # both processes answered HTTP
 
-    for _ in range(16):
-        client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    for _ in range(16):  # each client its own connection (not grpc's process-wide subchannel pool)
+        client = grpcclient.InferenceServerClient(
+            f"127.0.0.1:{server.grpc_port}", channel_args=[("grpc.use_local_subchannel_pool", 1)]
+        )
         tensor = grpcclient.InferInput("INPUT0", [1, 3], "FP32")
         tensor.set_data_from_numpy(arange((1, 3)))
         np.testing.assert_array_equal(client.infer("identity", [tensor]).as_numpy("OUTPUT0"), arange((1, 3)) * 2)
@@ -213,6 +215,34 @@ def test_load_unload_and_index_through_either_process(server: Server) -> None:
     finally:
         through_child.close()
         through_coordinator.close()
+
+
+def test_not_ready_anywhere_while_a_change_is_under_way(server: Server) -> None:
+    group = _group(server)
+    loop = server._uvicorn_task.get_loop()  # type: ignore[union-attr]
+    entered, release = asyncio.Event(), asyncio.Event()
+
+    async def changing() -> None:
+        async with group._changing("sum"):  # what a load or unload holds while every process applies it
+            entered.set()
+            await release.wait()
+
+    held = asyncio.run_coroutine_threadsafe(changing(), loop)
+    asyncio.run_coroutine_threadsafe(entered.wait(), loop).result(10)
+    through_child = _connection(server, coordinator=False)
+    through_coordinator = _connection(server, coordinator=True)
+    try:
+        for connection in (through_child, through_coordinator):
+            assert _call(connection, "GET", "/v2/health/ready")[0] == 400
+        loop.call_soon_threadsafe(release.set)
+        held.result(10)
+        for connection in (through_child, through_coordinator):
+            assert _call(connection, "GET", "/v2/health/ready")[0] == 200
+    finally:
+        loop.call_soon_threadsafe(release.set)
+        through_child.close()
+        through_coordinator.close()
+    assert not group._locks  # the lock of a name goes once nobody holds it
 
 
 def test_a_partial_load_is_unloaded_everywhere(server: Server, repository: Path) -> None:
