@@ -43,7 +43,7 @@ from carton.server._process_wire import (
 )
 from carton.server._processes import ProcessGroup
 from carton.server.errors import ServerError
-from serving_process import wait_answering
+from serving_process import alive, descendants, wait_answering
 
 from .conftest import arange
 
@@ -338,35 +338,8 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _descendants(pid: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            parent = int(stat.rsplit(")", 1)[1].split()[1])
-            children.setdefault(parent, []).append(int(entry))
-    found: set[int] = set()
-    stack = [pid]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            found.add(child)
-            stack.append(child)
-    return found
-
-
 def _alive(pids: set[int]) -> set[int]:
-    left = set()
-    for pid in pids:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z":
-            left.add(pid)
-    return left
+    return {pid for pid in pids if alive(pid)}
 
 
 def _serve(repository: Path, *extra: str) -> tuple[subprocess.Popen[bytes], int, set[int]]:
@@ -378,7 +351,7 @@ def _serve(repository: Path, *extra: str) -> tuple[subprocess.Popen[bytes], int,
         stderr=subprocess.PIPE,
     )  # fmt: skip
     wait_answering(process, lambda: _fresh_status(port, "/v2/health/ready") == 200, timeout=90)
-    tree = _descendants(process.pid)
+    tree = descendants(process.pid)
     assert sum(1 for pid in tree if b"carton.server._child" in Path(f"/proc/{pid}/cmdline").read_bytes()) == 1
     assert any(b"carton_protocol" in Path(f"/proc/{pid}/cmdline").read_bytes() for pid in tree)
     return process, port, tree

@@ -16,8 +16,8 @@ import copy
 import logging
 import socket
 import struct
-from collections.abc import Awaitable, Callable, Iterable
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import Any, Protocol
 
 import msgspec
 from prometheus_client import generate_latest
@@ -28,6 +28,7 @@ from ._stats import ServerMetrics
 from .errors import STATUS, ServerError
 
 __all__ = [
+    "Answering",
     "Call",
     "Channel",
     "ChannelClosed",
@@ -40,6 +41,7 @@ __all__ = [
     "Histogram",
     "Index",
     "Load",
+    "LocalProcess",
     "Message",
     "Readiness",
     "Ready",
@@ -54,7 +56,7 @@ __all__ = [
     "StatisticsEntries",
     "Unload",
     "add_counters",
-    "answer_locally",
+    "answer",
     "counters_of",
     "local_statistics",
     "merge_statistics",
@@ -337,24 +339,69 @@ class Channel:
             await self._reading
 
 
-# ---- what each process answers for itself --------------------------------------------------------------------------
-async def answer_locally(repository: ModelRepository, metrics: ServerMetrics, request: Request) -> Result:
-    """Apply `request` to this process's own repository and counters."""
+# ---- answering a request ------------------------------------------------------------------------------------------
+class Answering(Protocol):
+    """What a process answers requests from: its own repository (`LocalProcess`) or, on the coordinator, the whole
+    server (`carton.server._processes.ProcessGroup`)."""
+
+    async def is_ready(self) -> bool: ...
+
+    async def index(self, *, ready_only: bool) -> list[dict[str, str]]: ...
+
+    async def load(self, name: str, *, config: str | None, files: Mapping[str, bytes]) -> None: ...
+
+    async def unload(self, name: str, *, unload_dependents: bool) -> None: ...
+
+    async def counters(self) -> CountersSnapshot: ...
+
+    async def model_stats(self, name: str, version: str) -> list[dict[str, Any]]: ...
+
+
+async def answer(target: Answering, request: Request) -> Result:
+    """Answer `request` from `target`."""
     match request:
         case Load(name=name, config=config, files=files):
-            await repository.load(name, config=config, files=files)
+            await target.load(name, config=config, files=files)
             return Done()
         case Unload(name=name, unload_dependents=dependents):
-            await repository.unload(name, unload_dependents=dependents)
+            await target.unload(name, unload_dependents=dependents)
             return Done()
         case Index(ready_only=ready_only):
-            return Entries(entries=repository.index(ready_only=ready_only))
+            return Entries(entries=await target.index(ready_only=ready_only))
         case Readiness():
-            return Ready(ready=repository.is_ready())
+            return Ready(ready=await target.is_ready())
         case Counters():
-            return counters_of(metrics)
+            return await target.counters()
         case Statistics(name=name, version=version):
-            return StatisticsEntries(model_stats=local_statistics(repository, name, version))
+            return StatisticsEntries(model_stats=await target.model_stats(name, version))
+
+
+class LocalProcess:
+    """This process's own repository and counters, as `Answering`."""
+
+    __slots__ = ("metrics", "repository")
+
+    def __init__(self, repository: ModelRepository, metrics: ServerMetrics) -> None:
+        self.repository = repository
+        self.metrics = metrics
+
+    async def is_ready(self) -> bool:
+        return self.repository.is_ready()
+
+    async def index(self, *, ready_only: bool) -> list[dict[str, str]]:
+        return self.repository.index(ready_only=ready_only)
+
+    async def load(self, name: str, *, config: str | None, files: Mapping[str, bytes]) -> None:
+        await self.repository.load(name, config=config, files=files)
+
+    async def unload(self, name: str, *, unload_dependents: bool) -> None:
+        await self.repository.unload(name, unload_dependents=unload_dependents)
+
+    async def counters(self) -> CountersSnapshot:
+        return counters_of(self.metrics)
+
+    async def model_stats(self, name: str, version: str) -> list[dict[str, Any]]:
+        return local_statistics(self.repository, name, version)
 
 
 def local_statistics(repository: ModelRepository, name: str, version: str) -> list[dict[str, Any]]:

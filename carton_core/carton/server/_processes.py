@@ -46,10 +46,10 @@ from ._process_wire import (
     ChildOptions,
     Counters,
     CountersSnapshot,
-    Done,
     Entries,
     Index,
     Load,
+    LocalProcess,
     Readiness,
     Ready,
     Request,
@@ -60,9 +60,8 @@ from ._process_wire import (
     StatisticsEntries,
     Unload,
     add_counters,
-    answer_locally,
+    answer,
     counters_of,
-    local_statistics,
     merge_statistics,
     metrics_text,
 )
@@ -110,23 +109,25 @@ def _loader_limits(loader: ModelLoader) -> RunnerLimits | None:
 
 
 class _Totals:
-    """`ServerTotals` from counters summed across processes: ``total_counters`` and ``total_statistics``."""
+    """`ServerTotals` from the counters and statistics of every process, summed (`counters`, `model_stats`)."""
 
     repository: ModelRepository
 
-    async def total_counters(self) -> CountersSnapshot:
+    async def counters(self) -> CountersSnapshot:
+        """Every process's counters, summed."""
         raise NotImplementedError
 
-    async def total_statistics(self, name: str, version: str) -> list[dict[str, Any]]:
+    async def model_stats(self, name: str, version: str) -> list[dict[str, Any]]:
+        """Every process's ``model_stats``, summed."""
         raise NotImplementedError
 
     async def metrics(self) -> bytes:
-        return metrics_text([await self.total_counters()])
+        return metrics_text([await self.counters()])
 
     async def statistics(self, name: str, version: str) -> list[dict[str, Any]]:
         if name:
             self.repository.get(name, version)  # an unknown model is 404 here, as with one process
-        return await self.total_statistics(name, version)
+        return await self.model_stats(name, version)
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -156,7 +157,7 @@ class ProcessGroup(_Totals):
     def attach(self, repository: ModelRepository, metrics: ServerMetrics) -> None:
         """The coordinator's own repository and metrics (called by `Server`)."""
         self.repository = repository
-        self.own_metrics = metrics
+        self._local = LocalProcess(repository, metrics)
 
     # ---- lifecycle -----------------------------------------------------------------------------------------------
     async def start(self, server: Server, loading: Awaitable[None]) -> None:
@@ -268,21 +269,7 @@ class ProcessGroup(_Totals):
 
     # ---- what a child asks ---------------------------------------------------------------------------------------
     async def _answer_child(self, request: Request) -> Result:
-        match request:
-            case Load(name=name, config=config, files=files):
-                await self.load(name, config=config, files=files)
-                return Done()
-            case Unload(name=name, unload_dependents=dependents):
-                await self.unload(name, unload_dependents=dependents)
-                return Done()
-            case Index(ready_only=ready_only):
-                return Entries(entries=await self.index(ready_only=ready_only))
-            case Readiness():
-                return Ready(ready=await self.is_ready())
-            case Counters():
-                return await self.total_counters()
-            case Statistics(name=name, version=version):
-                return StatisticsEntries(model_stats=await self.total_statistics(name, version))
+        return await answer(self, request)
 
     # ---- ServerControl -------------------------------------------------------------------------------------------
     async def is_ready(self) -> bool:
@@ -296,7 +283,7 @@ class ProcessGroup(_Totals):
             answers = await asyncio.gather(*(child.channel.call(Readiness()) for child in self._children))
         except ServerError:
             return False
-        return all(isinstance(answer, Ready) and answer.ready for answer in answers)
+        return all(isinstance(found, Ready) and found.ready for found in answers)
 
     async def index(self, *, ready_only: bool) -> list[dict[str, str]]:
         return self.repository.index(ready_only=ready_only)
@@ -329,7 +316,7 @@ class ProcessGroup(_Totals):
         (the coordinator's first)."""
         if self._broken is None or self._broken.done():
             raise ServerError("a server process has stopped; the server is stopping")
-        calls = [answer_locally(self.repository, self.own_metrics, request)]
+        calls = [answer(self._local, request)]
         calls += [child.channel.call(request) for child in self._children]
         outcomes = await asyncio.gather(*calls, return_exceptions=True)
         for outcome in outcomes:
@@ -345,19 +332,19 @@ class ProcessGroup(_Totals):
         return _Changing(self, name, entry)
 
     # ---- totals --------------------------------------------------------------------------------------------------
-    async def total_counters(self) -> CountersSnapshot:
-        snapshots = [counters_of(self.own_metrics)]
-        for answer in await asyncio.gather(*(child.channel.call(Counters()) for child in self._children)):
-            assert isinstance(answer, CountersSnapshot)
-            snapshots.append(answer)
+    async def counters(self) -> CountersSnapshot:
+        snapshots = [await self._local.counters()]
+        for found in await asyncio.gather(*(child.channel.call(Counters()) for child in self._children)):
+            assert isinstance(found, CountersSnapshot)
+            snapshots.append(found)
         return counters_of(add_counters(snapshots))
 
-    async def total_statistics(self, name: str, version: str) -> list[dict[str, Any]]:
-        parts = [local_statistics(self.repository, name, version)]
+    async def model_stats(self, name: str, version: str) -> list[dict[str, Any]]:
+        parts = [await self._local.model_stats(name, version)]
         request = Statistics(name=name, version=version)
-        for answer in await asyncio.gather(*(child.channel.call(request) for child in self._children)):
-            assert isinstance(answer, StatisticsEntries)
-            parts.append(answer.model_stats)
+        for found in await asyncio.gather(*(child.channel.call(request) for child in self._children)):
+            assert isinstance(found, StatisticsEntries)
+            parts.append(found.model_stats)
         return merge_statistics(parts)
 
 
@@ -425,7 +412,7 @@ class CoordinatorLink(_Totals):
 
     def attach(self, repository: ModelRepository, metrics: ServerMetrics) -> None:
         self.repository = repository
-        self.own_metrics = metrics
+        self._local = LocalProcess(repository, metrics)
 
     async def start(self, server: Server, loading: Awaitable[None]) -> None:
         """Load the start-up models (the coordinator started this process)."""
@@ -444,7 +431,7 @@ class CoordinatorLink(_Totals):
         self._channel.notify(Started(error=error))
 
     async def _answer(self, request: Request) -> Result:
-        return await answer_locally(self.repository, self.own_metrics, request)
+        return await answer(self._local, request)
 
     async def _ask(self, request: Request) -> Result:
         assert self._channel is not None
@@ -457,15 +444,15 @@ class CoordinatorLink(_Totals):
     # ---- ServerControl -------------------------------------------------------------------------------------------
     async def is_ready(self) -> bool:
         try:
-            answer = await self._ask(Readiness())
+            found = await self._ask(Readiness())
         except ChannelClosed:
             return False
-        return isinstance(answer, Ready) and answer.ready
+        return isinstance(found, Ready) and found.ready
 
     async def index(self, *, ready_only: bool) -> list[dict[str, str]]:
-        answer = await self._ask(Index(ready_only=ready_only))
-        assert isinstance(answer, Entries)
-        return answer.entries
+        found = await self._ask(Index(ready_only=ready_only))
+        assert isinstance(found, Entries)
+        return found.entries
 
     async def load(self, name: str, *, config: str | None, files: Mapping[str, bytes]) -> None:
         await self._ask(Load(name=name, config=config, files=dict(files)))
@@ -474,15 +461,15 @@ class CoordinatorLink(_Totals):
         await self._ask(Unload(name=name, unload_dependents=unload_dependents))
 
     # ---- totals --------------------------------------------------------------------------------------------------
-    async def total_counters(self) -> CountersSnapshot:
-        answer = await self._ask(Counters())
-        assert isinstance(answer, CountersSnapshot)
-        return answer
+    async def counters(self) -> CountersSnapshot:
+        found = await self._ask(Counters())
+        assert isinstance(found, CountersSnapshot)
+        return found
 
-    async def total_statistics(self, name: str, version: str) -> list[dict[str, Any]]:
-        answer = await self._ask(Statistics(name=name, version=version))
-        assert isinstance(answer, StatisticsEntries)
-        return answer.model_stats
+    async def model_stats(self, name: str, version: str) -> list[dict[str, Any]]:
+        found = await self._ask(Statistics(name=name, version=version))
+        assert isinstance(found, StatisticsEntries)
+        return found.model_stats
 
 
 # ---- the child process ---------------------------------------------------------------------------------------------
