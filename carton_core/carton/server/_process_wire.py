@@ -23,6 +23,7 @@ import msgspec
 from prometheus_client import generate_latest
 
 from .._runtime import RunnerLimits
+from ._http import RepositoryControl
 from ._repository import ModelRepository
 from ._stats import ServerMetrics
 from .errors import STATUS, ServerError
@@ -376,26 +377,14 @@ async def answer(target: Answering, request: Request) -> Result:
             return StatisticsEntries(model_stats=await target.model_stats(name, version))
 
 
-class LocalProcess:
+class LocalProcess(RepositoryControl):
     """This process's own repository and counters, as `Answering`."""
 
-    __slots__ = ("metrics", "repository")
+    __slots__ = ("metrics",)
 
     def __init__(self, repository: ModelRepository, metrics: ServerMetrics) -> None:
-        self.repository = repository
+        super().__init__(repository)
         self.metrics = metrics
-
-    async def is_ready(self) -> bool:
-        return self.repository.is_ready()
-
-    async def index(self, *, ready_only: bool) -> list[dict[str, str]]:
-        return self.repository.index(ready_only=ready_only)
-
-    async def load(self, name: str, *, config: str | None, files: Mapping[str, bytes]) -> None:
-        await self.repository.load(name, config=config, files=files)
-
-    async def unload(self, name: str, *, unload_dependents: bool) -> None:
-        await self.repository.unload(name, unload_dependents=unload_dependents)
 
     async def counters(self) -> CountersSnapshot:
         return counters_of(self.metrics)
