@@ -350,11 +350,26 @@ def _serve(repository: Path, *extra: str) -> tuple[subprocess.Popen[bytes], int,
          "--processes", "2", "--model-control-mode", "explicit", "--load-model", "sum", *extra],
         stderr=subprocess.PIPE,
     )  # fmt: skip
-    wait_answering(process, lambda: _fresh_status(port, "/v2/health/ready") == 200, timeout=90)
-    tree = descendants(process.pid)
-    assert sum(1 for pid in tree if b"carton.server._child" in Path(f"/proc/{pid}/cmdline").read_bytes()) == 1
-    assert any(b"carton_protocol" in Path(f"/proc/{pid}/cmdline").read_bytes() for pid in tree)
+    try:
+        wait_answering(process, lambda: _fresh_status(port, "/v2/health/ready") == 200, timeout=90)
+        tree = descendants(process.pid)
+        (child,) = [pid for pid in tree if b"carton.server._child" in _command(pid)]
+        # Ready means every process has loaded the model: the coordinator and the child each have a runner.
+        below_child = descendants(child)
+        assert any(b"carton_protocol" in _command(pid) for pid in below_child)
+        assert any(b"carton_protocol" in _command(pid) for pid in tree - below_child)
+    except BaseException:
+        process.kill()
+        process.wait(30)
+        raise
     return process, port, tree
+
+
+def _command(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def _fresh_status(port: int, path: str) -> int:
@@ -396,7 +411,7 @@ def test_sigkill_of_the_coordinator_leaves_no_process(repository: Path) -> None:
 def test_a_dead_child_stops_the_server_with_an_error(repository: Path) -> None:
     process, _, tree = _serve(repository)
     try:
-        (child,) = [pid for pid in tree if b"carton.server._child" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        (child,) = [pid for pid in tree if b"carton.server._child" in _command(pid)]
         os.kill(child, signal.SIGKILL)
         assert process.wait(60) == 1
         _wait_gone(tree)

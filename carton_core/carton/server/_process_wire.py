@@ -50,9 +50,11 @@ __all__ = [
     "Reply",
     "Request",
     "Result",
+    "Retract",
     "SeriesCounters",
     "Setup",
     "Started",
+    "StartupLoad",
     "Statistics",
     "StatisticsEntries",
     "Unload",
@@ -83,6 +85,19 @@ class Unload(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     unload_dependents: bool = False
 
 
+class StartupLoad(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    """Load a model from the repository as the server starts (whatever the model control mode)."""
+
+    name: str
+
+
+class Retract(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    """Unload a model on the server's own decision (whatever the model control mode): a load that succeeded on some
+    processes only is undone."""
+
+    name: str
+
+
 class Index(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     """The repository index."""
 
@@ -105,7 +120,7 @@ class Statistics(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     version: str = ""
 
 
-Request = Load | Unload | Index | Readiness | Counters | Statistics
+Request = Load | Unload | Index | Readiness | Counters | Statistics | StartupLoad | Retract
 
 
 # ---- results -------------------------------------------------------------------------------------------------------
@@ -353,6 +368,10 @@ class Answering(Protocol):
 
     async def unload(self, name: str, *, unload_dependents: bool) -> None: ...
 
+    async def load_at_startup(self, name: str) -> None: ...
+
+    async def retract(self, name: str) -> None: ...
+
     async def counters(self) -> CountersSnapshot: ...
 
     async def model_stats(self, name: str, version: str) -> list[dict[str, Any]]: ...
@@ -366,6 +385,12 @@ async def answer(target: Answering, request: Request) -> Result:
             return Done()
         case Unload(name=name, unload_dependents=dependents):
             await target.unload(name, unload_dependents=dependents)
+            return Done()
+        case StartupLoad(name=name):
+            await target.load_at_startup(name)
+            return Done()
+        case Retract(name=name):
+            await target.retract(name)
             return Done()
         case Index(ready_only=ready_only):
             return Entries(entries=await target.index(ready_only=ready_only))
@@ -385,6 +410,12 @@ class LocalProcess(RepositoryControl):
     def __init__(self, repository: ModelRepository, metrics: ServerMetrics) -> None:
         super().__init__(repository)
         self.metrics = metrics
+
+    async def load_at_startup(self, name: str) -> None:
+        await self.repository.load_at_startup(name)
+
+    async def retract(self, name: str) -> None:
+        await self.repository.retract(name)
 
     async def counters(self) -> CountersSnapshot:
         return counters_of(self.metrics)

@@ -8,7 +8,7 @@ with one end of a Unix socket pair (`carton.server._process_wire`), and each chi
 process a client reaches.
 
 - A load or unload, asked of any process, goes to the coordinator, which applies it to every process at once and
-  answers when all have. A load that fails on some processes and not on others is unloaded from all of them, so no
+  answers when all have; the start-up models are loaded the same way once every process listens. A load that fails on some processes and not on others is unloaded from all of them, so no
   process serves what another does not (the answer names the failure).
 - The repository index is the coordinator's; server readiness is false while a load or unload runs anywhere, while
   any process is not ready by its own rules, and once a child has died.
@@ -35,7 +35,7 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Awaitable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -54,8 +54,10 @@ from ._process_wire import (
     Ready,
     Request,
     Result,
+    Retract,
     Setup,
     Started,
+    StartupLoad,
     Statistics,
     StatisticsEntries,
     Unload,
@@ -160,9 +162,9 @@ class ProcessGroup(_Totals):
         self._local = LocalProcess(repository, metrics)
 
     # ---- lifecycle -----------------------------------------------------------------------------------------------
-    async def start(self, server: Server, loading: Awaitable[None]) -> None:
-        """Start the children on `server`'s bound ports while `loading` loads the coordinator's start-up models;
-        return once every process listens and has loaded its models (the server is not ready before)."""
+    async def start(self, server: Server, models: list[str]) -> None:
+        """Start the children on `server`'s bound ports, then load the start-up `models` on every process; return
+        once all have (the server is not ready before)."""
         self._broken = asyncio.get_running_loop().create_future()
         setup = ChildOptions(
             repository=str(self.options.repository.absolute()),
@@ -186,10 +188,14 @@ class ProcessGroup(_Totals):
                 child = await self._spawn(index)
                 self._children.append(child)
                 child.channel.notify(Setup(index=index, processes=self.options.processes, options=setup))
-            await asyncio.gather(loading, *(child.started for child in self._children))
+            await asyncio.gather(*(child.started for child in self._children))
         except BaseException:
             await self.stop()
             raise
+        failures = await asyncio.gather(*(self.load_at_startup(name) for name in models), return_exceptions=True)
+        for name, failure in zip(models, failures, strict=True):
+            if isinstance(failure, BaseException):
+                _log.error("model %r failed to load: %s", name, failure)
         self._started = True
 
     async def _spawn(self, index: int) -> _Child:
@@ -289,7 +295,16 @@ class ProcessGroup(_Totals):
         return self.repository.index(ready_only=ready_only)
 
     async def load(self, name: str, *, config: str | None, files: Mapping[str, bytes]) -> None:
-        request = Load(name=name, config=config, files=dict(files))
+        await self._load_everywhere(name, Load(name=name, config=config, files=dict(files)))
+
+    async def load_at_startup(self, name: str) -> None:
+        await self._load_everywhere(name, StartupLoad(name=name))
+
+    async def retract(self, name: str) -> None:
+        async with self._changing(name):
+            await self._everywhere(Retract(name=name))
+
+    async def _load_everywhere(self, name: str, request: Load | StartupLoad) -> None:
         async with self._changing(name):
             outcomes = await self._everywhere(request)
             failures = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
@@ -299,7 +314,7 @@ class ProcessGroup(_Totals):
             if len(failures) == len(outcomes):
                 raise first
             # Loaded on some processes only: unloaded from all, so that every process serves the same versions.
-            await self._everywhere(Unload(name=name))
+            await self._everywhere(Retract(name=name))
             raise RepositoryError(
                 f"{first} (it loaded on {len(outcomes) - len(failures)} of {len(outcomes)} server processes, so it "
                 "was unloaded from all of them)"
@@ -311,7 +326,7 @@ class ProcessGroup(_Totals):
                 if isinstance(outcome, BaseException):
                     raise outcome
 
-    async def _everywhere(self, request: Load | Unload) -> list[BaseException | None]:
+    async def _everywhere(self, request: Request) -> list[BaseException | None]:
         """Apply `request` to the coordinator's repository and every child's at once; each one's exception or None
         (the coordinator's first)."""
         if self._broken is None or self._broken.done():
@@ -414,9 +429,8 @@ class CoordinatorLink(_Totals):
         self.repository = repository
         self._local = LocalProcess(repository, metrics)
 
-    async def start(self, server: Server, loading: Awaitable[None]) -> None:
-        """Load the start-up models (the coordinator started this process)."""
-        await loading
+    async def start(self, server: Server, models: list[str]) -> None:
+        """Nothing to do: the coordinator loads the start-up models on every process once all listen."""
 
     async def broken(self) -> ServerError:
         """Wait until the coordinator has gone."""
@@ -459,6 +473,12 @@ class CoordinatorLink(_Totals):
 
     async def unload(self, name: str, *, unload_dependents: bool) -> None:
         await self._ask(Unload(name=name, unload_dependents=unload_dependents))
+
+    async def load_at_startup(self, name: str) -> None:
+        await self._ask(StartupLoad(name=name))
+
+    async def retract(self, name: str) -> None:
+        await self._ask(Retract(name=name))
 
     # ---- totals --------------------------------------------------------------------------------------------------
     async def counters(self) -> CountersSnapshot:

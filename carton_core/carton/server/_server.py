@@ -184,13 +184,15 @@ class Server:
         if self.peers is None:
             await self._load_startup_models()
         else:
-            await self.peers.start(self, self._load_startup_models())
+            await self.peers.start(self, self._startup_models())  # the coordinator loads them on every process
+
+    def _startup_models(self) -> list[str]:
+        if self.options.model_control_mode is ModelControlMode.NONE or "*" in self.options.load_models:
+            return list_models(self.options.repository)
+        return list(self.options.load_models)
 
     async def _load_startup_models(self) -> None:
-        if self.options.model_control_mode is ModelControlMode.NONE or "*" in self.options.load_models:
-            names = list_models(self.options.repository)
-        else:
-            names = list(self.options.load_models)
+        names = self._startup_models()
         results = await asyncio.gather(*(self.repository.load_at_startup(n) for n in names), return_exceptions=True)
         for name, result in zip(names, results, strict=True):
             if isinstance(result, BaseException):
