@@ -217,6 +217,25 @@ def test_load_unload_and_index_through_either_process(server: Server) -> None:
         through_coordinator.close()
 
 
+def test_an_upload_through_the_child_serves_on_every_process(server: Server, cartons: dict[str, Path]) -> None:
+    import base64
+
+    through_child = _connection(server, coordinator=False)
+    try:
+        payload = base64.b64encode(cartons["double"].read_bytes()).decode()
+        body = json.dumps({"parameters": {"config": "{}", "file:1/model.carton": payload}}).encode()
+        status, answer = _call(through_child, "POST", "/v2/repository/models/uploaded/load", body)
+        assert status == 200, answer
+        assert _model_ready_everywhere(server, "uploaded") == {True}
+        for _ in range(8):  # whichever process the connection reaches, the uploaded model answers
+            status, answer = _fresh(server, "POST", "/v2/models/uploaded/infer", _INFER)
+            assert status == 200 and json.loads(answer)["outputs"][0]["data"] == [2.0, 4.0, 6.0]
+        assert _fresh(server, "POST", "/v2/repository/models/uploaded/unload")[0] == 200
+        assert _model_ready_everywhere(server, "uploaded") == {False}
+    finally:
+        through_child.close()
+
+
 def test_not_ready_anywhere_while_a_change_is_under_way(server: Server) -> None:
     group = _group(server)
     loop = server._uvicorn_task.get_loop()  # type: ignore[union-attr]
