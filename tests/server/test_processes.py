@@ -232,6 +232,7 @@ def test_an_upload_through_the_child_serves_on_every_process(server: Server, car
             assert status == 200 and json.loads(answer)["outputs"][0]["data"] == [2.0, 4.0, 6.0]
         assert _fresh(server, "POST", "/v2/repository/models/uploaded/unload")[0] == 200
         assert _model_ready_everywhere(server, "uploaded") == {False}
+        _wait_ready(through_child)
     finally:
         through_child.close()
 
@@ -246,10 +247,11 @@ def test_not_ready_anywhere_while_a_change_is_under_way(server: Server) -> None:
             entered.set()
             await release.wait()
 
-    held = asyncio.run_coroutine_threadsafe(changing(), loop)
-    asyncio.run_coroutine_threadsafe(entered.wait(), loop).result(10)
     through_child = _connection(server, coordinator=False)
     through_coordinator = _connection(server, coordinator=True)
+    _wait_ready(through_child)  # what earlier tests unloaded has finished closing
+    held = asyncio.run_coroutine_threadsafe(changing(), loop)
+    asyncio.run_coroutine_threadsafe(entered.wait(), loop).result(10)
     try:
         for connection in (through_child, through_coordinator):
             assert _call(connection, "GET", "/v2/health/ready")[0] == 400

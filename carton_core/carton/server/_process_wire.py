@@ -289,11 +289,15 @@ class Channel:
         if self.closed:
             raise ChannelClosed(f"{self._peer} has stopped")
         self._next_id += 1
+        call_id = self._next_id
         future: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
-        self._pending[self._next_id] = future
-        self._write(Call(self._next_id, request))
-        await self._writer.drain()
-        result = await future
+        self._pending[call_id] = future
+        try:
+            self._write(Call(call_id, request))
+            await self._writer.drain()
+            result = await future
+        finally:
+            self._pending.pop(call_id, None)  # a cancelled call leaves nothing behind
         if isinstance(result, Refused):
             raise _ERRORS.get(result.error, ServerError)(result.message)
         return result
@@ -320,7 +324,7 @@ class Channel:
                         self._on_notice(message)
         except (asyncio.IncompleteReadError, ConnectionError, OSError):
             pass  # the other end closed or died
-        except msgspec.ValidationError:
+        except msgspec.DecodeError:  # not MessagePack, or not a `Message`: the other end is not carton's
             _log.exception("a malformed message from %s; closing the channel", self._peer)
         finally:
             self._close()

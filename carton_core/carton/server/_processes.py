@@ -8,8 +8,9 @@ with one end of a Unix socket pair (`carton.server._process_wire`), and each chi
 process a client reaches.
 
 - A load or unload, asked of any process, goes to the coordinator, which applies it to every process at once and
-  answers when all have; the start-up models are loaded the same way once every process listens. A load that fails on some processes and not on others is unloaded from all of them, so no
-  process serves what another does not (the answer names the failure).
+  answers when all have; the start-up models are loaded the same way once every process listens. A load that fails
+  on some processes and not on others is unloaded from all of them, so no process serves what another does not (the
+  answer names the failure).
 - The repository index is the coordinator's; server readiness is false while a load or unload runs anywhere, while
   any process is not ready by its own rules, and once a child has died.
 - ``/metrics`` and the statistics extension are the sum of every process's counters, whichever process answers.
