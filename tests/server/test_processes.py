@@ -297,6 +297,18 @@ def test_options_several_processes_cannot_run(repository: Path) -> None:
     )
 
 
+def test_a_port_another_server_listens_on_is_refused(repository: Path) -> None:
+    with socket.socket() as other:  # another server sharing its port, as `--processes` does
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        options = ServerOptions(repository=repository, http_port=port, grpc_port=None, processes=2)
+        refused = pytest.raises(ServerError, match=f"cannot listen on 127.0.0.1:{port}: Address already in use")
+        with refused, serve_in_thread(options):
+            pass
+
+
 def test_child_options_cover_every_server_option() -> None:
     import dataclasses
 

@@ -163,6 +163,19 @@ class ProcessGroup(_Totals):
         self._local = LocalProcess(repository, metrics)
 
     # ---- lifecycle -----------------------------------------------------------------------------------------------
+    def check_ports(self) -> None:
+        """Refuse ports another server already listens on: with ``SO_REUSEPORT`` the coordinator's bind would
+        succeed and share the port with it. A socket bound without the option fails where any other listens."""
+        ports = [self.options.http_port, self.options.grpc_port]
+        for port in (port for port in ports if port):
+            family = socket.AF_INET6 if ":" in self.options.host else socket.AF_INET
+            with socket.socket(family, socket.SOCK_STREAM) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    probe.bind((self.options.host, port))
+                except OSError as exc:
+                    raise ServerError(f"cannot listen on {self.options.host}:{port}: {exc.strerror}") from exc
+
     async def start(self, server: Server, models: list[str]) -> None:
         """Start the children on `server`'s bound ports, then load the start-up `models` on every process; return
         once all have (the server is not ready before)."""
@@ -429,6 +442,9 @@ class CoordinatorLink(_Totals):
     def attach(self, repository: ModelRepository, metrics: ServerMetrics) -> None:
         self.repository = repository
         self._local = LocalProcess(repository, metrics)
+
+    def check_ports(self) -> None:
+        """Nothing to check: this process shares the ports the coordinator listens on."""
 
     async def start(self, server: Server, models: list[str]) -> None:
         """Nothing to do: the coordinator loads the start-up models on every process once all listen."""

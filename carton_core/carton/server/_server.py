@@ -131,6 +131,8 @@ class Server:
             # Imported before anything listens: it needs the generated stubs, and HTTP-only serving does not.
             from ._grpc import GrpcService
 
+        if self.peers is not None:
+            self.peers.check_ports()
         sock = socket.socket(socket.AF_INET6 if ":" in self.options.host else socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
