@@ -52,12 +52,16 @@ class LoadResult:
     load: float
 
 
-def _client(protocol: str, port: int, shape: tuple[int, ...], data: np.ndarray, binary: bool) -> Any:
-    """A callable sending one inference to model `identity`-like endpoints, made for one thread."""
+def _client(
+    protocol: str, port: int, shape: tuple[int, ...], data: np.ndarray, binary: bool, *, own_connection: bool = False
+) -> Any:
+    """A callable sending one inference to model `identity`-like endpoints, made for one thread. gRPC clients of one
+    process share one connection (grpc's global subchannel pool) unless `own_connection`."""
     if protocol == "grpc":
         import tritonclient.grpc as grpcclient
 
-        grpc_client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+        channel_args = [("grpc.use_local_subchannel_pool", 1)] if own_connection else None
+        grpc_client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}", channel_args=channel_args)
         grpc_tensor = grpcclient.InferInput("INPUT0", list(shape), "FP32")
         grpc_tensor.set_data_from_numpy(data)
         grpc_outputs = [grpcclient.InferRequestedOutput("OUTPUT0")]
@@ -89,6 +93,7 @@ def run_load(
     binary: bool = True,
     protocol: str = "http",
     pid: int | None = None,
+    own_connections: bool = False,
 ) -> LoadResult:
     """`requests` inferences over `concurrency` threads (each with its own client, warmed up first)."""
     data = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
@@ -98,7 +103,7 @@ def run_load(
     barrier = threading.Barrier(concurrency + 1)
 
     def worker() -> None:
-        call = _client(protocol, port, shape, data, binary)
+        call = _client(protocol, port, shape, data, binary, own_connection=own_connections)
         call(model)  # warm the connection
         barrier.wait()
         mine = []

@@ -12,6 +12,7 @@ from pathlib import Path
 import carton
 import numpy as np
 import pytest
+from serving_process import alive, descendants
 
 from .runtime_test_runners import SLEEP, STARTED_MARKER
 
@@ -20,35 +21,6 @@ pytestmark = pytest.mark.usefixtures("runtime_plugin")
 DRIVER = Path(__file__).with_name("cli_with_test_runners.py")
 #: How long `Model.close` lets a runner finish before killing it: an interrupted command must not wait for it.
 GRACEFUL_CLOSE_SECONDS = 5.0
-
-
-def _descendants(pid: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        parent = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(parent, []).append(int(entry))
-    found: set[int] = set()
-    pending = [pid]
-    while pending:
-        for child in children.get(pending.pop(), []):
-            if child not in found:
-                found.add(child)
-                pending.append(child)
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process tree from /proc")
@@ -67,7 +39,7 @@ def test_ctrl_c_during_a_long_infer_stops_promptly_and_says_so(affine_dir: Path,
             assert process.poll() is None, process.communicate()
             assert time.monotonic() < deadline, "the request never reached the runner"
             time.sleep(0.05)
-        runners = _descendants(process.pid)
+        runners = descendants(process.pid)
         assert runners
         process.send_signal(signal.SIGINT)
         interrupted = time.monotonic()
@@ -81,4 +53,4 @@ def test_ctrl_c_during_a_long_infer_stops_promptly_and_says_so(affine_dir: Path,
     assert stderr.decode().strip() == "carton: interrupted", stderr
     # It did not give the runner its graceful close: the request it was running will never be read.
     assert waited < GRACEFUL_CLOSE_SECONDS, waited
-    assert not [pid for pid in runners if _alive(pid)]
+    assert not [pid for pid in runners if alive(pid)]

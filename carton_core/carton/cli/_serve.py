@@ -43,6 +43,16 @@ def _positive(text: str) -> float:
     return value
 
 
+def _processes(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from exc
+    if value < 1:
+        raise argparse.ArgumentTypeError("there must be at least 1 server process")
+    return value
+
+
 def register(subparsers: Any) -> None:
     """Add ``carton serve`` to the ``carton`` parser's `subparsers` (called by `build_parser`)."""
     parser = subparsers.add_parser(
@@ -89,6 +99,11 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--workers", type=int, default=1, metavar="N",
         help="runner processes per model version unless its config sets instance_group (default: 1)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--processes", type=_processes, default=1, metavar="N",
+        help="server processes sharing the HTTP and gRPC ports (SO_REUSEPORT), each with its own copy of every model "
+        "and its own runner processes, so that requests use more cores (default: 1)",
     )  # fmt: skip
     parser.add_argument(
         "--sandbox",
@@ -168,6 +183,7 @@ def _serve(args: argparse.Namespace) -> int:
             max_body_size=args.max_body_size,
             allow_upload=not args.disable_upload,
             workers=args.workers,
+            processes=args.processes,
             sandbox=args.sandbox,
             upload_sandbox=args.upload_sandbox,
             load_timeout=args.load_timeout,

@@ -21,7 +21,7 @@ from grpc import aio
 
 from ._datatypes import DATATYPE_OF, NUMPY_OF, counted
 from ._handle import metadata_shape
-from ._http import EXTENSIONS, RepositoryControl, ServerControl
+from ._http import EXTENSIONS, RepositoryControl, ServerControl, ServerTotals
 from ._inference import (
     check_complete,
     check_requested,
@@ -101,7 +101,12 @@ class GrpcService:
     about a model to a replica, which runs them on its own `GrpcService`)."""
 
     def __init__(
-        self, repository: ModelRepository | None, *, server_version: str, control: ServerControl | None = None
+        self,
+        repository: ModelRepository | None,
+        *,
+        server_version: str,
+        control: ServerControl | None = None,
+        totals: ServerTotals | None = None,
     ) -> None:
         if control is None:
             if repository is None:
@@ -109,6 +114,7 @@ class GrpcService:
             control = RepositoryControl(repository)
         self._repository = repository
         self.control = control
+        self.totals = totals
         self.server_version = server_version
 
     @property
@@ -209,6 +215,11 @@ class GrpcService:
         """``ModelStatistics``: inference statistics of one model (version) or of all."""
         from google.protobuf import json_format
 
+        if self.totals is not None:  # several server processes: their statistics added up
+            entries = await self.totals.statistics(request.name, request.version)
+            response = _M["ModelStatisticsResponse"]()
+            json_format.ParseDict({"model_stats": entries}, response)
+            return response
         if request.name:
             served = self.repository.get(request.name, request.version)
             versions = [served] if request.version else self.repository.versions(request.name)

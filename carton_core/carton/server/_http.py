@@ -40,6 +40,7 @@ __all__ = [
     "HttpApp",
     "RepositoryControl",
     "ServerControl",
+    "ServerTotals",
     "model_config_json",
     "model_metadata_json",
     "split_path",
@@ -136,6 +137,20 @@ class ServerControl(Protocol):
     async def unload(self, name: str, *, unload_dependents: bool) -> None: ...
 
 
+class ServerTotals(Protocol):
+    """``/metrics`` and the statistics extension summed over several server processes (``carton serve
+    --processes N``); without one, an app reports its own repository's counters."""
+
+    async def metrics(self) -> bytes:
+        """The Prometheus text of every process's counters added up."""
+        ...
+
+    async def statistics(self, name: str, version: str) -> list[dict[str, Any]]:
+        """``model_stats`` of `name` (empty: every model) at `version` (empty: every version served), summed; a
+        model unknown here raises `ModelNotFound`."""
+        ...
+
+
 #: Answers a request about model `name` (``None``: statistics of every model, metrics) somewhere else.
 Forward = Callable[[HttpRequest, "str | None"], Awaitable[HttpResponse]]
 
@@ -188,6 +203,7 @@ class HttpApp:
         server_version: str,
         control: ServerControl | None = None,
         forward: Forward | None = None,
+        totals: ServerTotals | None = None,
     ) -> None:
         if control is None:
             if repository is None:
@@ -198,6 +214,7 @@ class HttpApp:
         self.repository = repository
         self.control = control
         self.forward = forward
+        self.totals = totals
         self.metrics = metrics
         self.max_body_size = max_body_size
         self.server_version = server_version
@@ -245,7 +262,7 @@ class HttpApp:
             _expect(method, "GET")
             if self.forward is not None:
                 return await self.forward(request, None)
-            body = generate_latest(self.metrics.registry)
+            body = await self.totals.metrics() if self.totals else generate_latest(self.metrics.registry)
             return HttpResponse(200, [(b"content-type", CONTENT_TYPE_LATEST.encode())], [body])
         if not segments or segments[0] != "v2":
             raise _HttpError(404, "Not Found")
@@ -272,6 +289,8 @@ class HttpApp:
             _expect(method, "GET")
             if self.forward is not None:
                 return await self.forward(request, None)
+            if self.totals is not None:
+                return _json(200, {"model_stats": await self.totals.statistics("", "")})
             return _stats(self._models_of().all_served())
         if not rest:
             raise _HttpError(404, "Not Found")
@@ -296,6 +315,8 @@ class HttpApp:
             return _json(200, model_metadata_json(served, versions))
         if action == "config":
             return _json(200, model_config_json(served, repository.options.workers))
+        if self.totals is not None:
+            return _json(200, {"model_stats": await self.totals.statistics(name, version)})
         return _stats([served] if version else repository.versions(name))
 
     async def _repository(self, request: HttpRequest, rest: list[str]) -> HttpResponse:

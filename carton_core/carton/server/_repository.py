@@ -458,6 +458,11 @@ class ModelRepository:
                 "model control mode is 'none': models cannot be loaded or unloaded through the API "
                 "(start the server with --model-control-mode explicit)"
             )
+        await self.retract(name)
+
+    async def retract(self, name: str) -> None:
+        """Unload `name` on the server's own decision, whatever the model control mode (several server processes
+        undo a load that succeeded on some of them only)."""
         if name not in self._models:
             return
         model = self._use(name)

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ._handle import ModelLoader, load_carton
 from ._http import HttpApp
@@ -24,6 +25,9 @@ from ._layout import list_models, make_upload_root, sweep_stale_upload_roots
 from ._repository import ModelRepository, RepositoryOptions
 from ._stats import ServerMetrics
 from .errors import ServerError
+
+if TYPE_CHECKING:
+    from ._processes import CoordinatorLink, ProcessGroup
 
 __all__ = ["ModelControlMode", "Server", "ServerOptions", "listening_text", "run_server", "serve_in_thread"]
 
@@ -59,6 +63,9 @@ class ServerOptions:
     #: Triton's ``--strict-readiness``: not ready while a model that was asked for failed to load.
     strict_readiness: bool = False
     loader: ModelLoader = field(default=load_carton)
+    #: Server processes listening on the same ports (``SO_REUSEPORT``), each with its own repository and runners
+    #: (not the runner `workers`); see docs/server.md, "Several server processes".
+    processes: int = 1
 
 
 def _version() -> str:
@@ -70,10 +77,16 @@ def _version() -> str:
 class Server:
     """One server: `start` binds and loads, `stop` unloads everything and closes the sockets."""
 
-    def __init__(self, options: ServerOptions) -> None:
+    def __init__(self, options: ServerOptions, *, peers: CoordinatorLink | None = None) -> None:
         if not options.repository.is_dir():
             raise ServerError(f"model repository {options.repository} is not a directory")
         self.options = options
+        # The other server processes: this is their coordinator (a `ProcessGroup`), or one of them (`peers`).
+        self.peers: ProcessGroup | CoordinatorLink | None = peers
+        if peers is None and options.processes != 1:
+            from ._processes import ProcessGroup
+
+            self.peers = ProcessGroup(options)
         self.metrics = ServerMetrics()
         # Uploads of servers that were killed (SIGKILL skips `stop`) are swept here: their folders name their pid.
         for stale in sweep_stale_upload_roots():
@@ -96,9 +109,12 @@ class Server:
                 strict_readiness=options.strict_readiness,
             ),
         )
+        if self.peers is not None:
+            self.peers.attach(self.repository, self.metrics)
         self.app = HttpApp(
-            self.repository, self.metrics, max_body_size=options.max_body_size, server_version=_version()
-        )
+            self.repository, self.metrics, max_body_size=options.max_body_size, server_version=_version(),
+            control=self.peers, totals=self.peers,
+        )  # fmt: skip
         self.http_port: int = options.http_port
         self.grpc_port: int | None = options.grpc_port
         self._uvicorn: object | None = None
@@ -115,9 +131,13 @@ class Server:
             # Imported before anything listens: it needs the generated stubs, and HTTP-only serving does not.
             from ._grpc import GrpcService
 
+        if self.peers is not None:
+            self.peers.check_ports()
         sock = socket.socket(socket.AF_INET6 if ":" in self.options.host else socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self.peers is not None:  # every server process listens on this port (grpcio sets it for gRPC itself)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         try:
             sock.bind((self.options.host, self.options.http_port))
         except OSError as exc:
@@ -150,7 +170,8 @@ class Server:
             grpc_server = aio.server(
                 options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", -1)]
             )
-            grpc_server.add_generic_rpc_handlers((GrpcService(self.repository, server_version=_version()).handler(),))
+            service = GrpcService(self.repository, server_version=_version(), control=self.peers, totals=self.peers)
+            grpc_server.add_generic_rpc_handlers((service.handler(),))
             port = grpc_server.add_insecure_port(f"{self.options.host}:{self.options.grpc_port}")
             if port == 0:
                 raise ServerError(f"cannot listen for gRPC on {self.options.host}:{self.options.grpc_port}")
@@ -162,13 +183,18 @@ class Server:
                 self._uvicorn_task.result()
                 raise ServerError("the HTTP server stopped while starting")
             await asyncio.sleep(0.005)
-        await self._load_startup_models()
+        if self.peers is None:
+            await self._load_startup_models()
+        else:
+            await self.peers.start(self, self._startup_models())  # the coordinator loads them on every process
+
+    def _startup_models(self) -> list[str]:
+        if self.options.model_control_mode is ModelControlMode.NONE or "*" in self.options.load_models:
+            return list_models(self.options.repository)
+        return list(self.options.load_models)
 
     async def _load_startup_models(self) -> None:
-        if self.options.model_control_mode is ModelControlMode.NONE or "*" in self.options.load_models:
-            names = list_models(self.options.repository)
-        else:
-            names = list(self.options.load_models)
+        names = self._startup_models()
         results = await asyncio.gather(*(self.repository.load_at_startup(n) for n in names), return_exceptions=True)
         for name, result in zip(names, results, strict=True):
             if isinstance(result, BaseException):
@@ -176,6 +202,12 @@ class Server:
 
     async def stop(self) -> None:
         """Stop accepting requests, unload every model (closing its runners) and close the ports."""
+        if self.peers is not None:
+            await asyncio.gather(self._stop_serving(), self.peers.stop())
+        else:
+            await self._stop_serving()
+
+    async def _stop_serving(self) -> None:
         if self._grpc is not None:
             await self._grpc.stop(1.0)  # type: ignore[attr-defined]
         if self._uvicorn is not None and self._uvicorn_task is not None:
@@ -188,7 +220,8 @@ class Server:
 def listening_text(server: Server) -> str:
     """Where a started server listens, as one line (the startup banner)."""
     grpc_text = f", gRPC on {server.options.host}:{server.grpc_port}" if server.grpc_port is not None else ""
-    return f"carton server: HTTP on {server.options.host}:{server.http_port}{grpc_text}"
+    processes = f" ({server.options.processes} server processes)" if server.options.processes > 1 else ""
+    return f"carton server: HTTP on {server.options.host}:{server.http_port}{grpc_text}{processes}"
 
 
 async def _serve_until_signalled(server: Server, on_started: Callable[[Server], None] | None) -> None:
@@ -202,10 +235,20 @@ async def _serve_until_signalled(server: Server, on_started: Callable[[Server], 
     _log.info("%s", listening_text(server))
     if on_started is not None:
         on_started(server)
+    # A signal, or a server process that died (then the others stop too, and the error is raised).
+    waits: list[asyncio.Future[object]] = [asyncio.ensure_future(stop.wait())]
+    if server.peers is not None:
+        waits.append(asyncio.ensure_future(server.peers.broken()))
     try:
-        await stop.wait()
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     finally:
+        for waiting in waits:
+            waiting.cancel()
         await server.stop()
+    for waiting in waits[1:]:
+        error = waiting.result() if waiting.done() and not waiting.cancelled() else None
+        if isinstance(error, ServerError):
+            raise error
 
 
 def _run(coroutine_factory: object) -> None:

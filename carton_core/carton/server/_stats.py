@@ -126,6 +126,10 @@ class ServerMetrics:
             found = self._series[(model, version)] = _Series()
         return found
 
+    def series_items(self) -> list[tuple[tuple[str, str], _Series]]:
+        """Every (model, version) and its series (what another server process adds up, see ``_process_wire``)."""
+        return list(self._series.items())
+
     def forget(self, model: str, version: str) -> None:
         """Drop a version's series once it is unloaded (a reload starts them again from zero, like its statistics)."""
         self._series.pop((model, version), None)
