@@ -226,7 +226,22 @@ def mlserver_server(root: Path) -> Iterator[int | None]:
         stop_group(process)
 
 
-STACKS = ("uvicorn-httptools", "uvicorn-h11", "granian")
+STACKS = ("carton-httptools", "uvicorn-httptools", "uvicorn-h11", "granian", "granian-rsgi")
+
+
+def rsgi_app(app: Any) -> Any:
+    """Carton's `HttpApp.handle` behind granian's RSGI interface (granian's lightest Python interface)."""
+    from carton.server._http_messages import HttpRequest
+
+    async def serve(scope: Any, protocol: Any) -> None:
+        body = await protocol()
+        path = scope.path.encode() + (b"?" + scope.query_string.encode() if scope.query_string else b"")
+        headers = {name.encode(): value.encode() for name, value in scope.headers.items()}
+        response = await app.handle(HttpRequest(scope.method, path, headers, body))
+        answer = [(name.decode(), value.decode()) for name, value in response.headers]
+        protocol.response_bytes(response.status, answer, bytes(response.body()))
+
+    return serve
 
 
 def stack_child(stack: str, port: int, root: Path) -> None:
@@ -234,6 +249,8 @@ def stack_child(stack: str, port: int, root: Path) -> None:
 
     `root` is a folder the parent made inside its own temporary folder, so the parent's cleanup removes it however
     this child ends (the parent stops it with SIGTERM, or SIGKILLs it if that fails)."""
+    import asyncio
+
     import uvloop
     from carton.server._http import HttpApp
     from carton.server._repository import ModelRepository, RepositoryOptions
@@ -260,11 +277,20 @@ def stack_child(stack: str, port: int, root: Path) -> None:
         )  # fmt: skip
         await repo.load_at_startup("identity")
         app = HttpApp(repo, metrics, max_body_size=1 << 28, server_version="bench")
-        if stack == "granian":
+        if stack.startswith("granian"):
             from granian.constants import Interfaces
             from granian.server.embed import Server as Granian
 
-            await Granian(app, "127.0.0.1", port, interface=Interfaces.ASGI, log_enabled=False).serve()
+            target, interface = (rsgi_app(app), Interfaces.RSGI) if stack == "granian-rsgi" else (app, Interfaces.ASGI)
+            await Granian(target, "127.0.0.1", port, interface=interface, log_enabled=False).serve()
+        elif stack == "carton-httptools":
+            from carton.server._http_server import serve_http
+
+            sock = socket.create_server(("127.0.0.1", port))
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setblocking(False)
+            await serve_http(app.handle, sock)
+            await asyncio.Event().wait()
         else:
             import uvicorn
 
@@ -278,19 +304,71 @@ def stack_child(stack: str, port: int, root: Path) -> None:
 
 
 @contextmanager
-def stack_server(stack: str, root: Path) -> Iterator[int | None]:
+def stack_server(stack: str, root: Path) -> Iterator[Served | None]:
     port = free_port()
     folder = Path(tempfile.mkdtemp(prefix=f"stack-{stack}-", dir=root))
     command = [sys.executable, __file__, "--stack-child", stack, str(port), str(folder)]
     process = subprocess.Popen(command, start_new_session=True)
     try:
         wait_ready(port, 60)
-        yield port
+        yield Served(stack, port, 0, process.pid)
     except RuntimeError:
         yield None
     finally:
         stop_group(process)
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def run_stacks(root: Path, args: argparse.Namespace) -> dict[str, list[tuple[LoadResult, LoadResult]]]:
+    """Every HTTP stack started at once, then measured turn about (the order rotates each round): per round and
+    stack, one client and eight clients, with the CPU time of the stack's process."""
+    found: dict[str, list[tuple[LoadResult, LoadResult]]] = {}
+    with contextlib.ExitStack() as running:
+        served = []
+        for stack in args.stacks.split(","):
+            server = running.enter_context(stack_server(stack, root))
+            if server is None:
+                print(f"stack {stack}: not available, skipped", file=sys.stderr)
+                continue
+            served.append(server)
+            found[stack] = []
+        for index in range(args.rounds):
+            shift = index % len(served)
+            for server in served[shift:] + served[:shift]:
+                one = run_load(server.http, "identity", (1, 16), 1, args.stack_requests, pid=server.pid)
+                eight = run_load(server.http, "identity", (1, 16), 8, args.stack_requests * 2, pid=server.pid)
+                found[server.name].append((one, eight))
+            print(f"stacks: round {index + 1}/{args.rounds} done (load {os.getloadavg()[0]:.2f})", file=sys.stderr)
+    return found
+
+
+def print_stacks(stacks: dict[str, list[tuple[LoadResult, LoadResult]]], requests: int) -> None:
+    """Medians over rounds per stack, and the median of per-round ratios to uvicorn-httptools."""
+    print(f"\nHTTP stacks: carton's HttpApp, zero-cost in-process model (no runner), [1,16] FP32, {requests} requests")
+    header = (
+        f"{'stack':<19}{'p50 c=1 ms':>11}{'CPU c=1 us':>11}{'req/s c=8':>11}{'CPU c=8 us':>11}"
+        f"{'p50 ratio':>10}{'CPU1 ratio':>11}{'req/s ratio':>12}{'CPU8 ratio':>11}{'load':>6}"
+    )
+    print(header)
+    print("-" * len(header))
+    reference = stacks.get("uvicorn-httptools")
+    for name, rounds in stacks.items():
+        p50 = statistics.median(one.p50_ms for one, _ in rounds)
+        cpu1 = statistics.median(one.cpu_us for one, _ in rounds)
+        rate = statistics.median(eight.rate for _, eight in rounds)
+        cpu8 = statistics.median(eight.cpu_us for _, eight in rounds)
+        load = statistics.mean(result.load for pair in rounds for result in pair)
+        ratios = ""
+        if reference is not None:
+            pairs = list(zip(rounds, reference, strict=False))
+            for mine, base in (
+                (lambda r: r[0].p50_ms, lambda r: r[0].p50_ms), (lambda r: r[0].cpu_us, lambda r: r[0].cpu_us),
+                (lambda r: r[1].rate, lambda r: r[1].rate), (lambda r: r[1].cpu_us, lambda r: r[1].cpu_us),
+            ):  # fmt: skip
+                ratio = statistics.median(mine(a) / base(b) if base(b) else float("inf") for a, b in pairs)
+                ratios += f"{ratio:>10.2f}x"
+        print(f"{name:<19}{p50:>11.3f}{cpu1:>11.1f}{rate:>11.1f}{cpu8:>11.1f}{ratios}{load:>6.2f}")
+    print("ratios: stack / uvicorn-httptools, median of per-round ratios; CPU: the stack's process per request (/proc)")
 
 
 def print_table(
@@ -461,6 +539,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=2000, help="requests per small-tensor case")
     parser.add_argument("--big-requests", type=int, default=16, help="requests per [64,3,224,224] case")
     parser.add_argument("--stack-requests", type=int, default=2000, help="requests per HTTP-stack case (0: skip)")
+    parser.add_argument("--stacks", default=",".join(STACKS), help="comma-separated HTTP stacks of the stack section")
     parser.add_argument("--skip-triton", action="store_true")
     parser.add_argument("--skip-mlserver", action="store_true")
     parser.add_argument("--sections", default="goals", help="comma-separated: goals, servers, stacks")
@@ -486,7 +565,7 @@ def main() -> None:
         ("[64,3,224,224]", "identity4", (64, 3, 224, 224), 8, args.big_requests),
     ]
     results: dict[str, dict[tuple[str, int], LoadResult]] = {}
-    stacks: dict[str, dict[tuple[str, int], LoadResult]] = {}
+    stacks: dict[str, list[tuple[LoadResult, LoadResult]]] = {}
     root = Path(tempfile.mkdtemp(prefix="carton-bench-server-"))
     try:
         repo = build_repository(root)
@@ -510,22 +589,12 @@ def main() -> None:
                         port, model, shape, concurrency, count, binary=binary
                     )
         if args.stack_requests:
-            for stack in STACKS:
-                with stack_server(stack, root) as port:
-                    if port is None:
-                        print(f"stack {stack}: not available, skipped", file=sys.stderr)
-                        continue
-                    stacks[stack] = {
-                        ("[1,16] echo", c): run_load(port, "identity", (1, 16), c, args.stack_requests) for c in (1, 8)
-                    }
+            stacks = run_stacks(root, args)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print_table("servers (same identity computation)", [(c[0], c[3]) for c in cases], results, "triton")
     if stacks:
-        print_table(
-            "HTTP stacks: carton's ASGI app, zero-cost in-process model (no runner)",
-            [("[1,16] echo", 1), ("[1,16] echo", 8)], stacks, "uvicorn-httptools",
-        )  # fmt: skip
+        print_stacks(stacks, args.stack_requests)
 
 
 if __name__ == "__main__":
