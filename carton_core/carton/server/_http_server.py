@@ -275,20 +275,21 @@ class _Connection(asyncio.Protocol):
         # A client that waits for "100 Continue" before sending its body and gets a final answer instead may send
         # the body or not: the connection cannot be reused either way.
         unsent_body = exchange.expect_continue and not exchange.continue_sent and not exchange.body_done
-        if refused_body or unsent_body or exchange.broken or self.server.closing:
+        if refused_body or unsent_body or exchange.broken or self.eof or self.server.closing:
             exchange.keep_alive = False
         await self._write(exchange, response)
         if self.closed:
             self._finish(exchange)
             return
         if not exchange.body_done:
-            if refused_body:
+            if refused_body or unsent_body:
                 self._linger()
                 return
-            exchange.discard = True  # the rest of the body is dropped; the next request starts once it has passed
-            exchange.chunks = []
-            self.task = None
-            return
+            if exchange.keep_alive:
+                exchange.discard = True  # the rest of the body is dropped; the next request starts after it
+                exchange.chunks = []
+                self.task = None
+                return
         self._finish(exchange)
 
     async def _write(self, exchange: _Exchange, response: HttpResponse) -> None:
