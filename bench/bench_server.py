@@ -2,7 +2,8 @@
 
     python bench/bench_server.py [--sections goals,servers,stacks] [--rounds 3] [--requests 2000]
                                  [--big-requests 16] [--json-elements 10000000] [--runtime-calls 5000]
-                                 [--skip-triton] [--skip-mlserver] [--stack-requests 2000]
+                                 [--skip-triton] [--skip-mlserver] [--stack-requests 2000] [--protocols http,grpc]
+                                 [--baseline-python PYTHON] [--stacks carton-httptools,uvicorn-httptools,...]
 
 The goals section (the default) prints one row per goal of the server's performance issue: carton and Triton both
 running, measured turn about (carton first in odd rounds, Triton first in even ones), each row the median over
@@ -13,6 +14,9 @@ read from /proc around the same runs; the [64,3,224,224] FP32 request; one reque
 tensor, timed while another connection probes /v2/health/ready and runs a small inference on another model
 (the slowest of each is reported); and `Model.infer` of the [1,16] ONNX carton against a raw pyzmq REQ/REP round
 trip between two processes. Every server is started and stopped here; nothing is left running.
+`--protocols http` keeps the HTTP rows only; `--baseline-python` also measures the `carton serve` of another
+checkout (a Python whose environment has it installed) in the same rounds, and prints it against this checkout and
+against Triton.
 
 Starts every server itself: `carton serve` on ONNX Identity cartons; Triton 2.51 (python backend identity models)
 through ../shared/peers/triton.sh when it has been set up (``triton.sh setup``); MLServer 1.7 (an identity MLModel)
@@ -21,8 +25,10 @@ from the venv at $MLSERVER_VENV (default ~/.cache/carton-peers/mlserver-venv, ma
 environment). The client is tritonclient.http: binary tensor data for carton and Triton, JSON tensors for MLServer
 (it has no binary data extension over HTTP); concurrency 8 uses 8 threads, each with its own client.
 
-The stack section serves carton's ASGI application with a zero-cost in-process model (no runner) under uvicorn
-(httptools), uvicorn (h11) and granian, so the HTTP stacks are compared on the same app in the same run.
+The stack section serves carton's `HttpApp` with a zero-cost in-process model (no runner) under carton's own
+protocol on httptools (what `carton serve` runs), uvicorn (httptools and h11) and granian (ASGI and RSGI; granian is
+not a dependency: install it to measure it), all started at once and measured turn about, with each stack's CPU
+time per request, so the HTTP stacks are compared on the same app in the same run.
 The client shares the machine's 2 cores with the servers, so at concurrency 8 the client bounds the figures as much
 as the servers do.
 """
@@ -148,13 +154,13 @@ class Served:
 
 
 @contextmanager
-def carton_served(repo: Path, *extra: str) -> Iterator[Served]:
+def carton_served(repo: Path, *extra: str, python: str = sys.executable, name: str = "carton") -> Iterator[Served]:
     http, grpc = free_port(), free_port()
-    command = [sys.executable, "-m", "carton", "serve", str(repo), "--http-port", str(http), "--grpc-port", str(grpc)]
+    command = [python, "-m", "carton", "serve", str(repo), "--http-port", str(http), "--grpc-port", str(grpc)]
     process = subprocess.Popen([*command, *extra], start_new_session=True)
     try:
         wait_ready(http)
-        yield Served("carton", http, grpc, process.pid)
+        yield Served(name, http, grpc, process.pid)
     finally:
         stop_group(process)
 
@@ -426,6 +432,8 @@ def measure_goals(served: Served, args: argparse.Namespace, json_body: bytes | N
     found: dict[str, tuple[float, float]] = {}
     small = (1, 16)
     for protocol, port in (("http", served.http), ("grpc", served.grpc)):
+        if protocol not in args.protocols.split(","):
+            continue
         one = run_load(port, "identity", small, 1, args.requests, protocol=protocol, pid=served.pid)
         eight = run_load(port, "identity", small, 8, args.requests * 2, protocol=protocol, pid=served.pid)
         found[f"{protocol}_p50"] = (one.p50_ms, one.load)
@@ -443,29 +451,35 @@ def measure_goals(served: Served, args: argparse.Namespace, json_body: bytes | N
     return found
 
 
-def print_goals(rounds: list[dict[str, dict[str, tuple[float, float]]]]) -> None:
+def print_goals(
+    rounds: list[dict[str, dict[str, tuple[float, float]]]], ours: str = "carton", reference: str = "triton"
+) -> None:
     """Medians over the rounds for each server, the median of the per-round ratios, and the mean load average."""
-    print("\ngoals: carton against Triton (medians over A/B-alternated rounds; ratio = median of per-round ratios)")
-    header = f"{'goal':<44}{'unit':>6}{'carton':>11}{'Triton':>11}{'ratio':>8}{'goal':>9}{'met':>5}{'load':>7}"
+    titles = {"carton": "carton", "triton": "Triton", "baseline": "baseline"}
+    print(
+        f"\ngoals: {ours} against {titles[reference]} (medians over A/B-alternated rounds; ratio = median of per-round "
+        "ratios)"
+    )
+    header = (
+        f"{'goal':<44}{'unit':>6}{titles[ours]:>11}{titles[reference]:>11}{'ratio':>8}{'goal':>9}{'met':>5}{'load':>7}"
+    )
     print(header)
     print("-" * len(header))
     for key, goal in GOALS.items():
         pairs = [
-            (r["carton"][key], r["triton"][key])
-            for r in rounds
-            if key in r.get("carton", {}) and key in r.get("triton", {})
+            (r[ours][key], r[reference][key]) for r in rounds if key in r.get(ours, {}) and key in r.get(reference, {})
         ]
-        ours = [r["carton"][key] for r in rounds if key in r.get("carton", {})]
-        if not ours:
+        found = [r[ours][key] for r in rounds if key in r.get(ours, {})]
+        if not found:
             continue
-        value = statistics.median(v for v, _ in ours)
-        loads = [load for v, load in ours] + [load for _, (v, load) in pairs]
+        value = statistics.median(v for v, _ in found)
+        loads = [load for v, load in found] + [load for _, (v, load) in pairs]
         if pairs:
-            reference = statistics.median(t for _, (t, _) in pairs)
+            other = statistics.median(t for _, (t, _) in pairs)
             ratio = statistics.median(c / t if t else float("inf") for (c, _), (t, _) in pairs)
             met = ratio <= goal.bound if goal.sense == "le" else ratio >= goal.bound
             bound = f"{'<=' if goal.sense == 'le' else '>='}{goal.bound:g}x"
-            row = f"{reference:>11.3f}{ratio:>7.2f}x{bound:>9}{'yes' if met else 'no':>5}"
+            row = f"{other:>11.3f}{ratio:>7.2f}x{bound:>9}{'yes' if met else 'no':>5}"
         else:
             row = f"{'-':>11}{'-':>8}{'':>9}{'':>5}"
         print(f"{goal.label:<44}{goal.unit:>6}{value:>11.3f}{row}{statistics.mean(loads):>7.2f}")
@@ -476,18 +490,27 @@ def print_goals(rounds: list[dict[str, dict[str, tuple[float, float]]]]) -> None
 def run_goals(repo: Path, args: argparse.Namespace) -> None:
     json_body = json_tensor_body(args.json_elements) if args.json_elements else None
     rounds: list[dict[str, dict[str, tuple[float, float]]]] = []
-    with carton_served(repo) as carton, triton_served() as triton:
-        servers = [carton] if triton is None else [carton, triton]
+    with contextlib.ExitStack() as running:
+        servers = [running.enter_context(carton_served(repo))]
+        if args.baseline_python:
+            servers.append(running.enter_context(carton_served(repo, python=args.baseline_python, name="baseline")))
+        triton = None if args.skip_triton else running.enter_context(triton_served())
         if triton is None:
-            print("triton: not available (run ../shared/peers/triton.sh setup), carton alone", file=sys.stderr)
+            print("triton: not available (run ../shared/peers/triton.sh setup) or skipped", file=sys.stderr)
+        else:
+            servers.append(triton)
         for index in range(args.rounds):
-            order = servers if index % 2 == 0 else servers[::-1]
+            shift = index % len(servers)
             measured: dict[str, dict[str, tuple[float, float]]] = {}
-            for served in order:
+            for served in servers[shift:] + servers[:shift]:
                 measured[served.name] = measure_goals(served, args, json_body)
             rounds.append(measured)
             print(f"round {index + 1}/{args.rounds} done (load {os.getloadavg()[0]:.2f})", file=sys.stderr)
     print_goals(rounds)
+    if args.baseline_python:
+        print_goals(rounds, reference="baseline")
+        if triton is not None:
+            print_goals(rounds, ours="baseline")
     if args.runtime_calls:
         print_model_infer_ratio(repo, args.runtime_calls)
 
@@ -539,6 +562,12 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=2000, help="requests per small-tensor case")
     parser.add_argument("--big-requests", type=int, default=16, help="requests per [64,3,224,224] case")
     parser.add_argument("--stack-requests", type=int, default=2000, help="requests per HTTP-stack case (0: skip)")
+    parser.add_argument("--protocols", default="http,grpc", help="comma-separated: the goal rows' protocols")
+    parser.add_argument(
+        "--baseline-python",
+        help="a Python whose environment has another checkout of carton installed: its `carton serve` is measured in "
+        "the same rounds (the server order rotates each round) and compared with this checkout's",
+    )
     parser.add_argument("--stacks", default=",".join(STACKS), help="comma-separated HTTP stacks of the stack section")
     parser.add_argument("--skip-triton", action="store_true")
     parser.add_argument("--skip-mlserver", action="store_true")
