@@ -311,6 +311,25 @@ def test_malformed_requests_get_400_and_close(request_bytes: bytes) -> None:
     assert handler.started == []
 
 
+def test_a_head_too_large_is_refused() -> None:
+    handler = Handler()
+    with served(handler) as (port, server), connect(port) as sock:
+        sock.sendall(b"GET /a HTTP/1.1\r\nHost: x\r\n\r\nGET /b HTTP/1.1\r\nX-Long: ")
+        try:
+            for _ in range(40):
+                sock.sendall(b"a" * 65536)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        buffer = bytearray()
+        assert read_response(sock, buffer)[2] == b"/a"
+        status, headers, body = read_response(sock, buffer)
+        assert (status, headers[b"connection"]) == (431, b"close") and b"too large" in body
+        assert closed_by_server(sock)
+        sock.close()
+        assert wait_until(lambda: not server.connections)
+    assert handler.started == [b"/a"]
+
+
 def test_malformed_request_behind_good_ones() -> None:
     handler = Handler()
     with served(handler) as (port, _), connect(port) as sock:

@@ -12,7 +12,7 @@ What it owes a client, per connection:
   a 413, when the server stops reading it: it answers with ``Connection: close``, shuts its side and drops whatever
   still comes for a short while (a lingering close), so that the client reads the answer instead of a reset;
 - a malformed request (request line, header, ``Content-Length``, chunk framing, both ``Content-Length`` and
-  chunked) answered 400 with ``Connection: close``, then closed;
+  chunked) answered 400 with ``Connection: close``, then closed; a head over 1 MiB answered 431;
 - large responses written part by part, waiting for the socket to drain (``pause_writing``/``resume_writing``), and
   the next pipelined request started only once the previous answer has drained;
 - a client that goes away mid-body gets its handler's read refused (`BadRequest`), one that goes away mid-response
@@ -46,6 +46,9 @@ _MAX_PIPELINED_BYTES = 1 << 20
 _JOIN_LIMIT = 1 << 16
 #: How long a connection refusing a body (413) keeps dropping what the client still sends before closing.
 _LINGER_SECONDS = 2.0
+#: A request line and headers still incomplete after this many bytes are refused with 431 (the parser would keep
+#: gathering them; the count may include up to one read's worth of the previous request).
+_MAX_HEAD_BYTES = 1 << 20
 
 _STATUS_LINES = {
     status.value: b"HTTP/1.1 %d %s\r\n" % (status.value, status.phrase.encode()) for status in http.HTTPStatus
@@ -117,10 +120,14 @@ class _Connection(asyncio.Protocol):
         self.lingering = False
         #: A malformed request head was received: once the requests before it are answered, 400 and close.
         self.malformed = False
+        #: ... or a head over `_MAX_HEAD_BYTES`: 431 instead.
+        self.head_too_large = False
         #: The client shut its sending side.
         self.eof = False
         self.last_active = 0.0
         self.idle_timer: asyncio.TimerHandle | None = None
+        #: Bytes received since the request being parsed began, while its head is incomplete.
+        self.head_bytes = -1
 
     # ---- asyncio.Protocol ----------------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -175,6 +182,11 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self._bad_request(exc)
             return
+        if self.head_bytes >= 0:
+            self.head_bytes += len(data)
+            if self.head_bytes > _MAX_HEAD_BYTES:
+                self._refuse_head()
+                return
         if self.current is None and self.queue:
             self._start_next()
         elif self.queue and (len(self.queue) > _MAX_PIPELINED or self.queued_bytes > _MAX_PIPELINED_BYTES):
@@ -183,6 +195,7 @@ class _Connection(asyncio.Protocol):
     # ---- httptools callbacks -------------------------------------------------------------------------------------
     def on_message_begin(self) -> None:
         self.parsing = _Exchange()
+        self.head_bytes = 0
 
     def on_url(self, url: bytes) -> None:
         assert self.parsing is not None
@@ -196,6 +209,7 @@ class _Connection(asyncio.Protocol):
         exchange = self.parsing
         assert exchange is not None
         parser = self.parser
+        self.head_bytes = -1
         exchange.method = parser.get_method().decode("ascii")
         exchange.keep_alive = parser.should_keep_alive()
         expect = exchange.headers.get(b"expect")
@@ -332,7 +346,7 @@ class _Connection(asyncio.Protocol):
             return
         assert self.transport is not None
         if not exchange.keep_alive:
-            self.transport.close()
+            self._shut()
         elif self.queue:
             self._start_next()
         elif self.malformed:
@@ -345,16 +359,27 @@ class _Connection(asyncio.Protocol):
 
     def _linger(self) -> None:
         """Stop reading the refused body: shut the sending side, drop what the client still sends for a while."""
-        assert self.transport is not None
-        self.lingering = True
         self.current = None
         self.task = None
         self.queue.clear()
+        self._shut()
+
+    def _shut(self) -> None:
+        """Shut the sending side after the last answer and drop whatever still comes, closing at the client's end of
+        sending or after `_LINGER_SECONDS`: closing at once with unread bytes would send a reset, which can make the
+        client lose the answer."""
+        assert self.transport is not None
+        if self.eof:  # the client has finished sending: nothing can be left unread
+            self.transport.close()
+            return
+        self.lingering = True
         if self.reading_paused:
             self.reading_paused = False
             self.transport.resume_reading()
         if self.transport.can_write_eof():
             self.transport.write_eof()
+        else:
+            self.transport.close()
         self.loop.call_later(_LINGER_SECONDS, self._abort)
 
     def _abort(self) -> None:
@@ -381,14 +406,28 @@ class _Connection(asyncio.Protocol):
             else:
                 self._write_bad_request()
 
+    def _refuse_head(self) -> None:
+        """A request head too large to gather: answered 431 after the requests before it, then closed."""
+        _log.debug("HTTP request head over %d bytes", _MAX_HEAD_BYTES)
+        self.malformed = True
+        self.head_too_large = True
+        if self.current is None:
+            if self.queue:
+                self._start_next()
+            else:
+                self._write_bad_request()
+
     def _write_bad_request(self) -> None:
         assert self.transport is not None
-        body = b'{"error":"malformed HTTP request"}'
+        if self.head_too_large:
+            status, body = 431, b'{"error":"the request line and headers are too large"}'
+        else:
+            status, body = 400, b'{"error":"malformed HTTP request"}'
         self.transport.write(
-            b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: %d\r\n%s%s"
-            % (len(body), _CLOSE_TAIL, body)
+            b"%scontent-type: application/json\r\ncontent-length: %d\r\n%s%s"
+            % (_status_line(status), len(body), _CLOSE_TAIL, body)
         )
-        self.transport.close()
+        self._shut()
 
     def _pause_reading(self) -> None:
         if not self.reading_paused:
