@@ -399,18 +399,17 @@ class _Connection(asyncio.Protocol):
             if exchange.discard and exchange is self.current:  # already answered, its body being dropped
                 self._finish(exchange)
                 return
-        self.malformed = True
-        if self.current is None:
-            if self.queue:
-                self._start_next()
-            else:
-                self._write_bad_request()
+        self._stop_parsing()
 
     def _refuse_head(self) -> None:
         """A request head too large to gather: answered 431 after the requests before it, then closed."""
         _log.debug("HTTP request head over %d bytes", _MAX_HEAD_BYTES)
-        self.malformed = True
         self.head_too_large = True
+        self._stop_parsing()
+
+    def _stop_parsing(self) -> None:
+        """Nothing more is parsed; the refusal is written once the requests before it are answered."""
+        self.malformed = True
         if self.current is None:
             if self.queue:
                 self._start_next()
