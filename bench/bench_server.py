@@ -2,7 +2,8 @@
 
     python bench/bench_server.py [--sections goals,servers,stacks] [--rounds 3] [--requests 2000]
                                  [--big-requests 16] [--json-elements 10000000] [--runtime-calls 5000]
-                                 [--skip-triton] [--skip-mlserver] [--stack-requests 2000]
+                                 [--skip-triton] [--skip-mlserver] [--stack-requests 2000] [--protocols http,grpc]
+                                 [--baseline-python PYTHON] [--stacks carton-httptools,uvicorn-httptools,...]
 
 The goals section (the default) prints one row per goal of the server's performance issue: carton and Triton both
 running, measured turn about (carton first in odd rounds, Triton first in even ones), each row the median over
@@ -13,6 +14,9 @@ read from /proc around the same runs; the [64,3,224,224] FP32 request; one reque
 tensor, timed while another connection probes /v2/health/ready and runs a small inference on another model
 (the slowest of each is reported); and `Model.infer` of the [1,16] ONNX carton against a raw pyzmq REQ/REP round
 trip between two processes. Every server is started and stopped here; nothing is left running.
+`--protocols http` keeps the HTTP rows only; `--baseline-python` also measures the `carton serve` of another
+checkout (a Python whose environment has it installed) in the same rounds, and prints it against this checkout and
+against Triton.
 
 Starts every server itself: `carton serve` on ONNX Identity cartons; Triton 2.51 (python backend identity models)
 through ../shared/peers/triton.sh when it has been set up (``triton.sh setup``); MLServer 1.7 (an identity MLModel)
@@ -21,8 +25,10 @@ from the venv at $MLSERVER_VENV (default ~/.cache/carton-peers/mlserver-venv, ma
 environment). The client is tritonclient.http: binary tensor data for carton and Triton, JSON tensors for MLServer
 (it has no binary data extension over HTTP); concurrency 8 uses 8 threads, each with its own client.
 
-The stack section serves carton's ASGI application with a zero-cost in-process model (no runner) under uvicorn
-(httptools), uvicorn (h11) and granian, so the HTTP stacks are compared on the same app in the same run.
+The stack section serves carton's `HttpApp` with a zero-cost in-process model (no runner) under carton's own
+protocol on httptools (what `carton serve` runs), uvicorn (httptools and h11) and granian (ASGI and RSGI; granian is
+not a dependency: install it to measure it), all started at once and measured turn about, with each stack's CPU
+time per request, so the HTTP stacks are compared on the same app in the same run.
 The client shares the machine's 2 cores with the servers, so at concurrency 8 the client bounds the figures as much
 as the servers do.
 """
@@ -148,13 +154,13 @@ class Served:
 
 
 @contextmanager
-def carton_served(repo: Path, *extra: str) -> Iterator[Served]:
+def carton_served(repo: Path, *extra: str, python: str = sys.executable, name: str = "carton") -> Iterator[Served]:
     http, grpc = free_port(), free_port()
-    command = [sys.executable, "-m", "carton", "serve", str(repo), "--http-port", str(http), "--grpc-port", str(grpc)]
+    command = [python, "-m", "carton", "serve", str(repo), "--http-port", str(http), "--grpc-port", str(grpc)]
     process = subprocess.Popen([*command, *extra], start_new_session=True)
     try:
         wait_ready(http)
-        yield Served("carton", http, grpc, process.pid)
+        yield Served(name, http, grpc, process.pid)
     finally:
         stop_group(process)
 
@@ -226,7 +232,22 @@ def mlserver_server(root: Path) -> Iterator[int | None]:
         stop_group(process)
 
 
-STACKS = ("uvicorn-httptools", "uvicorn-h11", "granian")
+STACKS = ("carton-httptools", "uvicorn-httptools", "uvicorn-h11", "granian", "granian-rsgi")
+
+
+def rsgi_app(app: Any) -> Any:
+    """Carton's `HttpApp.handle` behind granian's RSGI interface (granian's lightest Python interface)."""
+    from carton.server._http_messages import HttpRequest
+
+    async def serve(scope: Any, protocol: Any) -> None:
+        body = await protocol()
+        path = scope.path.encode() + (b"?" + scope.query_string.encode() if scope.query_string else b"")
+        headers = {name.encode(): value.encode() for name, value in scope.headers.items()}
+        response = await app.handle(HttpRequest(scope.method, path, headers, body))
+        answer = [(name.decode(), value.decode()) for name, value in response.headers]
+        protocol.response_bytes(response.status, answer, bytes(response.body()))
+
+    return serve
 
 
 def stack_child(stack: str, port: int, root: Path) -> None:
@@ -234,6 +255,8 @@ def stack_child(stack: str, port: int, root: Path) -> None:
 
     `root` is a folder the parent made inside its own temporary folder, so the parent's cleanup removes it however
     this child ends (the parent stops it with SIGTERM, or SIGKILLs it if that fails)."""
+    import asyncio
+
     import uvloop
     from carton.server._http import HttpApp
     from carton.server._repository import ModelRepository, RepositoryOptions
@@ -260,11 +283,20 @@ def stack_child(stack: str, port: int, root: Path) -> None:
         )  # fmt: skip
         await repo.load_at_startup("identity")
         app = HttpApp(repo, metrics, max_body_size=1 << 28, server_version="bench")
-        if stack == "granian":
+        if stack.startswith("granian"):
             from granian.constants import Interfaces
             from granian.server.embed import Server as Granian
 
-            await Granian(app, "127.0.0.1", port, interface=Interfaces.ASGI, log_enabled=False).serve()
+            target, interface = (rsgi_app(app), Interfaces.RSGI) if stack == "granian-rsgi" else (app, Interfaces.ASGI)
+            await Granian(target, "127.0.0.1", port, interface=interface, log_enabled=False).serve()
+        elif stack == "carton-httptools":
+            from carton.server._http_server import serve_http
+
+            sock = socket.create_server(("127.0.0.1", port))
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setblocking(False)
+            await serve_http(app.handle, sock)
+            await asyncio.Event().wait()
         else:
             import uvicorn
 
@@ -278,19 +310,71 @@ def stack_child(stack: str, port: int, root: Path) -> None:
 
 
 @contextmanager
-def stack_server(stack: str, root: Path) -> Iterator[int | None]:
+def stack_server(stack: str, root: Path) -> Iterator[Served | None]:
     port = free_port()
     folder = Path(tempfile.mkdtemp(prefix=f"stack-{stack}-", dir=root))
     command = [sys.executable, __file__, "--stack-child", stack, str(port), str(folder)]
     process = subprocess.Popen(command, start_new_session=True)
     try:
         wait_ready(port, 60)
-        yield port
+        yield Served(stack, port, 0, process.pid)
     except RuntimeError:
         yield None
     finally:
         stop_group(process)
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def run_stacks(root: Path, args: argparse.Namespace) -> dict[str, list[tuple[LoadResult, LoadResult]]]:
+    """Every HTTP stack started at once, then measured turn about (the order rotates each round): per round and
+    stack, one client and eight clients, with the CPU time of the stack's process."""
+    found: dict[str, list[tuple[LoadResult, LoadResult]]] = {}
+    with contextlib.ExitStack() as running:
+        served = []
+        for stack in args.stacks.split(","):
+            server = running.enter_context(stack_server(stack, root))
+            if server is None:
+                print(f"stack {stack}: not available, skipped", file=sys.stderr)
+                continue
+            served.append(server)
+            found[stack] = []
+        for index in range(args.rounds):
+            shift = index % len(served)
+            for server in served[shift:] + served[:shift]:
+                one = run_load(server.http, "identity", (1, 16), 1, args.stack_requests, pid=server.pid)
+                eight = run_load(server.http, "identity", (1, 16), 8, args.stack_requests * 2, pid=server.pid)
+                found[server.name].append((one, eight))
+            print(f"stacks: round {index + 1}/{args.rounds} done (load {os.getloadavg()[0]:.2f})", file=sys.stderr)
+    return found
+
+
+def print_stacks(stacks: dict[str, list[tuple[LoadResult, LoadResult]]], requests: int) -> None:
+    """Medians over rounds per stack, and the median of per-round ratios to uvicorn-httptools."""
+    print(f"\nHTTP stacks: carton's HttpApp, zero-cost in-process model (no runner), [1,16] FP32, {requests} requests")
+    header = (
+        f"{'stack':<19}{'p50 c=1 ms':>11}{'CPU c=1 us':>11}{'req/s c=8':>11}{'CPU c=8 us':>11}"
+        f"{'p50 ratio':>10}{'CPU1 ratio':>11}{'req/s ratio':>12}{'CPU8 ratio':>11}{'load':>6}"
+    )
+    print(header)
+    print("-" * len(header))
+    reference = stacks.get("uvicorn-httptools")
+    for name, rounds in stacks.items():
+        p50 = statistics.median(one.p50_ms for one, _ in rounds)
+        cpu1 = statistics.median(one.cpu_us for one, _ in rounds)
+        rate = statistics.median(eight.rate for _, eight in rounds)
+        cpu8 = statistics.median(eight.cpu_us for _, eight in rounds)
+        load = statistics.mean(result.load for pair in rounds for result in pair)
+        ratios = ""
+        if reference is not None:
+            pairs = list(zip(rounds, reference, strict=False))
+            for mine, base in (
+                (lambda r: r[0].p50_ms, lambda r: r[0].p50_ms), (lambda r: r[0].cpu_us, lambda r: r[0].cpu_us),
+                (lambda r: r[1].rate, lambda r: r[1].rate), (lambda r: r[1].cpu_us, lambda r: r[1].cpu_us),
+            ):  # fmt: skip
+                ratio = statistics.median(mine(a) / base(b) if base(b) else float("inf") for a, b in pairs)
+                ratios += f"{ratio:>10.2f}x"
+        print(f"{name:<19}{p50:>11.3f}{cpu1:>11.1f}{rate:>11.1f}{cpu8:>11.1f}{ratios}{load:>6.2f}")
+    print("ratios: stack / uvicorn-httptools, median of per-round ratios; CPU: the stack's process per request (/proc)")
 
 
 def print_table(
@@ -348,6 +432,8 @@ def measure_goals(served: Served, args: argparse.Namespace, json_body: bytes | N
     found: dict[str, tuple[float, float]] = {}
     small = (1, 16)
     for protocol, port in (("http", served.http), ("grpc", served.grpc)):
+        if protocol not in args.protocols.split(","):
+            continue
         one = run_load(port, "identity", small, 1, args.requests, protocol=protocol, pid=served.pid)
         eight = run_load(port, "identity", small, 8, args.requests * 2, protocol=protocol, pid=served.pid)
         found[f"{protocol}_p50"] = (one.p50_ms, one.load)
@@ -365,29 +451,35 @@ def measure_goals(served: Served, args: argparse.Namespace, json_body: bytes | N
     return found
 
 
-def print_goals(rounds: list[dict[str, dict[str, tuple[float, float]]]]) -> None:
+def print_goals(
+    rounds: list[dict[str, dict[str, tuple[float, float]]]], ours: str = "carton", reference: str = "triton"
+) -> None:
     """Medians over the rounds for each server, the median of the per-round ratios, and the mean load average."""
-    print("\ngoals: carton against Triton (medians over A/B-alternated rounds; ratio = median of per-round ratios)")
-    header = f"{'goal':<44}{'unit':>6}{'carton':>11}{'Triton':>11}{'ratio':>8}{'goal':>9}{'met':>5}{'load':>7}"
+    titles = {"carton": "carton", "triton": "Triton", "baseline": "baseline"}
+    print(
+        f"\ngoals: {ours} against {titles[reference]} (medians over A/B-alternated rounds; ratio = median of per-round "
+        "ratios)"
+    )
+    header = (
+        f"{'goal':<44}{'unit':>6}{titles[ours]:>11}{titles[reference]:>11}{'ratio':>8}{'goal':>9}{'met':>5}{'load':>7}"
+    )
     print(header)
     print("-" * len(header))
     for key, goal in GOALS.items():
         pairs = [
-            (r["carton"][key], r["triton"][key])
-            for r in rounds
-            if key in r.get("carton", {}) and key in r.get("triton", {})
+            (r[ours][key], r[reference][key]) for r in rounds if key in r.get(ours, {}) and key in r.get(reference, {})
         ]
-        ours = [r["carton"][key] for r in rounds if key in r.get("carton", {})]
-        if not ours:
+        found = [r[ours][key] for r in rounds if key in r.get(ours, {})]
+        if not found:
             continue
-        value = statistics.median(v for v, _ in ours)
-        loads = [load for v, load in ours] + [load for _, (v, load) in pairs]
+        value = statistics.median(v for v, _ in found)
+        loads = [load for v, load in found] + [load for _, (v, load) in pairs]
         if pairs:
-            reference = statistics.median(t for _, (t, _) in pairs)
+            other = statistics.median(t for _, (t, _) in pairs)
             ratio = statistics.median(c / t if t else float("inf") for (c, _), (t, _) in pairs)
             met = ratio <= goal.bound if goal.sense == "le" else ratio >= goal.bound
             bound = f"{'<=' if goal.sense == 'le' else '>='}{goal.bound:g}x"
-            row = f"{reference:>11.3f}{ratio:>7.2f}x{bound:>9}{'yes' if met else 'no':>5}"
+            row = f"{other:>11.3f}{ratio:>7.2f}x{bound:>9}{'yes' if met else 'no':>5}"
         else:
             row = f"{'-':>11}{'-':>8}{'':>9}{'':>5}"
         print(f"{goal.label:<44}{goal.unit:>6}{value:>11.3f}{row}{statistics.mean(loads):>7.2f}")
@@ -398,18 +490,27 @@ def print_goals(rounds: list[dict[str, dict[str, tuple[float, float]]]]) -> None
 def run_goals(repo: Path, args: argparse.Namespace) -> None:
     json_body = json_tensor_body(args.json_elements) if args.json_elements else None
     rounds: list[dict[str, dict[str, tuple[float, float]]]] = []
-    with carton_served(repo) as carton, triton_served() as triton:
-        servers = [carton] if triton is None else [carton, triton]
+    with contextlib.ExitStack() as running:
+        servers = [running.enter_context(carton_served(repo))]
+        if args.baseline_python:
+            servers.append(running.enter_context(carton_served(repo, python=args.baseline_python, name="baseline")))
+        triton = None if args.skip_triton else running.enter_context(triton_served())
         if triton is None:
-            print("triton: not available (run ../shared/peers/triton.sh setup), carton alone", file=sys.stderr)
+            print("triton: not available (run ../shared/peers/triton.sh setup) or skipped", file=sys.stderr)
+        else:
+            servers.append(triton)
         for index in range(args.rounds):
-            order = servers if index % 2 == 0 else servers[::-1]
+            shift = index % len(servers)
             measured: dict[str, dict[str, tuple[float, float]]] = {}
-            for served in order:
+            for served in servers[shift:] + servers[:shift]:
                 measured[served.name] = measure_goals(served, args, json_body)
             rounds.append(measured)
             print(f"round {index + 1}/{args.rounds} done (load {os.getloadavg()[0]:.2f})", file=sys.stderr)
     print_goals(rounds)
+    if args.baseline_python:
+        print_goals(rounds, reference="baseline")
+        if triton is not None:
+            print_goals(rounds, ours="baseline")
     if args.runtime_calls:
         print_model_infer_ratio(repo, args.runtime_calls)
 
@@ -461,6 +562,13 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=2000, help="requests per small-tensor case")
     parser.add_argument("--big-requests", type=int, default=16, help="requests per [64,3,224,224] case")
     parser.add_argument("--stack-requests", type=int, default=2000, help="requests per HTTP-stack case (0: skip)")
+    parser.add_argument("--protocols", default="http,grpc", help="comma-separated: the goal rows' protocols")
+    parser.add_argument(
+        "--baseline-python",
+        help="a Python whose environment has another checkout of carton installed: its `carton serve` is measured in "
+        "the same rounds (the server order rotates each round) and compared with this checkout's",
+    )
+    parser.add_argument("--stacks", default=",".join(STACKS), help="comma-separated HTTP stacks of the stack section")
     parser.add_argument("--skip-triton", action="store_true")
     parser.add_argument("--skip-mlserver", action="store_true")
     parser.add_argument("--sections", default="goals", help="comma-separated: goals, servers, stacks")
@@ -486,7 +594,7 @@ def main() -> None:
         ("[64,3,224,224]", "identity4", (64, 3, 224, 224), 8, args.big_requests),
     ]
     results: dict[str, dict[tuple[str, int], LoadResult]] = {}
-    stacks: dict[str, dict[tuple[str, int], LoadResult]] = {}
+    stacks: dict[str, list[tuple[LoadResult, LoadResult]]] = {}
     root = Path(tempfile.mkdtemp(prefix="carton-bench-server-"))
     try:
         repo = build_repository(root)
@@ -510,22 +618,12 @@ def main() -> None:
                         port, model, shape, concurrency, count, binary=binary
                     )
         if args.stack_requests:
-            for stack in STACKS:
-                with stack_server(stack, root) as port:
-                    if port is None:
-                        print(f"stack {stack}: not available, skipped", file=sys.stderr)
-                        continue
-                    stacks[stack] = {
-                        ("[1,16] echo", c): run_load(port, "identity", (1, 16), c, args.stack_requests) for c in (1, 8)
-                    }
+            stacks = run_stacks(root, args)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print_table("servers (same identity computation)", [(c[0], c[3]) for c in cases], results, "triton")
     if stacks:
-        print_table(
-            "HTTP stacks: carton's ASGI app, zero-cost in-process model (no runner)",
-            [("[1,16] echo", 1), ("[1,16] echo", 8)], stacks, "uvicorn-httptools",
-        )  # fmt: skip
+        print_stacks(stacks, args.stack_requests)
 
 
 if __name__ == "__main__":

@@ -183,6 +183,8 @@ def split_path(raw_path: bytes) -> list[str]:
 
 
 _EMPTY_JSON = [(b"content-type", b"application/json")]
+#: How many request targets' segments an app remembers.
+_SEGMENTS_KEPT = 1024
 
 
 class HttpApp:
@@ -219,6 +221,8 @@ class HttpApp:
         self.max_body_size = max_body_size
         self.server_version = server_version
         self._asgi = AsgiAdapter(self.handle)
+        #: `split_path` of the request targets seen last (clients repeat theirs); never mutated by the routing.
+        self._segments: dict[bytes, list[str]] = {}
 
     @classmethod
     def front(cls, control: ServerControl, forward: Forward, *, max_body_size: int, server_version: str) -> HttpApp:
@@ -233,8 +237,13 @@ class HttpApp:
 
     async def handle(self, request: HttpRequest) -> HttpResponse:
         """Answer one request; never raises for anything a client can send."""
+        segments = self._segments.get(request.raw_path)
+        if segments is None:
+            if len(self._segments) >= _SEGMENTS_KEPT:
+                self._segments.clear()
+            segments = self._segments[request.raw_path] = split_path(request.raw_path)
         try:
-            return await self._route(request, split_path(request.raw_path))
+            return await self._route(request, segments)
         except _HttpError as exc:
             return self._reject(exc.status, str(exc))
         except ServerError as exc:
@@ -446,9 +455,14 @@ def _json_bytes(body: bytes | bytearray, header_length: bytes | None) -> int:
 
 def _json_output_bytes(request: InferBody, selected: list[tuple[str, Tensor]]) -> int:
     """The size of the outputs the response carries as JSON numbers (a bound on the work of writing them)."""
-    if request.outputs is None and request.binary_default:
-        return 0  # the usual binary request: nothing to count
-    binary_of = dict(request.outputs) if request.outputs is not None else {}
+    if request.outputs is None:
+        if request.binary_default:
+            return 0  # the usual binary request: nothing to count
+        binary_of = {}
+    elif all(binary for _, binary in request.outputs):
+        return 0  # every requested output is binary (what tritonclient sends)
+    else:
+        binary_of = dict(request.outputs)
     return sum(
         tensor.nbytes
         for name, tensor in selected

@@ -271,8 +271,53 @@ def _raw_request(served: ServedVersion, body: memoryview) -> InferBody:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """What a binary inference header decoded to, once checked against a model version: a client that sends the same
+    header again (tritonclient does, for tensors of one shape) skips the JSON decoding and the checks."""
+
+    request_id: str | None
+    #: Per input, in body order: name, numpy dtype, shape, element count, byte size.
+    inputs: tuple[tuple[str, np.dtype[Any], tuple[int, ...], int, int], ...]
+    #: The body's whole length, header included.
+    length: int
+    outputs: tuple[tuple[str, bool], ...] | None
+    binary_default: bool
+
+
+#: Headers at most this long are remembered (per model version, at most `_PLANS` of them).
+_PLAN_HEADER_BYTES = 2048
+_PLANS = 256
+
+
 def parse_infer_request(served: ServedVersion, body: bytes | bytearray, header_length: bytes | None) -> InferBody:
     """Decode an inference body for `served`; `BadRequest` naming the header, field or tensor at fault."""
+    if header_length is not None and header_length.isdigit():
+        # The usual binary request: a header already checked against `served`, and a body of the same length (else
+        # the full decoding below, which gives the messages).
+        json_end = int(header_length)
+        if 0 < json_end <= min(len(body), _PLAN_HEADER_BYTES):
+            plan = served.request_plans.get(bytes(body[:json_end]))
+            if plan is not None and plan.length == len(body):
+                inputs: dict[str, np.ndarray] = {}
+                offset = json_end
+                for name, numpy_dtype, shape, count, size in plan.inputs:
+                    inputs[name] = np.frombuffer(body, numpy_dtype, count, offset).reshape(shape)
+                    offset += size
+                outputs = list(plan.outputs) if plan.outputs is not None else None
+                return InferBody(id=plan.request_id, inputs=inputs, outputs=outputs, binary_default=plan.binary_default)
+    decoded, plan = _parse_infer_request(served, body, header_length)
+    if plan is not None:
+        plans = served.request_plans
+        if len(plans) >= _PLANS:
+            plans.clear()
+        plans[bytes(body[: int(header_length or 0)])] = plan
+    return decoded
+
+
+def _parse_infer_request(
+    served: ServedVersion, body: bytes | bytearray, header_length: bytes | None
+) -> tuple[InferBody, _Plan | None]:
     view = memoryview(body)
     if header_length is None:
         json_end = len(body)
@@ -287,7 +332,7 @@ def parse_infer_request(served: ServedVersion, body: bytes | bytearray, header_l
                 f"Inference-Header-Content-Length {json_end} is larger than the request body ({len(body)} bytes)"
             )
         if json_end == 0:
-            return _raw_request(served, view)
+            return _raw_request(served, view), None
     header = _decode_header(view[:json_end])
     if not isinstance(header, dict):
         raise BadRequest("the inference request header must be a JSON object")
@@ -300,6 +345,9 @@ def parse_infer_request(served: ServedVersion, body: bytes | bytearray, header_l
     if not isinstance(raw_inputs, list):
         raise BadRequest("'inputs' must be a JSON array of tensors")
     inputs: dict[str, np.ndarray] = {}
+    # Only headers of fixed-size binary inputs are remembered.
+    plannable = 0 < json_end <= _PLAN_HEADER_BYTES
+    planned: list[tuple[str, np.dtype[Any], tuple[int, ...], int, int]] = []
     offset = json_end
     for index, raw in enumerate(raw_inputs):
         if not isinstance(raw, dict):
@@ -319,9 +367,14 @@ def parse_infer_request(served: ServedVersion, body: bytes | bytearray, header_l
                     f"input {name!r}: binary_data_size {size} runs past the end of the request body "
                     f"({len(body) - offset} bytes of binary data left)"
                 )
-            inputs[name] = from_raw(view[offset : offset + size], dtype, shape, tensor=name)
+            array = inputs[name] = from_raw(view[offset : offset + size], dtype, shape, tensor=name)
             offset += size
+            if dtype is DType.STRING:
+                plannable = False
+            elif plannable:
+                planned.append((name, array.dtype, array.shape, array.size, size))
         elif "data" in raw:
+            plannable = False
             inputs[name] = _json_tensor(raw["data"], dtype, shape, tensor=name)
         else:
             raise BadRequest(f"input {name!r} has neither 'data' nor a binary_data_size parameter")
@@ -343,7 +396,16 @@ def parse_infer_request(served: ServedVersion, body: bytes | bytearray, header_l
             binary = _flag(output_parameters, "binary_data", where=f"output {raw['name']!r}")
             outputs.append((raw["name"], binary_default if binary is None else binary))
         check_requested(served, [name for name, _ in outputs])
-    return InferBody(id=request_id, inputs=inputs, outputs=outputs, binary_default=binary_default)
+    decoded = InferBody(id=request_id, inputs=inputs, outputs=outputs, binary_default=binary_default)
+    if not plannable:
+        return decoded, None
+    return decoded, _Plan(
+        request_id=request_id,
+        inputs=tuple(planned),
+        length=len(body),
+        outputs=tuple(outputs) if outputs is not None else None,
+        binary_default=binary_default,
+    )
 
 
 def encode_infer_response(

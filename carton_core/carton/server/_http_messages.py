@@ -3,7 +3,8 @@
 `HttpApp.handle` (``_http.py``) takes an `HttpRequest` and returns an `HttpResponse`; it parses, routes, runs and
 encodes, and knows nothing of sockets, ASGI or Ray. A transport adapts to it:
 
-- `AsgiAdapter` turns an ASGI server's scope/receive/send into these (`carton serve` runs it under uvicorn);
+- ``_http_server.py`` (what `carton serve` runs) builds them straight from its HTTP/1.1 parser;
+- `AsgiAdapter` turns an ASGI server's scope/receive/send into these;
 - ``carton.ray`` builds `HttpRequest`s from Serve's ASGI messages at its ingress and hands the same objects (with the
   body read into bytes) to the replica that holds the model.
 

@@ -26,6 +26,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from carton_protocol import Tensor, TensorSpec
@@ -75,8 +76,8 @@ class ServedVersion:
     """One loaded model version: the handle, its config, its counters and its in-flight requests."""
 
     __slots__ = (
-        "_idle", "batcher", "config", "handle", "in_flight", "input_specs", "model", "output_specs", "state", "stats",
-        "version", "version_str",
+        "_idle", "batcher", "config", "handle", "in_flight", "input_specs", "model", "output_specs", "request_plans",
+        "state", "stats", "version", "version_str",
     )  # fmt: skip
 
     def __init__(self, *, model: str, version: int, handle: ModelHandle, config: ModelConfig, stats: VersionStats):
@@ -93,6 +94,8 @@ class ServedVersion:
         self._idle = asyncio.Event()
         self._idle.set()
         self.batcher: DynamicBatcher | None = None
+        #: Binary inference headers already checked against this version, by their bytes (see ``_http_codec``).
+        self.request_plans: dict[bytes, Any] = {}
         batching = config.dynamic_batching
         if batching is not None:
             self.batcher = DynamicBatcher(

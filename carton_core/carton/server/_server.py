@@ -1,4 +1,5 @@
-"""Running the server: HTTP (uvicorn on httptools + uvloop) and gRPC (grpc.aio) on one event loop, one repository.
+"""Running the server: HTTP (carton's protocol on httptools + uvloop, ``_http_server.py``) and gRPC (grpc.aio) on
+one event loop, one repository.
 
 The HTTP listening socket is created here with ``TCP_NODELAY`` set (accepted connections inherit it on Linux), so
 small responses are not held back by Nagle's algorithm, and so that port 0 picks a free port the caller can read.
@@ -7,7 +8,6 @@ small responses are not held back by Nagle's algorithm, and so that port 0 picks
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import logging
 import shutil
@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from ._handle import ModelLoader, load_carton
 from ._http import HttpApp
+from ._http_server import HttpServer, serve_http
 from ._layout import list_models, make_upload_root, sweep_stale_upload_roots
 from ._repository import ModelRepository, RepositoryOptions
 from ._stats import ServerMetrics
@@ -117,14 +118,12 @@ class Server:
         )  # fmt: skip
         self.http_port: int = options.http_port
         self.grpc_port: int | None = options.grpc_port
-        self._uvicorn: object | None = None
-        self._uvicorn_task: asyncio.Task[None] | None = None
+        self._http: HttpServer | None = None
         self._grpc: object | None = None
 
     async def start(self) -> None:
         """Bind the HTTP (and gRPC) ports and load the models the options name; raise `ServerError` if a port
         cannot be bound."""
-        import uvicorn
         from grpc import aio
 
         if self.options.grpc_port is not None:
@@ -146,25 +145,7 @@ class Server:
         sock.listen(2048)
         sock.setblocking(False)
         self.http_port = sock.getsockname()[1]
-        config = uvicorn.Config(
-            self.app,
-            http="httptools",
-            loop="none",
-            lifespan="off",
-            log_level="warning",
-            access_log=False,
-            proxy_headers=False,  # no X-Forwarded-* rewriting: one middleware less per request
-            interface="asgi3",
-            timeout_keep_alive=30,
-            server_header=False,
-            date_header=False,
-        )
-        server = uvicorn.Server(config)
-        # uvicorn captures SIGINT/SIGTERM while serving; the caller (`run_server`) owns signals instead, so that
-        # one signal stops HTTP, gRPC and the runners together.
-        server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
-        self._uvicorn = server
-        self._uvicorn_task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
+        self._http = await serve_http(self.app.handle, sock, keep_alive_timeout=30.0)
         if self.options.grpc_port is not None:
             limit = self.options.max_body_size
             grpc_server = aio.server(
@@ -178,11 +159,6 @@ class Server:
             await grpc_server.start()
             self.grpc_port = port
             self._grpc = grpc_server
-        while not server.started:
-            if self._uvicorn_task.done():
-                self._uvicorn_task.result()
-                raise ServerError("the HTTP server stopped while starting")
-            await asyncio.sleep(0.005)
         if self.peers is None:
             await self._load_startup_models()
         else:
@@ -210,9 +186,8 @@ class Server:
     async def _stop_serving(self) -> None:
         if self._grpc is not None:
             await self._grpc.stop(1.0)  # type: ignore[attr-defined]
-        if self._uvicorn is not None and self._uvicorn_task is not None:
-            self._uvicorn.should_exit = True  # type: ignore[attr-defined]
-            await self._uvicorn_task
+        if self._http is not None:
+            await self._http.close()
         await self.repository.close()
         shutil.rmtree(self._upload_root, ignore_errors=True)
 

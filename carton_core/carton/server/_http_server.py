@@ -1,0 +1,492 @@
+"""The HTTP/1.1 server of `carton serve`: an `asyncio.Protocol` on httptools that hands each request to an
+`HttpHandler` (``HttpApp.handle``) and writes its `HttpResponse`, with no ASGI layer in between.
+
+What it owes a client, per connection:
+
+- keep-alive (HTTP/1.1 by default, HTTP/1.0 with ``Connection: keep-alive``), closed after an idle timeout;
+- pipelined requests answered in order, one at a time; reading pauses while too many wait behind the one running;
+- the body whole when it has arrived with its headers (the usual small request: no await to read it), else as a
+  reader of its chunks, so the handler refuses a too-large or unrouted request before reading it;
+- ``Expect: 100-continue`` answered when the handler first reads the body;
+- a request answered before its body ended: the rest of the body is discarded and the connection kept, except after
+  a 413, when the server stops reading it: it answers with ``Connection: close``, shuts its side and drops whatever
+  still comes for a short while (a lingering close), so that the client reads the answer instead of a reset;
+- a malformed request (request line, header, ``Content-Length``, chunk framing, both ``Content-Length`` and
+  chunked) answered 400 with ``Connection: close``, then closed; a head over 1 MiB answered 431;
+- large responses written part by part, waiting for the socket to drain (``pause_writing``/``resume_writing``), and
+  the next pipelined request started only once the previous answer has drained;
+- a client that goes away mid-body gets its handler's read refused (`BadRequest`), one that goes away mid-response
+  gets nothing more written; neither leaves a task behind or logs a traceback;
+- ``HEAD`` answered like ``GET`` without the body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import http
+import logging
+import socket
+from typing import Any, cast
+
+import httptools
+
+from ._http_messages import HttpHandler, HttpRequest, HttpResponse
+from .errors import BadRequest
+
+__all__ = ["HttpServer", "serve_http"]
+
+_log = logging.getLogger("carton.server")
+
+#: Requests parsed and waiting behind the one being answered before the connection stops reading.
+_MAX_PIPELINED = 16
+#: Body bytes buffered for requests waiting behind the one being answered before the connection stops reading.
+_MAX_PIPELINED_BYTES = 1 << 20
+#: A response whose parts together are at most this size is written with one ``write`` (one system call).
+_JOIN_LIMIT = 1 << 16
+#: How long a connection refusing a body (413) keeps dropping what the client still sends before closing.
+_LINGER_SECONDS = 2.0
+#: A request line and headers still incomplete after this many bytes are refused with 431 (the parser would keep
+#: gathering them; the count may include up to one read's worth of the previous request).
+_MAX_HEAD_BYTES = 1 << 20
+
+_STATUS_LINES = {
+    status.value: b"HTTP/1.1 %d %s\r\n" % (status.value, status.phrase.encode()) for status in http.HTTPStatus
+}
+_KEEP_ALIVE_TAIL = b"\r\n"
+_CLOSE_TAIL = b"connection: close\r\n\r\n"
+
+
+def _status_line(status: int) -> bytes:
+    line = _STATUS_LINES.get(status)
+    return line if line is not None else b"HTTP/1.1 %d \r\n" % status
+
+
+class _Exchange:
+    """One request on a connection, from its first byte to its answer."""
+
+    __slots__ = (
+        "body_done",
+        "broken",
+        "chunks",
+        "continue_sent",
+        "discard",
+        "expect_continue",
+        "headers",
+        "keep_alive",
+        "method",
+        "url",
+        "waiter",
+    )
+
+    def __init__(self) -> None:
+        self.method = ""
+        self.url = b""
+        self.headers: dict[bytes, bytes] = {}
+        self.chunks: list[bytes] = []
+        self.body_done = False
+        #: Its body's framing turned out malformed (chunked encoding): reading it is refused.
+        self.broken = False
+        self.keep_alive = True
+        self.expect_continue = False
+        self.continue_sent = False
+        #: Set once the handler answered without reading all of the body: what still comes is dropped.
+        self.discard = False
+        #: The handler's read waiting for a chunk.
+        self.waiter: asyncio.Future[None] | None = None
+
+
+class _Connection(asyncio.Protocol):
+    """One client connection (see the module's docstring for what it guarantees)."""
+
+    def __init__(self, server: HttpServer) -> None:
+        self.server = server
+        self.loop = server.loop
+        self.handler = server.handler
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpRequestParser(self)
+        #: The request being parsed (its headers or body may still be arriving).
+        self.parsing: _Exchange | None = None
+        #: The request being answered, and the parsed ones waiting behind it.
+        self.current: _Exchange | None = None
+        self.queue: collections.deque[_Exchange] = collections.deque()
+        self.queued_bytes = 0
+        self.task: asyncio.Task[None] | None = None
+        self.reading_paused = False
+        self.writable = True
+        self.drained: asyncio.Future[None] | None = None
+        self.closed = False
+        #: Lingering after a refused body: everything received is dropped, nothing is parsed.
+        self.lingering = False
+        #: A malformed request head was received: once the requests before it are answered, 400 and close.
+        self.malformed = False
+        #: ... or a head over `_MAX_HEAD_BYTES`: 431 instead.
+        self.head_too_large = False
+        #: The client shut its sending side.
+        self.eof = False
+        self.last_active = 0.0
+        self.idle_timer: asyncio.TimerHandle | None = None
+        #: Bytes received since the request being parsed began, while its head is incomplete.
+        self.head_bytes = -1
+
+    # ---- asyncio.Protocol ----------------------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's transports are not its subclasses
+        self.server.connections.add(self)
+        self.last_active = self.loop.time()
+        self.idle_timer = self.loop.call_at(self.last_active + self.server.keep_alive_timeout, self._idle_check)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.server.connections.discard(self)
+        if self.idle_timer is not None:
+            self.idle_timer.cancel()
+            self.idle_timer = None
+        for exchange in (self.current, self.parsing):
+            if exchange is not None and exchange.waiter is not None and not exchange.waiter.done():
+                exchange.waiter.set_result(None)
+        if self.drained is not None and not self.drained.done():
+            self.drained.set_result(None)
+        self.queue.clear()
+
+    def eof_received(self) -> bool | None:
+        self.eof = True
+        if self.lingering or (self.current is None and not self.queue):
+            return None  # close
+        # The client only shut its sending side: what it asked is answered, then the connection closes; a body
+        # still being read is cut short.
+        for exchange in (self.current, self.parsing):
+            if exchange is not None and exchange.waiter is not None and not exchange.waiter.done():
+                exchange.waiter.set_result(None)
+        return True
+
+    def pause_writing(self) -> None:
+        self.writable = False
+
+    def resume_writing(self) -> None:
+        self.writable = True
+        if self.drained is not None and not self.drained.done():
+            self.drained.set_result(None)
+
+    def data_received(self, data: bytes) -> None:
+        self.last_active = self.loop.time()
+        if self.lingering or self.malformed:
+            return
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            # An HTTP/1.1 request that also offers another protocol (websocket, h2c): answered as HTTP/1.1, and
+            # the connection is closed after it since the parser stops at the switch.
+            if self.parsing is not None:
+                self.parsing.keep_alive = False
+        except httptools.HttpParserError as exc:
+            self._bad_request(exc)
+            return
+        if self.head_bytes >= 0:
+            self.head_bytes += len(data)
+            if self.head_bytes > _MAX_HEAD_BYTES:
+                self._refuse_head()
+                return
+        if self.current is None and self.queue:
+            self._start_next()
+        elif self.queue and (len(self.queue) > _MAX_PIPELINED or self.queued_bytes > _MAX_PIPELINED_BYTES):
+            self._pause_reading()
+
+    # ---- httptools callbacks -------------------------------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        self.parsing = _Exchange()
+        self.head_bytes = 0
+
+    def on_url(self, url: bytes) -> None:
+        assert self.parsing is not None
+        self.parsing.url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        assert self.parsing is not None
+        self.parsing.headers[name.lower()] = value
+
+    def on_headers_complete(self) -> None:
+        exchange = self.parsing
+        assert exchange is not None
+        parser = self.parser
+        self.head_bytes = -1
+        exchange.method = parser.get_method().decode("ascii")
+        exchange.keep_alive = parser.should_keep_alive()
+        expect = exchange.headers.get(b"expect")
+        exchange.expect_continue = expect is not None and expect.lower() == b"100-continue"
+        self.queue.append(exchange)
+
+    def on_body(self, body: bytes) -> None:
+        exchange = self.parsing
+        assert exchange is not None
+        if exchange.discard:
+            return
+        exchange.chunks.append(body)
+        if exchange is not self.current:
+            self.queued_bytes += len(body)
+        elif exchange.waiter is not None and not exchange.waiter.done():
+            exchange.waiter.set_result(None)
+
+    def on_message_complete(self) -> None:
+        exchange = self.parsing
+        assert exchange is not None
+        self.parsing = None
+        exchange.body_done = True
+        if exchange.waiter is not None and not exchange.waiter.done():
+            exchange.waiter.set_result(None)
+        if exchange.discard and exchange is self.current:
+            self._finish(exchange)
+
+    # ---- answering -----------------------------------------------------------------------------------------------
+    def _start_next(self) -> None:
+        exchange = self.queue.popleft()
+        self.current = exchange
+        if self.queued_bytes:
+            self.queued_bytes -= sum(map(len, exchange.chunks))
+        if exchange.body_done:
+            chunks = exchange.chunks
+            exchange.chunks = []
+            body: Any = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        else:
+            body = self._reader(exchange)
+        if self.reading_paused and len(self.queue) <= _MAX_PIPELINED and self.queued_bytes <= _MAX_PIPELINED_BYTES:
+            self.reading_paused = False
+            assert self.transport is not None
+            self.transport.resume_reading()
+        request = HttpRequest(exchange.method, exchange.url, exchange.headers, body)
+        self.task = self.loop.create_task(self._answer(exchange, request))
+
+    def _reader(self, exchange: _Exchange) -> Any:
+        async def read() -> tuple[bytes, bool]:
+            if exchange.expect_continue and not exchange.continue_sent and not self.closed:
+                exchange.continue_sent = True
+                assert self.transport is not None
+                self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            while not exchange.chunks and not exchange.body_done:
+                if exchange.broken:
+                    raise BadRequest("the request body's chunked encoding is malformed")
+                if self.closed or self.eof:
+                    raise BadRequest("the client disconnected before sending the whole body")
+                exchange.waiter = self.loop.create_future()
+                await exchange.waiter
+                exchange.waiter = None
+            chunks = exchange.chunks
+            exchange.chunks = []
+            return (chunks[0] if len(chunks) == 1 else b"".join(chunks)), not exchange.body_done
+
+        return read
+
+    async def _answer(self, exchange: _Exchange, request: HttpRequest) -> None:
+        try:
+            response = await self.handler(request)
+        except Exception:
+            _log.exception("the HTTP handler failed on %s %r", exchange.method, exchange.url[:200])
+            response = HttpResponse(500, [(b"content-type", b"text/plain; charset=utf-8")], [b"Internal Server Error"])
+        if self.closed:
+            self._finish(exchange)
+            return
+        refused_body = not exchange.body_done and response.status == 413
+        # A client that waits for "100 Continue" before sending its body and gets a final answer instead may send
+        # the body or not: the connection cannot be reused either way.
+        unsent_body = exchange.expect_continue and not exchange.continue_sent and not exchange.body_done
+        if refused_body or unsent_body or exchange.broken or self.eof or self.server.closing:
+            exchange.keep_alive = False
+        await self._write(exchange, response)
+        if self.closed:
+            self._finish(exchange)
+            return
+        if not exchange.body_done:
+            if refused_body or unsent_body:
+                self._linger()
+                return
+            if exchange.keep_alive:
+                exchange.discard = True  # the rest of the body is dropped; the next request starts after it
+                exchange.chunks = []
+                self.task = None
+                return
+        self._finish(exchange)
+
+    async def _write(self, exchange: _Exchange, response: HttpResponse) -> None:
+        transport = self.transport
+        assert transport is not None
+        parts = response.parts
+        length = response.content_length()
+        head = [_status_line(response.status)]
+        for name, value in response.headers:
+            head.append(b"%s: %s\r\n" % (name, value))
+        head.append(b"content-length: %d\r\n" % length)
+        head.append(_KEEP_ALIVE_TAIL if exchange.keep_alive else _CLOSE_TAIL)
+        if exchange.method == "HEAD" or not length:
+            transport.write(b"".join(head))
+        elif length <= _JOIN_LIMIT:
+            transport.write(b"".join([*head, *parts]))
+        else:
+            transport.write(b"".join(head))
+            for part in parts:
+                if self.closed:
+                    return
+                transport.write(part)
+                if not self.writable:
+                    await self._drain()
+        if not self.writable:
+            await self._drain()
+
+    async def _drain(self) -> None:
+        while not self.writable and not self.closed:
+            self.drained = self.loop.create_future()
+            await self.drained
+            self.drained = None
+
+    def _finish(self, exchange: _Exchange) -> None:
+        """The answer to `exchange` is written (or cannot be): close, or go on with the next request."""
+        self.task = None
+        self.current = None
+        self.last_active = self.loop.time()
+        if self.closed:
+            return
+        assert self.transport is not None
+        if not exchange.keep_alive:
+            self._shut()
+        elif self.queue:
+            self._start_next()
+        elif self.malformed:
+            self._write_bad_request()
+        elif self.server.closing or self.eof:
+            self.transport.close()
+        elif self.reading_paused:
+            self.reading_paused = False
+            self.transport.resume_reading()
+
+    def _linger(self) -> None:
+        """Stop reading the refused body: shut the sending side, drop what the client still sends for a while."""
+        self.current = None
+        self.task = None
+        self.queue.clear()
+        self._shut()
+
+    def _shut(self) -> None:
+        """Shut the sending side after the last answer and drop whatever still comes, closing at the client's end of
+        sending or after `_LINGER_SECONDS`: closing at once with unread bytes would send a reset, which can make the
+        client lose the answer."""
+        assert self.transport is not None
+        if self.eof:  # the client has finished sending: nothing can be left unread
+            self.transport.close()
+            return
+        self.lingering = True
+        if self.reading_paused:
+            self.reading_paused = False
+            self.transport.resume_reading()
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        else:
+            self.transport.close()
+        self.loop.call_later(_LINGER_SECONDS, self._abort)
+
+    def _abort(self) -> None:
+        if not self.closed and self.transport is not None:
+            self.transport.close()
+
+    def _bad_request(self, exc: Exception) -> None:
+        """The parser refused what came: nothing more is parsed; the requests before it are answered in order."""
+        _log.debug("malformed HTTP request: %s", exc)
+        exchange = self.parsing
+        if exchange is not None and (exchange is self.current or exchange in self.queue):
+            # Its head was fine, its chunked body is not: its handler's read is refused (a 400 naming the body).
+            exchange.broken = True
+            exchange.keep_alive = False
+            if exchange.waiter is not None and not exchange.waiter.done():
+                exchange.waiter.set_result(None)
+            if exchange.discard and exchange is self.current:  # already answered, its body being dropped
+                self._finish(exchange)
+                return
+        self._stop_parsing()
+
+    def _refuse_head(self) -> None:
+        """A request head too large to gather: answered 431 after the requests before it, then closed."""
+        _log.debug("HTTP request head over %d bytes", _MAX_HEAD_BYTES)
+        self.head_too_large = True
+        self._stop_parsing()
+
+    def _stop_parsing(self) -> None:
+        """Nothing more is parsed; the refusal is written once the requests before it are answered."""
+        self.malformed = True
+        if self.current is None:
+            if self.queue:
+                self._start_next()
+            else:
+                self._write_bad_request()
+
+    def _write_bad_request(self) -> None:
+        assert self.transport is not None
+        if self.head_too_large:
+            status, body = 431, b'{"error":"the request line and headers are too large"}'
+        else:
+            status, body = 400, b'{"error":"malformed HTTP request"}'
+        self.transport.write(
+            b"%scontent-type: application/json\r\ncontent-length: %d\r\n%s%s"
+            % (_status_line(status), len(body), _CLOSE_TAIL, body)
+        )
+        self._shut()
+
+    def _pause_reading(self) -> None:
+        if not self.reading_paused:
+            self.reading_paused = True
+            assert self.transport is not None
+            self.transport.pause_reading()
+
+    def _idle_check(self) -> None:
+        """Close a connection with no request in flight once it has been quiet for the keep-alive timeout."""
+        self.idle_timer = None
+        if self.closed:
+            return
+        now = self.loop.time()
+        due = self.last_active + self.server.keep_alive_timeout
+        if self.current is None and not self.queue and now >= due:
+            assert self.transport is not None
+            self.transport.close()
+            return
+        # One timer per connection, moved on when it fires early, rather than one per request.
+        self.idle_timer = self.loop.call_at(due if due > now else now + 1.0, self._idle_check)
+
+    def shutdown(self) -> None:
+        """The server stops: close now if nothing is being answered, else after the current answer."""
+        if self.current is None and not self.queue and self.transport is not None:
+            self.transport.close()
+
+
+class HttpServer:
+    """A listening HTTP server (made by `serve_http`); `close` stops it."""
+
+    def __init__(self, handler: HttpHandler, loop: asyncio.AbstractEventLoop, keep_alive_timeout: float) -> None:
+        self.handler = handler
+        self.loop = loop
+        self.keep_alive_timeout = keep_alive_timeout
+        self.connections: set[_Connection] = set()
+        self.closing = False
+        self._server: asyncio.Server | None = None
+
+    async def close(self, timeout: float = 10.0) -> None:
+        """Stop accepting, let requests in flight be answered (for at most `timeout` seconds), close every
+        connection."""
+        self.closing = True
+        if self._server is not None:
+            self._server.close()
+        for connection in list(self.connections):
+            connection.shutdown()
+        deadline = self.loop.time() + timeout
+        while self.connections and self.loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        for connection in list(self.connections):
+            if connection.transport is not None:
+                connection.transport.abort()
+        # Tasks of aborted connections see the connection closed at their next step and end by themselves.
+        if self._server is not None:
+            await self._server.wait_closed()
+
+
+async def serve_http(handler: HttpHandler, sock: socket.socket, *, keep_alive_timeout: float = 30.0) -> HttpServer:
+    """Serve `handler` on the listening socket `sock` on the running event loop until `HttpServer.close`."""
+    loop = asyncio.get_running_loop()
+    server = HttpServer(handler, loop, keep_alive_timeout)
+    server._server = await loop.create_server(lambda: _Connection(server), sock=sock, backlog=2048)
+    return server
