@@ -78,7 +78,8 @@ def _group(server: Server) -> ProcessGroup:
 def _ask_child(server: Server, request: object) -> Result:
     """What the child process answers for itself (over the coordinator's channel to it)."""
     (child,) = _group(server)._children
-    loop = server._uvicorn_task.get_loop()  # type: ignore[union-attr]
+    loop = server.loop
+    assert loop is not None
     return asyncio.run_coroutine_threadsafe(child.channel.call(request), loop).result(30)  # type: ignore[arg-type]
 
 
@@ -239,7 +240,8 @@ def test_an_upload_through_the_child_serves_on_every_process(server: Server, car
 
 def test_not_ready_anywhere_while_a_change_is_under_way(server: Server) -> None:
     group = _group(server)
-    loop = server._uvicorn_task.get_loop()  # type: ignore[union-attr]
+    loop = server.loop
+    assert loop is not None
     entered, release = asyncio.Event(), asyncio.Event()
 
     async def changing() -> None:
@@ -268,7 +270,8 @@ def test_not_ready_anywhere_while_a_change_is_under_way(server: Server) -> None:
 
 def test_a_partial_load_is_unloaded_everywhere(server: Server, repository: Path) -> None:
     group = _group(server)
-    loop = server._uvicorn_task.get_loop()  # type: ignore[union-attr]
+    loop = server.loop
+    assert loop is not None
     original = server.repository.load
 
     async def fails_here(name: str, **kwargs: object) -> None:

@@ -119,6 +119,8 @@ class Server:
         self.http_port: int = options.http_port
         self.grpc_port: int | None = options.grpc_port
         self._http: HttpServer | None = None
+        #: The event loop the server runs on, once started (for callers in other threads).
+        self.loop: asyncio.AbstractEventLoop | None = None
         self._grpc: object | None = None
 
     async def start(self) -> None:
@@ -145,6 +147,7 @@ class Server:
         sock.listen(2048)
         sock.setblocking(False)
         self.http_port = sock.getsockname()[1]
+        self.loop = asyncio.get_running_loop()
         self._http = await serve_http(self.app.handle, sock, keep_alive_timeout=30.0)
         if self.options.grpc_port is not None:
             limit = self.options.max_body_size
