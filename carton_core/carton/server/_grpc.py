@@ -1,4 +1,7 @@
-"""The gRPC endpoints: ``inference.GRPCInferenceService`` on a `grpc.aio` server, sharing the HTTP side's repository.
+"""The gRPC endpoints: ``inference.GRPCInferenceService`` over the HTTP side's repository.
+
+`GrpcService` is served by ``carton serve`` on grpcio's thread-pool server (`._grpc_threads`) and by ``carton.ray``'s
+ingress on a `grpc.aio` server (`GrpcService.handler`).
 
 Handlers are registered by hand (`grpc.method_handlers_generic_handler`) under the protocol's service name, against
 the messages generated from ``_proto/kserve_v2.proto`` into carton's own proto package (see `._proto` for why).
@@ -10,13 +13,14 @@ Outputs always travel in ``raw_output_contents``, as Triton sends them.
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 import grpc
 import numpy as np
-from carton_protocol import DType
+from carton_protocol import DType, Tensor
 from grpc import aio
 
 from ._datatypes import DATATYPE_OF, NUMPY_OF, counted
@@ -38,7 +42,7 @@ from ._proto import SERVICE_NAME, message_class
 from ._repository import ModelRepository, ServedVersion
 from .errors import BadRequest, ModelNotFound, ServerError
 
-__all__ = ["GrpcService", "status_of"]
+__all__ = ["GrpcService", "message_handlers", "status_of"]
 
 # Which typed-contents field carries each datatype when a client does not send raw bytes.
 _CONTENTS_FIELD = {
@@ -58,6 +62,9 @@ _M = {
         "RepositoryModelLoadResponse", "RepositoryModelUnloadRequest", "RepositoryModelUnloadResponse",
     )
 }  # fmt: skip
+
+
+_OUTPUT = _M["ModelInferResponse"].InferOutputTensor
 
 
 def status_of(exc: ServerError) -> grpc.StatusCode:
@@ -90,6 +97,66 @@ def _decode_input(served: ServedVersion, tensor: Any, raw: bytes | None) -> np.n
         return np.array(values, dtype=NUMPY_OF[datatype]).reshape(shape)
     except (OverflowError, ValueError) as exc:
         raise BadRequest(f"input {name!r}: an element does not fit {datatype} ({exc})") from exc
+
+
+def _decode_request(served: ServedVersion, request: Any) -> tuple[dict[str, np.ndarray], list[str] | None]:
+    """A ``ModelInferRequest``'s inputs as arrays for `served`, and the names of the outputs it asks for (None: all).
+    `BadRequest` naming the field or tensor at fault."""
+    raw = request.raw_input_contents
+    if raw and len(raw) != len(request.inputs):
+        raise BadRequest(
+            f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs; give one per input"
+        )
+    inputs: dict[str, np.ndarray] = {}
+    for index, tensor in enumerate(request.inputs):
+        if tensor.name in inputs:
+            raise BadRequest(f"input {tensor.name!r} is given twice")
+        inputs[tensor.name] = _decode_input(served, tensor, raw[index] if raw else None)
+    check_complete(served, inputs)
+    for output in request.outputs:
+        if "classification" in output.parameters:
+            raise BadRequest("the classification extension is not supported by this server")
+    requested = [output.name for output in request.outputs] or None
+    if requested is not None:
+        check_requested(served, requested)
+    return inputs, requested
+
+
+def _response(served: ServedVersion, request: Any, outputs: Mapping[str, Tensor], requested: list[str] | None) -> Any:
+    """The ``ModelInferResponse``: output tensors described in ``outputs``, their bytes in ``raw_output_contents``
+    (both given to the constructor at once rather than appended one by one)."""
+    described = []
+    contents = []
+    for name, tensor in select_outputs(served, outputs, requested):
+        datatype, array, data = output_tensor(name, tensor)
+        described.append(_OUTPUT(name=name, datatype=datatype, shape=array.shape))
+        contents.append(bytes(data))
+    return _M["ModelInferResponse"](
+        model_name=served.model, model_version=served.version_str, id=request.id, outputs=described,
+        raw_output_contents=contents,
+    )  # fmt: skip
+
+
+def message_handlers(
+    unary: Mapping[str, Callable[[Any, Any], Any]], stream_infer: Callable[[Any, Any], Any]
+) -> grpc.GenericRpcHandler[Any, Any]:
+    """The service's generic handler: `unary` methods by protocol name and ``ModelStreamInfer``, each taking
+    ``(request, context)`` (coroutines for ``grpc.aio``, plain functions for the thread-pool server), with the
+    messages' (de)serializers."""
+    handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
+        method: grpc.unary_unary_rpc_method_handler(
+            function,
+            request_deserializer=_M[f"{method}Request"].FromString,
+            response_serializer=_M[f"{method}Response"].SerializeToString,
+        )
+        for method, function in unary.items()
+    }
+    handlers["ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(
+        stream_infer,
+        request_deserializer=_M["ModelInferRequest"].FromString,
+        response_serializer=_M["ModelStreamInferResponse"].SerializeToString,
+    )
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 
 
 class GrpcService:
@@ -135,21 +202,8 @@ class GrpcService:
         }
 
     def handler(self) -> grpc.GenericRpcHandler[Any, Any]:
-        unary = self.unary_methods()
-        handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
-            method: grpc.unary_unary_rpc_method_handler(
-                self._guard(function),
-                request_deserializer=_M[f"{method}Request"].FromString,
-                response_serializer=_M[f"{method}Response"].SerializeToString,
-            )
-            for method, function in unary.items()
-        }
-        handlers["ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(
-            self.model_stream_infer,
-            request_deserializer=_M["ModelInferRequest"].FromString,
-            response_serializer=_M["ModelStreamInferResponse"].SerializeToString,
-        )
-        return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+        guarded = {method: self._guard(function) for method, function in self.unary_methods().items()}
+        return message_handlers(guarded, self.model_stream_infer)
 
     def _guard(
         self, function: Callable[[Any], Awaitable[Any]]
@@ -262,33 +316,27 @@ class GrpcService:
         started = time.perf_counter_ns()
         served = self.repository.acquire(request.model_name, request.model_version)
         try:
-            raw = list(request.raw_input_contents)
-            if raw and len(raw) != len(request.inputs):
-                raise BadRequest(
-                    f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs; give one per input"
-                )
-            inputs: dict[str, np.ndarray] = {}
-            for index, tensor in enumerate(request.inputs):
-                if tensor.name in inputs:
-                    raise BadRequest(f"input {tensor.name!r} is given twice")
-                inputs[tensor.name] = _decode_input(served, tensor, raw[index] if raw else None)
-            check_complete(served, inputs)
-            for output in request.outputs:
-                if "classification" in output.parameters:
-                    raise BadRequest("the classification extension is not supported by this server")
-            requested = [output.name for output in request.outputs] or None
-            if requested is not None:
-                check_requested(served, requested)
+            inputs, requested = _decode_request(served, request)
             decoded_at = time.perf_counter_ns()
             outputs, _ = await served.infer(inputs)
             inferred_at = time.perf_counter_ns()
-            response = _M["ModelInferResponse"](
-                model_name=served.model, model_version=served.version_str, id=request.id
-            )
-            for name, tensor in select_outputs(served, outputs, requested):
-                datatype, array, data = output_tensor(name, tensor)
-                response.outputs.add(name=name, datatype=datatype, shape=array.shape)
-                response.raw_output_contents.append(bytes(data))
+            response = _response(served, request, outputs, requested)
+        except Exception as exc:
+            raise request_failed(served, exc, self.repository.scrub, started_ns=started) from exc
+        request_succeeded(served, started_ns=started, decoded_ns=decoded_at, inferred_ns=inferred_at)
+        return response
+
+    def model_infer_blocking(self, request: Any, loop: asyncio.AbstractEventLoop) -> Any:
+        """`model_infer` for a thread other than `loop`'s, which may block: the runner is called on this thread
+        (`ServedVersion.infer_blocking`)."""
+        started = time.perf_counter_ns()
+        served = self.repository.acquire(request.model_name, request.model_version)
+        try:
+            inputs, requested = _decode_request(served, request)
+            decoded_at = time.perf_counter_ns()
+            outputs = served.infer_blocking(inputs, loop)
+            inferred_at = time.perf_counter_ns()
+            response = _response(served, request, outputs, requested)
         except Exception as exc:
             raise request_failed(served, exc, self.repository.scrub, started_ns=started) from exc
         request_succeeded(served, started_ns=started, decoded_ns=decoded_at, inferred_ns=inferred_at)
