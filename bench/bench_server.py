@@ -3,6 +3,7 @@
     python bench/bench_server.py [--sections goals,servers,stacks] [--rounds 3] [--requests 2000]
                                  [--big-requests 16] [--json-elements 10000000] [--runtime-calls 5000]
                                  [--skip-triton] [--skip-mlserver] [--stack-requests 2000]
+                                 [--protocols http,grpc] [--baseline-python PYTHON]
 
 The goals section (the default) prints one row per goal of the server's performance issue: carton and Triton both
 running, measured turn about (carton first in odd rounds, Triton first in even ones), each row the median over
@@ -148,13 +149,14 @@ class Served:
 
 
 @contextmanager
-def carton_served(repo: Path, *extra: str) -> Iterator[Served]:
+def carton_served(repo: Path, *extra: str, python: str = sys.executable, name: str = "carton") -> Iterator[Served]:
+    """`carton serve` run by `python` (another checkout's environment for an A/B run), reported as `name`."""
     http, grpc = free_port(), free_port()
-    command = [sys.executable, "-m", "carton", "serve", str(repo), "--http-port", str(http), "--grpc-port", str(grpc)]
+    command = [python, "-m", "carton", "serve", str(repo), "--http-port", str(http), "--grpc-port", str(grpc)]
     process = subprocess.Popen([*command, *extra], start_new_session=True)
     try:
         wait_ready(http)
-        yield Served("carton", http, grpc, process.pid)
+        yield Served(name, http, grpc, process.pid)
     finally:
         stop_group(process)
 
@@ -348,16 +350,18 @@ def measure_goals(served: Served, args: argparse.Namespace, json_body: bytes | N
     found: dict[str, tuple[float, float]] = {}
     small = (1, 16)
     for protocol, port in (("http", served.http), ("grpc", served.grpc)):
+        if protocol not in args.protocols:
+            continue
         one = run_load(port, "identity", small, 1, args.requests, protocol=protocol, pid=served.pid)
         eight = run_load(port, "identity", small, 8, args.requests * 2, protocol=protocol, pid=served.pid)
         found[f"{protocol}_p50"] = (one.p50_ms, one.load)
         found[f"{protocol}_cpu1"] = (one.cpu_us, one.load)
         found[f"{protocol}_rate"] = (eight.rate, eight.load)
         found[f"{protocol}_cpu8"] = (eight.cpu_us, eight.load)
-    if args.big_requests:
+    if args.big_requests and "http" in args.protocols:
         big = run_load(served.http, "identity4", (64, 3, 224, 224), 1, args.big_requests)
         found["big_p50"] = (big.p50_ms, big.load)
-    if json_body is not None:
+    if json_body is not None and "http" in args.protocols:
         result = json_request(served.http, json_body)
         found["json_s"] = (result.seconds, result.load)
         found["json_health"] = (result.health_max_ms, result.load)
@@ -365,17 +369,18 @@ def measure_goals(served: Served, args: argparse.Namespace, json_body: bytes | N
     return found
 
 
-def print_goals(rounds: list[dict[str, dict[str, tuple[float, float]]]]) -> None:
+def print_goals(rounds: list[dict[str, dict[str, tuple[float, float]]]], reference: str = "triton") -> None:
     """Medians over the rounds for each server, the median of the per-round ratios, and the mean load average."""
-    print("\ngoals: carton against Triton (medians over A/B-alternated rounds; ratio = median of per-round ratios)")
-    header = f"{'goal':<44}{'unit':>6}{'carton':>11}{'Triton':>11}{'ratio':>8}{'goal':>9}{'met':>5}{'load':>7}"
+    title = "Triton" if reference == "triton" else reference
+    print(f"\ngoals: carton against {title} (medians over A/B-alternated rounds; ratio = median of per-round ratios)")
+    header = f"{'goal':<44}{'unit':>6}{'carton':>11}{title:>11}{'ratio':>8}{'goal':>9}{'met':>5}{'load':>7}"
     print(header)
     print("-" * len(header))
     for key, goal in GOALS.items():
         pairs = [
-            (r["carton"][key], r["triton"][key])
+            (r["carton"][key], r[reference][key])
             for r in rounds
-            if key in r.get("carton", {}) and key in r.get("triton", {})
+            if key in r.get("carton", {}) and key in r.get(reference, {})
         ]
         ours = [r["carton"][key] for r in rounds if key in r.get("carton", {})]
         if not ours:
@@ -383,11 +388,11 @@ def print_goals(rounds: list[dict[str, dict[str, tuple[float, float]]]]) -> None
         value = statistics.median(v for v, _ in ours)
         loads = [load for v, load in ours] + [load for _, (v, load) in pairs]
         if pairs:
-            reference = statistics.median(t for _, (t, _) in pairs)
+            theirs = statistics.median(t for _, (t, _) in pairs)
             ratio = statistics.median(c / t if t else float("inf") for (c, _), (t, _) in pairs)
             met = ratio <= goal.bound if goal.sense == "le" else ratio >= goal.bound
             bound = f"{'<=' if goal.sense == 'le' else '>='}{goal.bound:g}x"
-            row = f"{reference:>11.3f}{ratio:>7.2f}x{bound:>9}{'yes' if met else 'no':>5}"
+            row = f"{theirs:>11.3f}{ratio:>7.2f}x{bound:>9}{'yes' if met else 'no':>5}"
         else:
             row = f"{'-':>11}{'-':>8}{'':>9}{'':>5}"
         print(f"{goal.label:<44}{goal.unit:>6}{value:>11.3f}{row}{statistics.mean(loads):>7.2f}")
@@ -398,10 +403,14 @@ def print_goals(rounds: list[dict[str, dict[str, tuple[float, float]]]]) -> None
 def run_goals(repo: Path, args: argparse.Namespace) -> None:
     json_body = json_tensor_body(args.json_elements) if args.json_elements else None
     rounds: list[dict[str, dict[str, tuple[float, float]]]] = []
-    with carton_served(repo) as carton, triton_served() as triton:
+    with contextlib.ExitStack() as stack:
+        carton = stack.enter_context(carton_served(repo))
+        triton = None if args.skip_triton else stack.enter_context(triton_served())
         servers = [carton] if triton is None else [carton, triton]
-        if triton is None:
+        if triton is None and not args.skip_triton:
             print("triton: not available (run ../shared/peers/triton.sh setup), carton alone", file=sys.stderr)
+        if args.baseline_python:
+            servers.append(stack.enter_context(carton_served(repo, python=args.baseline_python, name="baseline")))
         for index in range(args.rounds):
             order = servers if index % 2 == 0 else servers[::-1]
             measured: dict[str, dict[str, tuple[float, float]]] = {}
@@ -409,7 +418,10 @@ def run_goals(repo: Path, args: argparse.Namespace) -> None:
                 measured[served.name] = measure_goals(served, args, json_body)
             rounds.append(measured)
             print(f"round {index + 1}/{args.rounds} done (load {os.getloadavg()[0]:.2f})", file=sys.stderr)
-    print_goals(rounds)
+    if triton is not None:
+        print_goals(rounds)
+    if args.baseline_python:
+        print_goals(rounds, reference="baseline")
     if args.runtime_calls:
         print_model_infer_ratio(repo, args.runtime_calls)
 
@@ -467,7 +479,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="A/B-alternated rounds of the goals section")
     parser.add_argument("--json-elements", type=int, default=10_000_000, help="JSON tensor size (0: skip)")
     parser.add_argument("--runtime-calls", type=int, default=5000, help="Model.infer vs raw pyzmq calls (0: skip)")
+    parser.add_argument(
+        "--protocols", default="http,grpc", help="goals section: the protocols measured (http, grpc or both); the "
+        "38.5 MB and JSON rows are HTTP's",
+    )  # fmt: skip
+    parser.add_argument(
+        "--baseline-python", metavar="PYTHON", help="goals section: also measure `carton serve` run by this "
+        "interpreter (the environment of another checkout, e.g. the commit before a change), turn about with the "
+        "others, and print carton against it",
+    )  # fmt: skip
     args = parser.parse_args()
+    args.protocols = set(args.protocols.split(","))
     sections = set(args.sections.split(","))
     if "goals" in sections:
         root = Path(tempfile.mkdtemp(prefix="carton-bench-server-"))
