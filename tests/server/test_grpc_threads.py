@@ -3,7 +3,6 @@ models with and without a blocking ``infer_blocking``, and the dynamic batcher r
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -15,45 +14,32 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 from carton.server import LoadSpec, ModelControlMode, ModelHandle, Server, ServerOptions, load_carton, serve_in_thread
-from carton_protocol import Tensor, TensorSpec
+from carton_protocol import Tensor
 from tritonclient.utils import InferenceServerException
 
 from .conftest import arange
+from .test_lifecycle import _Slow
 
 
-class _Delayed:
-    """A real carton whose every inference first waits `delay` seconds; `blocking` says whether the handle offers
-    ``infer_blocking`` (the gRPC threads then call the runner themselves) or only the async ``infer``."""
+class _Delayed(_Slow):
+    """`_Slow` (a real carton whose every inference first waits `delay` seconds) that records the threads it is called
+    on; `blocking` says whether the handle offers ``infer_blocking`` (the gRPC threads then call the runner
+    themselves) or only the async ``infer``."""
 
     def __init__(self, inner: ModelHandle, delay: float, *, blocking: bool) -> None:
-        self.inner = inner
-        self.delay = delay
-        self.closed = threading.Event()
+        super().__init__(inner, delay)
         self.threads: set[str] = set()
         if blocking:
             self.infer_blocking = self._infer_blocking
 
-    @property
-    def inputs(self) -> tuple[TensorSpec, ...]:
-        return self.inner.inputs
-
-    @property
-    def outputs(self) -> tuple[TensorSpec, ...]:
-        return self.inner.outputs
-
     async def infer(self, inputs: dict[str, np.ndarray]) -> Mapping[str, Tensor]:
         self.threads.add(threading.current_thread().name)
-        await asyncio.sleep(self.delay)
-        return await self.inner.infer(inputs)
+        return await super().infer(inputs)
 
     def _infer_blocking(self, inputs: dict[str, np.ndarray]) -> Mapping[str, Tensor]:
         self.threads.add(threading.current_thread().name)
         time.sleep(self.delay)
         return self.inner.infer_blocking(inputs)  # type: ignore[attr-defined,no-any-return]
-
-    def close(self) -> None:
-        self.inner.close()
-        self.closed.set()
 
 
 class _Loader:
@@ -86,6 +72,15 @@ def _input(array: np.ndarray) -> grpcclient.InferInput:
     tensor = grpcclient.InferInput("INPUT0", list(array.shape), "FP32")
     tensor.set_data_from_numpy(array)
     return tensor
+
+
+def _infer_once(address: str, model: str, x: np.ndarray) -> np.ndarray:
+    """One inference on a client of its own (for worker threads)."""
+    client = grpcclient.InferenceServerClient(address)
+    try:
+        return client.infer(model, [_input(x)]).as_numpy("OUTPUT0")  # type: ignore[no-any-return]
+    finally:
+        client.close()
 
 
 def _wait_for(condition: object, what: str, timeout: float = 30) -> None:
@@ -131,15 +126,8 @@ def test_concurrent_clients_each_get_their_answer_and_every_call_is_counted(
 def test_dynamic_batcher_and_async_only_handles_run_on_the_loop(threaded_server: Server, loader: _Loader) -> None:
     address = f"127.0.0.1:{threaded_server.grpc_port}"
 
-    def call(i: int) -> np.ndarray:
-        client = grpcclient.InferenceServerClient(address)
-        try:
-            return client.infer("batched", [_input(arange((1, 4)) + i)]).as_numpy("OUTPUT0")  # type: ignore[no-any-return]
-        finally:
-            client.close()
-
     with ThreadPoolExecutor(8) as pool:
-        results = list(pool.map(call, range(8)))
+        results = list(pool.map(lambda i: _infer_once(address, "batched", arange((1, 4)) + i), range(8)))
     for i, result in enumerate(results):
         np.testing.assert_array_equal(result, (arange((1, 4)) + i) * 2)
     assert loader.handles["batched"].threads == {"carton-server"}  # the event loop's thread
@@ -154,15 +142,8 @@ def test_unload_under_running_grpc_calls_lets_them_finish(threaded_server: Serve
     handle.delay = 0.5
     (served,) = threaded_server.repository.versions("identity")
 
-    def call(i: int) -> np.ndarray:
-        own = grpcclient.InferenceServerClient(address)
-        try:
-            return own.infer("identity", [_input(arange((1, 4)) + i)]).as_numpy("OUTPUT0")  # type: ignore[no-any-return]
-        finally:
-            own.close()
-
     with ThreadPoolExecutor(4) as pool:
-        running = [pool.submit(call, i) for i in range(4)]
+        running = [pool.submit(_infer_once, address, "identity", arange((1, 4)) + i) for i in range(4)]
         _wait_for(lambda: served.in_flight == 4, "four calls inside the model")
         client.unload_model("identity")
         with pytest.raises(InferenceServerException, match="has no available versions") as caught:
