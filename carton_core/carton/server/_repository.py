@@ -94,7 +94,7 @@ class ServedVersion:
         self.in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
-        try:  # where `_idle` lives: a request that ends on a gRPC handler thread sets it through this loop
+        try:  # where `_idle` lives: a request that ends on a gRPC handler thread of a retiring version sets it here
             self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
             self._loop = None
@@ -129,7 +129,9 @@ class ServedVersion:
             loop = self._loop
             if loop is None or _on_loop(loop):
                 self._set_idle_if_quiet()
-            elif not loop.is_closed():
+            elif self.state is not ModelState.READY and not loop.is_closed():
+                # Only a retiring version has anyone waiting for `_idle` (`retire` checks `in_flight` itself after
+                # it changes the state), so a request ending on a thread wakes the loop only then.
                 loop.call_soon_threadsafe(self._set_idle_if_quiet)
 
     def _set_idle_if_quiet(self) -> None:
@@ -184,6 +186,7 @@ class ServedVersion:
     async def retire(self, timeout: float) -> None:
         """Let in-flight requests finish (up to `timeout`), then close the runner."""
         self.state = ModelState.UNLOADING
+        self._set_idle_if_quiet()  # requests that ended on a thread while the version served left `_idle` clear
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
         except TimeoutError:
