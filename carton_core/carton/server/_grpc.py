@@ -1,7 +1,7 @@
 """The gRPC endpoints: ``inference.GRPCInferenceService`` over the HTTP side's repository.
 
-`GrpcService` is served by ``carton serve`` on grpcio's thread-pool server (`._grpc_threads`) and by ``carton.ray``'s
-ingress on a `grpc.aio` server (`GrpcService.handler`).
+`GrpcService.handler` serves it on a `grpc.aio` server (``carton serve``, ``carton.ray``'s ingress); why grpc.aio
+rather than grpcio's thread-pool server: docs/server.md, "The gRPC server".
 
 Handlers are registered by hand (`grpc.method_handlers_generic_handler`) under the protocol's service name, against
 the messages generated from ``_proto/kserve_v2.proto`` into carton's own proto package (see `._proto` for why).
@@ -40,9 +40,9 @@ from ._inference import (
 )
 from ._proto import SERVICE_NAME, message_class
 from ._repository import ModelRepository, ServedVersion
-from .errors import BadRequest, ModelNotFound, ServerError
+from .errors import BadRequest, ModelNotFound, ModelUnavailable, ServerError
 
-__all__ = ["GrpcService", "message_handlers", "status_of"]
+__all__ = ["GrpcService", "status_of"]
 
 # Which typed-contents field carries each datatype when a client does not send raw bytes.
 _CONTENTS_FIELD = {
@@ -141,8 +141,7 @@ def message_handlers(
     unary: Mapping[str, Callable[[Any, Any], Any]], stream_infer: Callable[[Any, Any], Any]
 ) -> grpc.GenericRpcHandler[Any, Any]:
     """The service's generic handler: `unary` methods by protocol name and ``ModelStreamInfer``, each taking
-    ``(request, context)`` (coroutines for ``grpc.aio``, plain functions for the thread-pool server), with the
-    messages' (de)serializers."""
+    ``(request, context)``, with the messages' (de)serializers."""
     handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
         method: grpc.unary_unary_rpc_method_handler(
             function,
@@ -321,22 +320,12 @@ class GrpcService:
             outputs, _ = await served.infer(inputs)
             inferred_at = time.perf_counter_ns()
             response = _response(served, request, outputs, requested)
-        except Exception as exc:
-            raise request_failed(served, exc, self.repository.scrub, started_ns=started) from exc
-        request_succeeded(served, started_ns=started, decoded_ns=decoded_at, inferred_ns=inferred_at)
-        return response
-
-    def model_infer_blocking(self, request: Any, loop: asyncio.AbstractEventLoop) -> Any:
-        """`model_infer` for a thread other than `loop`'s, which may block: the runner is called on this thread
-        (`ServedVersion.infer_blocking`)."""
-        started = time.perf_counter_ns()
-        served = self.repository.acquire(request.model_name, request.model_version)
-        try:
-            inputs, requested = _decode_request(served, request)
-            decoded_at = time.perf_counter_ns()
-            outputs = served.infer_blocking(inputs, loop)
-            inferred_at = time.perf_counter_ns()
-            response = _response(served, request, outputs, requested)
+        except asyncio.CancelledError:
+            # The client cancelled (or the server is stopping): release the version and count the request, as any
+            # failed one, so an unload does not wait for it.
+            cancelled = ModelUnavailable("the call was cancelled")
+            request_failed(served, cancelled, self.repository.scrub, started_ns=started)
+            raise
         except Exception as exc:
             raise request_failed(served, exc, self.repository.scrub, started_ns=started) from exc
         request_succeeded(served, started_ns=started, decoded_ns=decoded_at, inferred_ns=inferred_at)

@@ -18,10 +18,7 @@ __all__ = ["LoadSpec", "ModelHandle", "ModelLoader", "load_carton", "metadata_sh
 
 
 class ModelHandle(Protocol):
-    """A loaded model: its declared tensors, an async `infer`, and `close`.
-
-    A handle may also have ``infer_blocking(inputs)``, the same call for threads that may block (the gRPC server's
-    handler threads use it when present; without it they run `infer` on the event loop)."""
+    """A loaded model: its declared tensors, an async `infer`, and `close`."""
 
     @property
     def inputs(self) -> tuple[TensorSpec, ...]:
@@ -76,12 +73,6 @@ class _CartonHandle:
         # on the loop measured about 70 us less CPU per request, but one slow or hung model would then stall every
         # connection, health probes included. See docs/server.md, "Where the time goes".
         result: Mapping[str, Tensor] = await self._model.infer_async(inputs)
-        return result
-
-    def infer_blocking(self, inputs: dict[str, np.ndarray]) -> Mapping[str, Tensor]:
-        # For the gRPC server's handler threads (`ServedVersion.infer_blocking`): they may block, so the runner is
-        # called on the calling thread, without a hop through the event loop.
-        result: Mapping[str, Tensor] = self._model.infer(inputs)
         return result
 
     def close(self) -> None:

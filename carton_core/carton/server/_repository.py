@@ -7,9 +7,7 @@ a reason such as ``unloaded`` or the load error). Concurrency rules:
 - A (re)load builds the new versions while the old ones keep serving, then swaps them in one step; old versions
   are retired: no new request reaches them, in-flight ones complete, then their runners are closed.
 - A request holds its version from lookup to response (`ServedVersion.enter`/`exit`), so an unload never closes a
-  model under a running request; after an unload, lookups fail with `ModelNotFound` (404). Requests enter and exit
-  on the event loop (HTTP) and on the gRPC server's handler threads (`ServedVersion.infer_blocking`); the
-  repository's own state (loads, unloads, the index) changes on the event loop only.
+  model under a running request; after an unload, lookups fail with `ModelNotFound` (404).
 - A load never hangs: the loader runs in a thread under ``load_timeout``; on timeout the version is reported
   ``UNAVAILABLE`` with the reason, and whatever the loader eventually returns is closed.
 - Server readiness is false while any load or unload is in progress; with ``strict_readiness`` (Triton's
@@ -77,8 +75,8 @@ class ServedVersion:
     """One loaded model version: the handle, its config, its counters and its in-flight requests."""
 
     __slots__ = (
-        "_idle", "_loop", "batcher", "config", "handle", "in_flight", "input_specs", "model", "output_specs", "state",
-        "stats", "version", "version_str",
+        "_idle", "batcher", "config", "handle", "in_flight", "input_specs", "model", "output_specs", "state", "stats",
+        "version", "version_str",
     )  # fmt: skip
 
     def __init__(self, *, model: str, version: int, handle: ModelHandle, config: ModelConfig, stats: VersionStats):
@@ -94,10 +92,6 @@ class ServedVersion:
         self.in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
-        try:  # where `_idle` lives: a request that ends on a gRPC handler thread of a retiring version sets it here
-            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-        except RuntimeError:
-            self._loop = None
         self.batcher: DynamicBatcher | None = None
         batching = config.dynamic_batching
         if batching is not None:
@@ -111,31 +105,16 @@ class ServedVersion:
             )
 
     def enter(self) -> None:
-        """A request starts using this version (an unload waits for it to `exit`); any thread."""
-        series = self.stats.series
-        with series.lock:
-            self.in_flight += 1
-            series.in_flight += 1
+        """A request starts using this version (an unload waits for it to `exit`)."""
+        self.in_flight += 1
         self._idle.clear()
+        self.stats.series.in_flight += 1
 
     def exit(self) -> None:
-        """A request is done with this version; any thread."""
-        series = self.stats.series
-        with series.lock:
-            self.in_flight -= 1
-            series.in_flight -= 1
-            idle = self.in_flight == 0
-        if idle:
-            loop = self._loop
-            if loop is None or _on_loop(loop):
-                self._set_idle_if_quiet()
-            elif self.state is not ModelState.READY and not loop.is_closed():
-                # Only a retiring version has anyone waiting for `_idle` (`retire` checks `in_flight` itself after
-                # it changes the state), so a request ending on a thread wakes the loop only then.
-                loop.call_soon_threadsafe(self._set_idle_if_quiet)
-
-    def _set_idle_if_quiet(self) -> None:
-        if self.in_flight == 0:  # a request may have entered since the exit that scheduled this
+        """A request is done with this version."""
+        self.in_flight -= 1
+        self.stats.series.in_flight -= 1
+        if self.in_flight == 0:
             self._idle.set()
 
     def _batch_size(self, inputs: Mapping[str, np.ndarray]) -> int:
@@ -161,32 +140,14 @@ class ServedVersion:
                 return await self.batcher.submit(inputs, batch)
         started = time.perf_counter_ns()
         outputs = await self.handle.infer(inputs)
-        self._record_execution(inputs, started)
-        return outputs, 0
-
-    def _record_execution(self, inputs: Mapping[str, np.ndarray], started_ns: int) -> None:
         first = next(iter(inputs.values()), None)
         size = first.shape[0] if first is not None and first.ndim and self.config.max_batch_size else 1
-        self.stats.record_execution(batch_size=size, infer_ns=time.perf_counter_ns() - started_ns)
-
-    def infer_blocking(self, inputs: dict[str, np.ndarray], loop: asyncio.AbstractEventLoop) -> Mapping[str, Tensor]:
-        """`infer` from a thread other than `loop`'s (a gRPC handler thread): the runner is called on this thread
-        when the handle has a blocking ``infer_blocking``; the dynamic batcher and handles without one run on
-        `loop`. Returns the outputs."""
-        blocking = getattr(self.handle, "infer_blocking", None)
-        if self.batcher is not None or blocking is None:
-            return asyncio.run_coroutine_threadsafe(self.infer(inputs), loop).result()[0]
-        if self.config.max_batch_size > 0:
-            self._batch_size(inputs)
-        started = time.perf_counter_ns()
-        outputs: Mapping[str, Tensor] = blocking(inputs)
-        self._record_execution(inputs, started)
-        return outputs
+        self.stats.record_execution(batch_size=size, infer_ns=time.perf_counter_ns() - started)
+        return outputs, 0
 
     async def retire(self, timeout: float) -> None:
         """Let in-flight requests finish (up to `timeout`), then close the runner."""
         self.state = ModelState.UNLOADING
-        self._set_idle_if_quiet()  # requests that ended on a thread while the version served left `_idle` clear
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
         except TimeoutError:
@@ -198,13 +159,6 @@ class ServedVersion:
             await self.batcher.close()
         await asyncio.get_running_loop().run_in_executor(None, _close_quietly, self.handle)
         self.state = ModelState.UNAVAILABLE
-
-
-def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
-    try:
-        return asyncio.get_running_loop() is loop
-    except RuntimeError:
-        return False
 
 
 def _close_quietly(handle: ModelHandle) -> None:

@@ -1,5 +1,4 @@
-"""Running the server: HTTP (uvicorn on httptools + uvloop) on one event loop, gRPC (grpcio's thread-pool server,
-whose handler threads call the runners and run repository work on that loop), one repository.
+"""Running the server: HTTP (uvicorn on httptools + uvloop) and gRPC (grpc.aio) on one event loop, one repository.
 
 The HTTP listening socket is created here with ``TCP_NODELAY`` set (accepted connections inherit it on Linux), so
 small responses are not held back by Nagle's algorithm, and so that port 0 picks a free port the caller can read.
@@ -18,7 +17,6 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ._handle import ModelLoader, load_carton
 from ._http import HttpApp
@@ -26,9 +24,6 @@ from ._layout import list_models, make_upload_root, sweep_stale_upload_roots
 from ._repository import ModelRepository, RepositoryOptions
 from ._stats import ServerMetrics
 from .errors import ServerError
-
-if TYPE_CHECKING:
-    from ._grpc_threads import ThreadedGrpcServer
 
 __all__ = ["ModelControlMode", "Server", "ServerOptions", "listening_text", "run_server", "serve_in_thread"]
 
@@ -108,17 +103,17 @@ class Server:
         self.grpc_port: int | None = options.grpc_port
         self._uvicorn: object | None = None
         self._uvicorn_task: asyncio.Task[None] | None = None
-        self._grpc: ThreadedGrpcServer | None = None
+        self._grpc: object | None = None
 
     async def start(self) -> None:
         """Bind the HTTP (and gRPC) ports and load the models the options name; raise `ServerError` if a port
         cannot be bound."""
         import uvicorn
+        from grpc import aio
 
         if self.options.grpc_port is not None:
             # Imported before anything listens: it needs the generated stubs, and HTTP-only serving does not.
             from ._grpc import GrpcService
-            from ._grpc_threads import ThreadedGrpcServer
 
         sock = socket.socket(socket.AF_INET6 if ":" in self.options.host else socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -152,15 +147,14 @@ class Server:
         self._uvicorn_task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
         if self.options.grpc_port is not None:
             limit = self.options.max_body_size
-            grpc_server = ThreadedGrpcServer(
-                GrpcService(self.repository, server_version=_version()),
-                asyncio.get_running_loop(),
-                options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", -1)],
+            grpc_server = aio.server(
+                options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", -1)]
             )
-            port = grpc_server.add_port(f"{self.options.host}:{self.options.grpc_port}")
+            grpc_server.add_generic_rpc_handlers((GrpcService(self.repository, server_version=_version()).handler(),))
+            port = grpc_server.add_insecure_port(f"{self.options.host}:{self.options.grpc_port}")
             if port == 0:
                 raise ServerError(f"cannot listen for gRPC on {self.options.host}:{self.options.grpc_port}")
-            grpc_server.start()
+            await grpc_server.start()
             self.grpc_port = port
             self._grpc = grpc_server
         while not server.started:
@@ -183,7 +177,7 @@ class Server:
     async def stop(self) -> None:
         """Stop accepting requests, unload every model (closing its runners) and close the ports."""
         if self._grpc is not None:
-            await self._grpc.stop(1.0)
+            await self._grpc.stop(1.0)  # type: ignore[attr-defined]
         if self._uvicorn is not None and self._uvicorn_task is not None:
             self._uvicorn.should_exit = True  # type: ignore[attr-defined]
             await self._uvicorn_task

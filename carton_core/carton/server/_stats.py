@@ -1,11 +1,9 @@
 """Per-version inference statistics (Triton's statistics extension) and the Prometheus metrics behind ``/metrics``.
 
 The hot path pays plain integer additions only: each (model, version) has a `_Series` of counters and histogram
-buckets updated in place, and a collector turns them into Prometheus families when ``/metrics`` is scraped. Requests
-are recorded on the event loop (HTTP) and on the gRPC server's handler threads, so every update of a version's
-counters and of its series holds the series' `lock` (uncontended: one acquire per update). prometheus_client's own
-metric objects take a lock and run label checks on every increment, which measured about 7 us of CPU per request
-here; this costs under 1 us.
+buckets that the event loop updates in place (every request is recorded on the loop thread), and a collector turns
+them into Prometheus families when ``/metrics`` is scraped. prometheus_client's own metric objects take a lock and
+run label checks on every increment, which measured about 7 us of CPU per request here; this costs under 1 us.
 
 Durations, as the statistics extension defines them for carton: ``queue`` is time waiting in the dynamic batcher,
 ``compute_input`` decoding the request into arrays, ``compute_infer`` the runner round trip, ``compute_output``
@@ -14,7 +12,6 @@ encoding the response; ``success``/``fail`` are whole requests as the server saw
 
 from __future__ import annotations
 
-import threading
 import time
 from bisect import bisect_left
 from collections.abc import Iterator
@@ -55,11 +52,9 @@ class _Histogram:
 class _Series:
     """The Prometheus series of one (model, version); a reloaded version keeps recording into the same one."""
 
-    __slots__ = ("compute", "duration", "executions", "failure", "in_flight", "lock", "queue", "success")
+    __slots__ = ("compute", "duration", "executions", "failure", "in_flight", "queue", "success")
 
     def __init__(self) -> None:
-        #: Held by every update of this series and of the `VersionStats` recording into it.
-        self.lock = threading.Lock()
         self.success = 0
         self.failure = 0
         self.executions = 0
@@ -185,37 +180,34 @@ class VersionStats:
 
     def record_execution(self, *, batch_size: int, infer_ns: int, queue_ns: int = 0, requests: int = 1) -> None:
         """One model execution over `batch_size` elements gathered from `requests` requests."""
-        with self.series.lock:
-            self.execution_count += 1
-            self.inference_count += batch_size
-            self.compute_infer.add(infer_ns, requests)
-            if queue_ns:
-                self.queue.add(queue_ns, requests)
-                self.series.queue.observe(queue_ns)
-            batch = self.batches.get(batch_size)
-            if batch is None:
-                batch = self.batches[batch_size] = _BatchStats()
-            batch.compute_infer.add(infer_ns)
-            self.series.executions += 1
-            self.series.compute.observe(infer_ns)
+        self.execution_count += 1
+        self.inference_count += batch_size
+        self.compute_infer.add(infer_ns, requests)
+        if queue_ns:
+            self.queue.add(queue_ns, requests)
+            self.series.queue.observe(queue_ns)
+        batch = self.batches.get(batch_size)
+        if batch is None:
+            batch = self.batches[batch_size] = _BatchStats()
+        batch.compute_infer.add(infer_ns)
+        self.series.executions += 1
+        self.series.compute.observe(infer_ns)
 
     def record_success(self, *, total_ns: int, input_ns: int, output_ns: int) -> None:
         """Count a successful inference and its durations (nanoseconds: in total, decoding inputs, encoding outputs)."""
-        with self.series.lock:
-            self.last_inference_ms = time.time_ns() // 1_000_000
-            self.success.add(total_ns)
-            self.compute_input.add(input_ns)
-            self.compute_output.add(output_ns)
-            self.series.success += 1
-            self.series.duration.observe(total_ns)
+        self.last_inference_ms = time.time_ns() // 1_000_000
+        self.success.add(total_ns)
+        self.compute_input.add(input_ns)
+        self.compute_output.add(output_ns)
+        self.series.success += 1
+        self.series.duration.observe(total_ns)
 
     def record_failure(self, *, total_ns: int) -> None:
         """Count a failed inference and how long it took (nanoseconds)."""
-        with self.series.lock:
-            self.last_inference_ms = time.time_ns() // 1_000_000
-            self.fail.add(total_ns)
-            self.series.failure += 1
-            self.series.duration.observe(total_ns)
+        self.last_inference_ms = time.time_ns() // 1_000_000
+        self.fail.add(total_ns)
+        self.series.failure += 1
+        self.series.duration.observe(total_ns)
 
     def to_json(self) -> dict[str, Any]:
         """The version's entry of ``model_stats`` as Triton's statistics extension lays it out."""
