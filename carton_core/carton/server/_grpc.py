@@ -137,27 +137,6 @@ def _response(served: ServedVersion, request: Any, outputs: Mapping[str, Tensor]
     )  # fmt: skip
 
 
-def message_handlers(
-    unary: Mapping[str, Callable[[Any, Any], Any]], stream_infer: Callable[[Any, Any], Any]
-) -> grpc.GenericRpcHandler[Any, Any]:
-    """The service's generic handler: `unary` methods by protocol name and ``ModelStreamInfer``, each taking
-    ``(request, context)``, with the messages' (de)serializers."""
-    handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
-        method: grpc.unary_unary_rpc_method_handler(
-            function,
-            request_deserializer=_M[f"{method}Request"].FromString,
-            response_serializer=_M[f"{method}Response"].SerializeToString,
-        )
-        for method, function in unary.items()
-    }
-    handlers["ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(
-        stream_infer,
-        request_deserializer=_M["ModelInferRequest"].FromString,
-        response_serializer=_M["ModelStreamInferResponse"].SerializeToString,
-    )
-    return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
-
-
 class GrpcService:
     """The protocol's methods over `repository`; `handler` builds the generic handler for
     `grpc.aio.Server.add_generic_rpc_handlers`.
@@ -201,8 +180,21 @@ class GrpcService:
         }
 
     def handler(self) -> grpc.GenericRpcHandler[Any, Any]:
-        guarded = {method: self._guard(function) for method, function in self.unary_methods().items()}
-        return message_handlers(guarded, self.model_stream_infer)
+        unary = self.unary_methods()
+        handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
+            method: grpc.unary_unary_rpc_method_handler(
+                self._guard(function),
+                request_deserializer=_M[f"{method}Request"].FromString,
+                response_serializer=_M[f"{method}Response"].SerializeToString,
+            )
+            for method, function in unary.items()
+        }
+        handlers["ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(
+            self.model_stream_infer,
+            request_deserializer=_M["ModelInferRequest"].FromString,
+            response_serializer=_M["ModelStreamInferResponse"].SerializeToString,
+        )
+        return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 
     def _guard(
         self, function: Callable[[Any], Awaitable[Any]]
