@@ -64,9 +64,6 @@ _M = {
 }  # fmt: skip
 
 
-_OUTPUT = _M["ModelInferResponse"].InferOutputTensor
-
-
 def status_of(exc: ServerError) -> grpc.StatusCode:
     """The gRPC status a refused request is answered with."""
     return grpc.StatusCode[exc.grpc_status]
@@ -123,18 +120,14 @@ def _decode_request(served: ServedVersion, request: Any) -> tuple[dict[str, np.n
 
 
 def _response(served: ServedVersion, request: Any, outputs: Mapping[str, Tensor], requested: list[str] | None) -> Any:
-    """The ``ModelInferResponse``: output tensors described in ``outputs``, their bytes in ``raw_output_contents``
-    (both given to the constructor at once rather than appended one by one)."""
-    described = []
-    contents = []
+    """The ``ModelInferResponse``: output tensors described in ``outputs``, their bytes in ``raw_output_contents``.
+    (Giving both lists to the constructor at once measured slower than adding to the message's fields.)"""
+    response = _M["ModelInferResponse"](model_name=served.model, model_version=served.version_str, id=request.id)
     for name, tensor in select_outputs(served, outputs, requested):
         datatype, array, data = output_tensor(name, tensor)
-        described.append(_OUTPUT(name=name, datatype=datatype, shape=array.shape))
-        contents.append(bytes(data))
-    return _M["ModelInferResponse"](
-        model_name=served.model, model_version=served.version_str, id=request.id, outputs=described,
-        raw_output_contents=contents,
-    )  # fmt: skip
+        response.outputs.add(name=name, datatype=datatype, shape=array.shape)
+        response.raw_output_contents.append(bytes(data))
+    return response
 
 
 class GrpcService:
