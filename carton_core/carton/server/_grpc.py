@@ -1,4 +1,7 @@
-"""The gRPC endpoints: ``inference.GRPCInferenceService`` on a `grpc.aio` server, sharing the HTTP side's repository.
+"""The gRPC endpoints: ``inference.GRPCInferenceService`` over the HTTP side's repository.
+
+`GrpcService.handler` serves it on a `grpc.aio` server (``carton serve``, ``carton.ray``'s ingress); why grpc.aio
+rather than grpcio's thread-pool server: docs/server.md, "The gRPC server".
 
 Handlers are registered by hand (`grpc.method_handlers_generic_handler`) under the protocol's service name, against
 the messages generated from ``_proto/kserve_v2.proto`` into carton's own proto package (see `._proto` for why).
@@ -10,13 +13,14 @@ Outputs always travel in ``raw_output_contents``, as Triton sends them.
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 import grpc
 import numpy as np
-from carton_protocol import DType
+from carton_protocol import DType, Tensor
 from grpc import aio
 
 from ._datatypes import DATATYPE_OF, NUMPY_OF, counted
@@ -36,7 +40,7 @@ from ._inference import (
 )
 from ._proto import SERVICE_NAME, message_class
 from ._repository import ModelRepository, ServedVersion
-from .errors import BadRequest, ModelNotFound, ServerError
+from .errors import BadRequest, ModelNotFound, ModelUnavailable, ServerError
 
 __all__ = ["GrpcService", "status_of"]
 
@@ -90,6 +94,40 @@ def _decode_input(served: ServedVersion, tensor: Any, raw: bytes | None) -> np.n
         return np.array(values, dtype=NUMPY_OF[datatype]).reshape(shape)
     except (OverflowError, ValueError) as exc:
         raise BadRequest(f"input {name!r}: an element does not fit {datatype} ({exc})") from exc
+
+
+def _decode_request(served: ServedVersion, request: Any) -> tuple[dict[str, np.ndarray], list[str] | None]:
+    """A ``ModelInferRequest``'s inputs as arrays for `served`, and the names of the outputs it asks for (None: all).
+    `BadRequest` naming the field or tensor at fault."""
+    raw = request.raw_input_contents
+    if raw and len(raw) != len(request.inputs):
+        raise BadRequest(
+            f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs; give one per input"
+        )
+    inputs: dict[str, np.ndarray] = {}
+    for index, tensor in enumerate(request.inputs):
+        if tensor.name in inputs:
+            raise BadRequest(f"input {tensor.name!r} is given twice")
+        inputs[tensor.name] = _decode_input(served, tensor, raw[index] if raw else None)
+    check_complete(served, inputs)
+    for output in request.outputs:
+        if "classification" in output.parameters:
+            raise BadRequest("the classification extension is not supported by this server")
+    requested = [output.name for output in request.outputs] or None
+    if requested is not None:
+        check_requested(served, requested)
+    return inputs, requested
+
+
+def _response(served: ServedVersion, request: Any, outputs: Mapping[str, Tensor], requested: list[str] | None) -> Any:
+    """The ``ModelInferResponse``: output tensors described in ``outputs``, their bytes in ``raw_output_contents``.
+    (Giving both lists to the constructor at once measured slower than adding to the message's fields.)"""
+    response = _M["ModelInferResponse"](model_name=served.model, model_version=served.version_str, id=request.id)
+    for name, tensor in select_outputs(served, outputs, requested):
+        datatype, array, data = output_tensor(name, tensor)
+        response.outputs.add(name=name, datatype=datatype, shape=array.shape)
+        response.raw_output_contents.append(bytes(data))
+    return response
 
 
 class GrpcService:
@@ -273,33 +311,17 @@ class GrpcService:
         started = time.perf_counter_ns()
         served = self.repository.acquire(request.model_name, request.model_version)
         try:
-            raw = list(request.raw_input_contents)
-            if raw and len(raw) != len(request.inputs):
-                raise BadRequest(
-                    f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs; give one per input"
-                )
-            inputs: dict[str, np.ndarray] = {}
-            for index, tensor in enumerate(request.inputs):
-                if tensor.name in inputs:
-                    raise BadRequest(f"input {tensor.name!r} is given twice")
-                inputs[tensor.name] = _decode_input(served, tensor, raw[index] if raw else None)
-            check_complete(served, inputs)
-            for output in request.outputs:
-                if "classification" in output.parameters:
-                    raise BadRequest("the classification extension is not supported by this server")
-            requested = [output.name for output in request.outputs] or None
-            if requested is not None:
-                check_requested(served, requested)
+            inputs, requested = _decode_request(served, request)
             decoded_at = time.perf_counter_ns()
             outputs, _ = await served.infer(inputs)
             inferred_at = time.perf_counter_ns()
-            response = _M["ModelInferResponse"](
-                model_name=served.model, model_version=served.version_str, id=request.id
-            )
-            for name, tensor in select_outputs(served, outputs, requested):
-                datatype, array, data = output_tensor(name, tensor)
-                response.outputs.add(name=name, datatype=datatype, shape=array.shape)
-                response.raw_output_contents.append(bytes(data))
+            response = _response(served, request, outputs, requested)
+        except asyncio.CancelledError:
+            # The client cancelled (or the server is stopping): release the version and count the request, as any
+            # failed one, so an unload does not wait for it.
+            cancelled = ModelUnavailable("the call was cancelled")
+            request_failed(served, cancelled, self.repository.scrub, started_ns=started)
+            raise
         except Exception as exc:
             raise request_failed(served, exc, self.repository.scrub, started_ns=started) from exc
         request_succeeded(served, started_ns=started, decoded_ns=decoded_at, inferred_ns=inferred_at)
