@@ -11,7 +11,10 @@ runner, and times, after a warm-up:
 * ``small async``: the same through `RunnerProcess.infer_async` on an asyncio loop;
 * ``small strings``: ``[1,16]`` float32 plus a 2-element string tensor (never templated: the full encoder and
   decoder on both ends);
-* ``large``: 64 MiB in and 64 MiB out (shared memory).
+* ``large``: 64 MiB in and 64 MiB out (shared memory);
+* ``onnx model``: `Model.infer` of a ``[1,16]`` float32 identity ONNX carton (onnxruntime runner), the whole
+  host<->runner hop a server request makes: spec checks, the wire, the runner loop and onnxruntime;
+  ``onnx model async``: the same through `Model.infer_async`.
 
 Each round gives a p50 per row and side. The ``cpu`` rows are the CPU time one call costs, the host process and the
 runner process together (every thread: ZeroMQ's I/O threads too), over the same calls: on a loaded machine a
@@ -31,9 +34,21 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
-ROWS = ("small", "small async", "small strings", "large", "small cpu", "small strings cpu")
+ROWS = (
+    "small",
+    "small async",
+    "small strings",
+    "large",
+    "onnx model",
+    "onnx model async",
+    "small cpu",
+    "small strings cpu",
+    "onnx model cpu",
+    "onnx model async cpu",
+)
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -42,9 +57,32 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _identity_carton(folder: Path) -> Path:
+    """A packed ``[1,16]``-capable identity ONNX carton (input ``INPUT0``, output ``OUTPUT0``) in `folder`."""
+    import carton
+    import onnx
+    from onnx import TensorProto, helper
+
+    dims = ["d0", "d1"]
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["INPUT0"], ["OUTPUT0"])], "identity",
+        [helper.make_tensor_value_info("INPUT0", TensorProto.FLOAT, dims)],
+        [helper.make_tensor_value_info("OUTPUT0", TensorProto.FLOAT, dims)],
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    (folder / "identity").mkdir()
+    onnx.save(model, folder / "identity" / "model.onnx")
+    carton.pack(folder / "identity", folder / "identity.carton", runner_name="onnxruntime",
+                required_framework_version=">=1.0")  # fmt: skip
+    return folder / "identity.carton"
+
+
 def _child(tree: Path, calls: int) -> None:
     import asyncio
+    import tempfile
 
+    import carton
     import numpy as np
     from _timing import timed, timed_async
     from carton._runtime._process import RunnerProcess
@@ -60,13 +98,17 @@ def _child(tree: Path, calls: int) -> None:
     assert runner.runner_pid is not None
     runner_pid = runner.runner_pid
 
-    def cpu_per_call(call: Callable[[], object]) -> float:
-        for _ in range(calls // 10):
+    def cpu_per_call(call: Callable[[], object], pid: int = runner_pid, repeat: int = calls) -> float:
+        for _ in range(max(1, repeat // 10)):
             call()
-        host, remote = time.process_time(), _cpu_seconds(runner_pid)
-        for _ in range(calls):
+        host, remote = time.process_time(), _cpu_seconds(pid)
+        for _ in range(repeat):
             call()
-        return (time.process_time() - host + _cpu_seconds(runner_pid) - remote) / calls
+        return (time.process_time() - host + _cpu_seconds(pid) - remote) / repeat
+
+    async def loop_calls(call: Callable[[], Any], count: int) -> None:
+        for _ in range(count):
+            await call()
 
     try:
         samples = {
@@ -83,6 +125,27 @@ def _child(tree: Path, calls: int) -> None:
         }
     finally:
         runner.close()
+    with tempfile.TemporaryDirectory() as folder:
+        model = carton.load(_identity_carton(Path(folder)))
+        try:
+            for _ in range(calls // 3):
+                model.infer({"INPUT0": x})
+            time.sleep(1.5)  # the spare runner the first call scheduled finishes starting
+            model_pid = model._workers[0].process.runner_pid
+            assert model_pid is not None
+
+            def infer_async() -> Any:
+                return model.infer_async({"INPUT0": x})
+
+            samples["onnx model"] = statistics.median(timed(lambda: model.infer({"INPUT0": x}), calls, calls // 10))
+            samples["onnx model async"] = statistics.median(asyncio.run(timed_async(infer_async, calls, calls // 10)))
+            samples["onnx model cpu"] = cpu_per_call(lambda: model.infer({"INPUT0": x}), model_pid)
+            # one event loop for all the calls, as a server runs them
+            samples["onnx model async cpu"] = (
+                cpu_per_call(lambda: asyncio.run(loop_calls(infer_async, calls)), model_pid, repeat=1) / calls
+            )
+        finally:
+            model.close()
     print(json.dumps(samples))
 
 

@@ -220,6 +220,11 @@ class _Server:
         # zmq_poll on a prepared list: zmq.Poller.poll rebuilds its list on every call.
         items: list[tuple[Any, int]] = [(router, zmq.POLLIN), (results, zmq.POLLIN)]
         while self.running:
+            if self.pooled == 0:
+                # Nothing can come back from the pool: wait on the router alone, as a plain runner does (a poll over
+                # both sockets costs a wake-up's worth of extra system calls per request).
+                self._handle(recv_message(router))
+                continue
             for sock, _ in zmq_poll(items, -1):
                 if sock is router:
                     self._handle(recv_message(router))

@@ -38,17 +38,40 @@ class OnnxRunner(Runner):
         self._binding: Binding = bind(self._session, context.inputs, context.outputs)
         self._graph_inputs = dict(self._binding.inputs)
         self._graph_outputs = [graph_name for _, graph_name in self._binding.outputs]
+        self._output_names = tuple(name for name, _ in self._binding.outputs)
 
     def infer(self, inputs: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
-        unexpected = sorted(set(inputs) - set(self._graph_inputs))
+        feeds = self._feeds(inputs)
+        try:
+            results = self._session.run(self._graph_outputs, feeds)
+        except InvalidArgument as exc:  # a dtype, rank or dimension the graph does not take: the caller's inputs
+            raise InvalidInput(f"onnxruntime refused the inputs: {exc}") from exc
+        except Exception as exc:  # onnxruntime's other pybind errors (Fail, ...) share no public base
+            raise OnnxRunnerError(f"onnxruntime failed to run the model: {exc}") from exc
+        return dict(zip(self._output_names, map(_from_ort, results), strict=True))
+
+    def _feeds(self, inputs: Mapping[str, Tensor]) -> dict[str, Any]:
+        """onnxruntime's feeds (graph name -> array) for `inputs`; `InvalidInput` naming a tensor it lacks or does not
+        take, or a nested one."""
+        graph_inputs = self._graph_inputs
+        if len(inputs) == len(graph_inputs):  # the usual call: exactly the model's inputs, checked in one pass
+            feeds: dict[str, Any] = {}
+            for name, value in inputs.items():
+                graph_name = graph_inputs.get(name)
+                if graph_name is None or type(value) is not np.ndarray:
+                    break
+                feeds[graph_name] = value
+            else:
+                return feeds
+        unexpected = sorted(set(inputs) - set(graph_inputs))
         if unexpected:
             raise InvalidInput(
                 f"unknown input(s) {', '.join(map(repr, unexpected))}; "
-                f"the model takes {', '.join(map(repr, self._graph_inputs))}",
+                f"the model takes {', '.join(map(repr, graph_inputs))}",
                 tensor=unexpected[0],
             )
-        feeds: dict[str, Any] = {}
-        for name, graph_name in self._graph_inputs.items():
+        feeds = {}
+        for name, graph_name in graph_inputs.items():
             if name not in inputs:
                 raise InvalidInput(f"missing input {name!r}", tensor=name)
             value = inputs[name]
@@ -57,13 +80,7 @@ class OnnxRunner(Runner):
                     f"input {name!r} is a nested tensor; ONNX graphs take dense tensors only", tensor=name
                 )
             feeds[graph_name] = value
-        try:
-            results = self._session.run(self._graph_outputs, feeds)
-        except InvalidArgument as exc:  # a dtype, rank or dimension the graph does not take: the caller's inputs
-            raise InvalidInput(f"onnxruntime refused the inputs: {exc}") from exc
-        except Exception as exc:  # onnxruntime's other pybind errors (Fail, ...) share no public base
-            raise OnnxRunnerError(f"onnxruntime failed to run the model: {exc}") from exc
-        return {name: _from_ort(result) for (name, _), result in zip(self._binding.outputs, results, strict=True)}
+        return feeds
 
     def close(self) -> None:
         self.__dict__.pop("_session", None)
@@ -121,6 +138,8 @@ def _providers(requested: tuple[str, ...], warn: Callable[[str], None]) -> list[
 
 
 def _from_ort(value: Any) -> np.ndarray:
+    if type(value) is np.ndarray and value.dtype.kind != "O":  # what onnxruntime returns for every numeric tensor
+        return value
     array = np.asarray(value)
     if array.dtype == np.object_:  # onnxruntime returns string tensors as object arrays of str
         return array.astype(np.str_) if array.size else np.empty(array.shape, dtype=np.str_)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import signal
 import threading
 import time
 import warnings
@@ -134,6 +135,24 @@ def test_crash_fails_in_flight_calls_and_the_next_call_restarts(affine_dir: Path
         assert gone(first_pid)
         second_pid = int(model.infer({"x": special(1.0)})["pid"])
         assert second_pid != first_pid
+
+
+def test_a_runner_killed_between_calls_is_restarted_by_the_next_call(affine_dir: Path) -> None:
+    """No call is in flight when the runner dies: the model notices on its next call (the liveness check reads the
+    pidfd) and restarts it instead of failing that call."""
+    with load_affine(affine_dir) as model:
+        process = model._workers[0].process
+        assert process is not None and process.runner_pid is not None
+        first_pid = int(model.infer({"x": special(1.0)})["pid"])
+        os.kill(process.pid, signal.SIGKILL)  # the supervisor: its runner gets its parent-death signal
+        deadline = time.monotonic() + 10
+        while process.alive and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not process.alive
+        assert process.returncode == -signal.SIGKILL
+        second_pid = int(model.infer({"x": special(1.0)})["pid"])
+        assert second_pid != first_pid
+        assert model._workers[0].process is not process
 
 
 def test_threads_share_a_model(affine_dir: Path) -> None:

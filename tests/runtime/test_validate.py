@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from carton._runtime._validate import Signature
+from carton._runtime._validate import Checked, Signature
 from carton.errors import InvalidInput, InvalidOutput
 from carton_protocol import DType, TensorSpec
 
@@ -24,12 +24,41 @@ def good_inputs(batch: int = 2) -> dict[str, object]:
 
 
 def test_good_inputs_and_outputs() -> None:
-    tensors, bindings = SIG.prepare_inputs(good_inputs())
+    tensors, checked = SIG.prepare_inputs(good_inputs())
     assert set(tensors) == {"x", "y", "s"}
-    assert bindings["batch"].value == 2
-    outputs = SIG.check_outputs({"out": np.ones((2, 7), np.float32), "n": np.int32(3)}, bindings)
+    assert checked.bindings["batch"].value == 2
+    outputs = SIG.check_outputs({"out": np.ones((2, 7), np.float32), "n": np.int32(3)}, checked)
     assert outputs["n"].shape == ()  # numpy scalars become 0-d arrays
-    assert bindings["width"].value == 7
+    assert checked.bindings["width"].value == 7
+
+
+def test_a_layout_seen_before_is_held_to_the_same_rules() -> None:
+    """Inputs and outputs whose names, dtypes and shapes passed once pass at once the next time (the per-call
+    checks are remembered per layout); every other layout is still checked in full, on every call."""
+    sig = Signature([ts("x", "float32", ("batch", 3))], [ts("y", "float32", ("batch", "width"))])
+    for _ in range(3):
+        tensors, checked = sig.prepare_inputs({"x": np.zeros((2, 3), np.float32)})
+        assert list(tensors) == ["x"]
+        assert sig.check_outputs({"y": np.zeros((2, 5), np.float32)}, checked)["y"].shape == (2, 5)
+        # The same outputs after other inputs: "batch" is 4 now, so (2, 5) breaks it, cached or not.
+        _, other = sig.prepare_inputs({"x": np.zeros((4, 3), np.float32)})
+        with pytest.raises(InvalidOutput, match="symbol 'batch' is already 4"):
+            sig.check_outputs({"y": np.zeros((2, 5), np.float32)}, other)
+        with pytest.raises(InvalidInput, match="dimension 1 is 4"):
+            sig.prepare_inputs({"x": np.zeros((2, 4), np.float32)})
+        with pytest.raises(InvalidInput, match="has dtype float64"):
+            sig.prepare_inputs({"x": np.zeros((2, 3), np.float64)})
+        with pytest.raises(InvalidOutput, match="did not return output 'y'"):
+            sig.check_outputs({}, checked)
+        with pytest.raises(InvalidInput, match="object array"):
+            sig.prepare_inputs({"x": np.zeros((2, 3), object)})
+
+
+def test_the_caller_dict_is_not_what_the_model_holds() -> None:
+    inputs = {"x": np.zeros((2, 3), np.float32), "y": np.arange(2), "s": np.array("hi")}
+    for _ in range(2):
+        tensors, _ = SIG.prepare_inputs(inputs)
+        assert tensors == inputs and tensors is not inputs
 
 
 def test_positional_inputs_follow_declared_order() -> None:
@@ -108,9 +137,9 @@ def test_not_a_container() -> None:
     ],
 )
 def test_bad_outputs(outputs: dict[str, object], message: str) -> None:
-    _, bindings = SIG.prepare_inputs(good_inputs())
+    _, checked = SIG.prepare_inputs(good_inputs())
     with pytest.raises(InvalidOutput, match=message):
-        SIG.check_outputs(outputs, bindings)
+        SIG.check_outputs(outputs, checked)
 
 
 def test_whole_shape_symbol_and_star() -> None:
@@ -148,8 +177,8 @@ def test_undeclared_signature_passes_tensors_through() -> None:
     sig = Signature([], [])
     tensors, _ = sig.prepare_inputs({"anything": np.zeros(3, np.bool_), "nested": [np.zeros(1)]})
     assert set(tensors) == {"anything", "nested"}
-    assert sig.check_outputs({"o": np.zeros(1)}, {})["o"].shape == (1,)
+    assert sig.check_outputs({"o": np.zeros(1)}, Checked({}, None))["o"].shape == (1,)
     with pytest.raises(InvalidInput, match="must be passed by name"):
         sig.prepare_inputs([np.zeros(1)])
     with pytest.raises(InvalidOutput, match="output 'o' must be a numpy array"):
-        sig.check_outputs({"o": 3}, {})
+        sig.check_outputs({"o": 3}, Checked({}, None))

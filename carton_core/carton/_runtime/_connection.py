@@ -44,6 +44,10 @@ __all__ = ["AsyncChannel", "CallTimeout", "Connection", "PeerGone"]
 _LIVENESS_SLICE_MS = 100
 # A reply sent just before the runner died may still be in flight inside ZeroMQ when the pidfd fires.
 _LAST_WORDS_MS = 20
+# As plain ints: `&` on pyzmq's enum members runs enum's Python-level operator, and `_drain` reads EVENTS several
+# times per call on the event loop.
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
 
 
 class PeerGone(Exception):
@@ -276,7 +280,7 @@ class AsyncChannel:
     def _drain(self) -> None:
         sock = self._sock
         try:
-            while sock.get(zmq.EVENTS) & zmq.POLLIN:
+            while sock.get(_EVENTS) & _POLLIN:
                 self._dispatch(recv_message(sock))
         except zmq.ZMQError:
             if not self.closed:

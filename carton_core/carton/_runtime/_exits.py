@@ -35,6 +35,8 @@ _MEMORY_FAILURE = re.compile(
 )
 #: A quoted line is cut to this many characters.
 _LINE_CHARS = 300
+# waitid's "the id is a pidfd" (Linux 5.4, Python 3.9); None where either is missing.
+_P_PIDFD: int | None = getattr(os, "P_PIDFD", None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +129,18 @@ class Resources:
                 return None
             self.exit = Exit(process.returncode, None)
             return process.returncode
+
+    def running(self) -> bool:
+        """Whether the started process still runs: checked on its pidfd without the reaping lock (one system call,
+        on every call of a model), and through `poll` (which reaps it) once it has exited or without a pidfd."""
+        pidfd = self.pidfd
+        if pidfd is not None and self.exit is None and _P_PIDFD is not None:
+            try:
+                if os.waitid(_P_PIDFD, pidfd, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+                    return True
+            except OSError:  # closed meanwhile, or reaped through another handle: `poll` knows
+                pass
+        return self.poll() is None
 
     def wait(self, timeout: float) -> Exit | None:
         """`poll` until the started process has exited or `timeout` seconds passed; its `Exit` or ``None``."""

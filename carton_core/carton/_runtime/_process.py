@@ -495,7 +495,7 @@ class RunnerProcess:
     # --- state ---------------------------------------------------------------------------------------------------
     @property
     def alive(self) -> bool:
-        return not self._closed and self._resources.process is not None and self._resources.poll() is None
+        return not self._closed and self._resources.process is not None and self._resources.running()
 
     @property
     def returncode(self) -> int | None:
