@@ -59,7 +59,7 @@ DEPARTURES = 2 * SLOT
 COUNTERS = 3 * SLOT
 #: Longest a wait sleeps in naps before it gives up (the other thread is gone or stopped).
 WAIT_LIMIT_S = 30.0
-_SPINS = 4000  # pause-hinted polls before yielding the core
+_SPINS = 300  # pause-hinted polls before yielding the core (tens of microseconds)
 _YIELDS = 200  # sched_yield polls before napping
 _NAP_US = 50
 

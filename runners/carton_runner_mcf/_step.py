@@ -121,14 +121,16 @@ def _swiglu_rows(gate, up, out, first, last):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(**JIT)
-def _rows_by_counter(control, counter, payloads, metas, widths, first_matrix, count, x, xq, xs, xe, xoff, y0, y1, y2):  # type: ignore[no-untyped-def]
-    """Units of `ROWS` rows of matrices ``first_matrix ..`` (``count`` of them, outputs ``y0``, ``y1``, ``y2``) until
-    the counter runs out; ``x`` is rounded again only when the code width changes."""
+def _rows_by_counter(control, counter, unit_rows, tables, first_matrix, count, x, xq, xs, xe, xoff, y0, y1, y2):  # type: ignore[no-untyped-def]
+    """Units of ``unit_rows`` rows of matrices ``first_matrix ..`` (``count`` of them, outputs ``y0``, ``y1``,
+    ``y2``) until the counter runs out; ``x`` is rounded again only when the code width changes. ``tables``:
+    payloads, metas, widths."""
+    payloads, metas, widths = tables
     rounded = -1
     sizes = (y0.shape[1], y1.shape[1], y2.shape[1])
-    units0 = (sizes[0] + ROWS - 1) // ROWS
-    units1 = (sizes[1] + ROWS - 1) // ROWS if count > 1 else 0
-    units2 = (sizes[2] + ROWS - 1) // ROWS if count > 2 else 0
+    units0 = (sizes[0] + unit_rows - 1) // unit_rows
+    units1 = (sizes[1] + unit_rows - 1) // unit_rows if count > 1 else 0
+    units2 = (sizes[2] + unit_rows - 1) // unit_rows if count > 2 else 0
     while True:
         unit = take(control, counter)
         if unit >= units0 + units1 + units2:
@@ -144,8 +146,8 @@ def _rows_by_counter(control, counter, payloads, metas, widths, first_matrix, co
         if width != rounded:
             quantize(x, width, xq, xs, xe, xoff)
             rounded = width
-        first = unit * ROWS
-        rows_of(payloads[index], metas[index], width, xq, xs, xe, xoff, y, first, min(sizes[which], first + ROWS))
+        first = unit * unit_rows
+        rows_of(payloads[index], metas[index], width, xq, xs, xe, xoff, y, first, min(sizes[which], first + unit_rows))
 
 
 @numba.njit(**JIT)
@@ -171,10 +173,12 @@ def decode_step(  # type: ignore[no-untyped-def]
     groups = heads // (k.shape[1] // query.size)
     hidden[:, :] = hidden_in
     passed = 0
+    tables = (payloads, metas, widths)
+    unit_rows = ROWS if team > 1 else 1 << 30  # one thread: a product is one unit, as in the serial kernels
     for layer in range(norms.shape[0]):
         base, counter = layer * 7, layer * _PHASES
         rms_norm(hidden, norms[layer, 0], eps, normed)
-        _rows_by_counter(control, counter, payloads, metas, widths, base, 3, normed, xq, xs, xe, xoff, q, k, v)
+        _rows_by_counter(control, counter, unit_rows, tables, base, 3, normed, xq, xs, xe, xoff, q, k, v)
         passed = barrier(control, passed, team)
         if passed < 0:
             return ABORTED
@@ -188,7 +192,7 @@ def decode_step(  # type: ignore[no-untyped-def]
         passed = barrier(control, passed, team)
         if passed < 0:
             return ABORTED
-        _rows_by_counter(control, counter + 2, payloads, metas, widths, base + 3, 1, attended, xq, xs, xe, xoff,
+        _rows_by_counter(control, counter + 2, unit_rows, tables, base + 3, 1, attended, xq, xs, xe, xoff,
                          projected, projected, projected)  # fmt: skip
         passed = barrier(control, passed, team)
         if passed < 0:
@@ -196,12 +200,12 @@ def decode_step(  # type: ignore[no-untyped-def]
         _add(hidden, projected)
         rms_norm(hidden, norms[layer, 1], eps, normed)
         rounded = -1
-        units = (gate.shape[1] + ROWS - 1) // ROWS
+        units = (gate.shape[1] + unit_rows - 1) // unit_rows
         while True:
             unit = take(control, counter + 3)
             if unit >= units:
                 break
-            first, last = unit * ROWS, min(gate.shape[1], unit * ROWS + ROWS)
+            first, last = unit * unit_rows, min(gate.shape[1], unit * unit_rows + unit_rows)
             for which in range(2):
                 index = base + 4 + which
                 if widths[index] != rounded:
@@ -213,7 +217,7 @@ def decode_step(  # type: ignore[no-untyped-def]
         passed = barrier(control, passed, team)
         if passed < 0:
             return ABORTED
-        _rows_by_counter(control, counter + 4, payloads, metas, widths, base + 6, 1, activated, xq, xs, xe, xoff,
+        _rows_by_counter(control, counter + 4, unit_rows, tables, base + 6, 1, activated, xq, xs, xe, xoff,
                          projected, projected, projected)  # fmt: skip
         passed = barrier(control, passed, team)
         if passed < 0:
