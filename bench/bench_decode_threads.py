@@ -46,12 +46,10 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
     from carton_runner_mcf.runner import MCFRunner
 
     runner = MCFRunner()
-    ids_only = {
-        "inputs": (TensorSpec(name="input_ids", dtype=DType.INT64, shape=("batch", "seq")),),
-        "outputs": (TensorSpec(name="output_ids", dtype=DType.INT64, shape=("batch", "new")),),
-    }
     opts: dict[str, Any] = {"mode": "generate", "threads": args.threads}
-    runner.load(LoadContext(model_dir=Path(args.model), opts=opts, **ids_only))
+    inputs = (TensorSpec(name="input_ids", dtype=DType.INT64, shape=("batch", "seq")),)
+    outputs = (TensorSpec(name="output_ids", dtype=DType.INT64, shape=("batch", "new")),)
+    runner.load(LoadContext(model_dir=Path(args.model), opts=opts, inputs=inputs, outputs=outputs))
     model = runner._loaded.model
     ids = np.random.default_rng(0).integers(100, 40000, size=(1, args.prompt_tokens), dtype=np.int64)
     mask = np.ones(ids.shape, dtype=bool)
@@ -131,7 +129,7 @@ def main() -> None:
         ratios = [a["step_ms"] / b["step_ms"] for a, b in zip(one, two, strict=True)]
 
         def median(runs: list[dict[str, Any]], key: str) -> float:
-            return statistics.median(run[key] for run in runs)
+            return float(statistics.median(run[key] for run in runs))
 
         print(f"| {name} | {median(one, 'step_ms'):.2f} | {median(one, 'cpu_ms'):.2f} | {median(two, 'step_ms'):.2f} "
               f"| {median(two, 'cpu_ms'):.2f} | **{statistics.median(ratios):.2f}x** | "

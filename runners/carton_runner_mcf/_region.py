@@ -17,7 +17,7 @@ import numpy.typing as npt
 from ._kernels import QuantizedLinear
 from ._packed import CompiledPayload
 
-__all__ = ["DecodeRegion"]
+__all__ = ["F32", "DecodeRegion", "build_region"]
 
 F32 = npt.NDArray[np.float32]
 

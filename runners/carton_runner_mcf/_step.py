@@ -29,10 +29,10 @@ import numpy as np
 from ._atomics import barrier, depart, take, wait_departures
 from ._blocks import JIT
 from ._compiled import _matmul_rows, quantize
-from ._fused import _rotate, rms_norm
+from ._fused import _rotate, rms_norm, softmax_weights
 from ._nibble import nibble_rows
 
-__all__ = ["ABORTED", "HEAD_ROWS", "MATRICES", "ROWS", "decode_step", "product", "rows_of"]
+__all__ = ["ABORTED", "HEAD_ROWS", "MATRICES", "ROWS", "decode_step", "product", "rows_of", "step_counters"]
 
 #: Rows of a matrix per unit of work in a layer's products, and in the output head's.
 ROWS = 32
@@ -88,11 +88,7 @@ def _attend(layer, b, head, groups, q, k, v, cos, sin, keys, values, key_mask, s
             total = _dot(query, keys[layer, b, g, s])
             scores[s] = total
             largest = max(largest, total)
-    denominator = np.float32(0.0)
-    for s in range(slot + 1):
-        if s == slot or key_mask[b, s]:
-            scores[s] = np.float32(math.exp(scores[s] - largest))
-            denominator += scores[s]
+    denominator = softmax_weights(scores, key_mask[b], slot, largest)
     dest = out[b, head * d : (head + 1) * d]
     weight = scores[slot] / denominator
     for i in range(d):
@@ -176,7 +172,7 @@ def decode_step(  # type: ignore[no-untyped-def]
     tables = (payloads, metas, widths)
     unit_rows = ROWS if team > 1 else 1 << 30  # one thread: a product is one unit, as in the serial kernels
     for layer in range(norms.shape[0]):
-        base, counter = layer * 7, layer * _PHASES
+        base, counter = layer * MATRICES, layer * _PHASES
         rms_norm(hidden, norms[layer, 0], eps, normed)
         _rows_by_counter(control, counter, unit_rows, tables, base, 3, normed, xq, xs, xe, xoff, q, k, v)
         passed = barrier(control, passed, team)

@@ -17,6 +17,9 @@ from carton_runner_mcf._weights import FloatEmbedding, FloatLinear, Linear
 
 numba = pytest.importorskip("numba", reason="numba is not installed (pip install 'carton[mcf]')")
 from carton_runner_mcf import _atomics, _region, _team  # noqa: E402 - after the skip
+from carton_runner_mcf._packed import KERNELS_ENV, compiled_kernels  # noqa: E402
+
+pytestmark = pytest.mark.skipif(compiled_kernels("auto") is None, reason=f"{KERNELS_ENV} forces the numpy path")
 
 BLOCK_METHODS = ["q8", "q4", "k6", "k4", "k3", "k2"]
 
