@@ -8,6 +8,7 @@ kernels and has no bias, and the model is not a part of a model split across pro
 
 from __future__ import annotations
 
+import threading
 import warnings
 from typing import Any
 
@@ -72,6 +73,7 @@ class DecodeRegion:
         self.team = Team(threads, _step.step_counters(self.layers))
         self.head = _payload(model.lm_head)
         self._buffers: dict[tuple[int, int], tuple[Any, ...]] = {}
+        self._lock = threading.Lock()
 
     @classmethod
     def build(cls, model: Any, *, threads: int | None = None) -> DecodeRegion | None:
@@ -150,11 +152,12 @@ class DecodeRegion:
         """The final-normed hidden states ``[m, h]`` of the new tokens whose embeddings are ``hidden [m, h]``
         (``cos`` / ``sin [m, d / 2]``; the cache ``keys`` / ``values [layers, m, kv, capacity, d]``)."""
         m = hidden.shape[0]
-        work = self._work(m, keys.shape[3])
         out = np.empty((m, self.hidden), dtype=np.float32)
-        args = (self.payloads, self.metas, self.widths, self.norms, self.final_norm, self.eps, hidden, cos, sin, keys,
-                values, key_mask, slot, scale, *work[:-1], out, work[-1])  # fmt: skip
-        self.team.run(self._step.decode_step, args)
+        with self._lock:  # the work arrays serve one step at a time
+            work = self._work(m, keys.shape[3])
+            args = (self.payloads, self.metas, self.widths, self.norms, self.final_norm, self.eps, hidden, cos, sin,
+                    keys, values, key_mask, slot, scale, *work[:-1], out, work[-1])  # fmt: skip
+            self.team.run(self._step.decode_step, args)
         return out
 
     def logits(self, hidden: F32) -> F32 | None:

@@ -77,6 +77,7 @@ class Team:
         self._shared = _Shared()
         self._threads: list[threading.Thread] = []
         self._broken = False
+        self._lock = threading.Lock()  # one run at a time: the control array and the helpers serve one caller
         weakref.finalize(self, _close, self._shared)
 
     @property
@@ -97,6 +98,10 @@ class Team:
     def run(self, function: Callable[..., int], args: tuple[Any, ...]) -> None:
         """``function(*args, control, worker, size)`` on every thread of the team; raises `TeamFailed` when a thread
         failed or the run was aborted."""
+        with self._lock:
+            self._run(function, args)
+
+    def _run(self, function: Callable[..., int], args: tuple[Any, ...]) -> None:
         if self._broken:
             raise TeamFailed("the mcf runner's thread team failed earlier")
         if len(self._threads) != self.size - 1:
