@@ -16,7 +16,7 @@ import math
 import numba
 import numpy as np
 
-__all__ = ["attend_one", "rms_norm", "rotary", "swiglu"]
+__all__ = ["attend_one", "rms_norm", "rotary", "softmax_weights", "swiglu"]
 
 # fastmath lets LLVM vectorize the sums (a dot product over head_dim, over hidden for the norm) by reassociating
 # them; every other operation keeps IEEE semantics.
@@ -71,6 +71,20 @@ def _rotate(source, cos, sin, dest, factor):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(**_JIT)
+def softmax_weights(scores, key_mask, slot, largest):  # type: ignore[no-untyped-def]
+    """``scores[s] = exp(scores[s] - largest)`` for the slots ``s <= slot`` that ``key_mask`` marks real (and
+    ``slot`` itself), zero for the others; returns their sum (the softmax's denominator)."""
+    denominator = np.float32(0.0)
+    for s in range(slot + 1):
+        if s == slot or key_mask[s]:
+            scores[s] = np.float32(math.exp(scores[s] - largest))
+            denominator += scores[s]
+        else:
+            scores[s] = np.float32(0.0)
+    return denominator
+
+
+@numba.njit(**_JIT)
 def attend_one(q, k, v, cos, sin, keys, values, key_mask, slot, scale, out):  # type: ignore[no-untyped-def]
     """One new token per row: rotary on ``q [b, heads, d]`` and ``k [b, kv, d]``, ``k`` and ``v`` stored in slot
     ``slot`` of ``keys`` / ``values [b, kv, capacity, d]``, then grouped-query attention of each query head over
@@ -96,13 +110,7 @@ def attend_one(q, k, v, cos, sin, keys, values, key_mask, slot, scale, out):  # 
                             total += query[i] * keys[b, g, s, i]
                         scores[s] = total
                         largest = max(largest, total)
-                denominator = np.float32(0.0)
-                for s in range(slot + 1):
-                    if s == slot or key_mask[b, s]:
-                        scores[s] = np.float32(math.exp(scores[s] - largest))
-                        denominator += scores[s]
-                    else:
-                        scores[s] = np.float32(0.0)
+                denominator = softmax_weights(scores, key_mask[b], slot, largest)
                 dest = out[b, head * d : (head + 1) * d]
                 dest[:] = 0.0
                 for s in range(slot + 1):

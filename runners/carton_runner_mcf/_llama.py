@@ -7,6 +7,7 @@ softmax after subtracting the row maximum, cos/sin from fp32 inverse frequencies
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -17,6 +18,7 @@ from numpy.typing import NDArray
 
 from ._config import DecoderConfig
 from ._packed import compiled_kernels
+from ._region import DecodeRegion
 from ._weights import Embedding, Linear
 
 __all__ = ["F32", "I64", "Decoder", "DecoderLayer", "KVCache", "LlamaModel", "chunked_prefill", "positions_from_mask"]
@@ -58,10 +60,14 @@ class KVCache:
         self.batch = batch
         self.length = 0
         heads = config.num_kv_heads if kv_heads is None else kv_heads
-        shape = (batch, heads, max(capacity, 1), config.head_dim)
-        self.keys = [np.zeros(shape, np.float32) for _ in range(config.num_layers)]
-        self.values = [np.zeros(shape, np.float32) for _ in range(config.num_layers)]
-        self.key_mask = np.zeros((batch, shape[2]), dtype=bool)
+        shape = (config.num_layers, batch, heads, max(capacity, 1), config.head_dim)
+        #: every layer's keys and values in one array each, ``[layers, batch, kv_heads, capacity, head_dim]``
+        #: (the compiled decode step reads them whole); ``keys[i]`` / ``values[i]`` are layer ``i``'s views.
+        self.key_store = np.zeros(shape, np.float32)
+        self.value_store = np.zeros(shape, np.float32)
+        self.keys = list(self.key_store)
+        self.values = list(self.value_store)
+        self.key_mask = np.zeros((batch, shape[3]), dtype=bool)
 
     @property
     def capacity(self) -> int:
@@ -72,11 +78,13 @@ class KVCache:
         if needed <= self.capacity:
             return
         new_capacity = max(needed, 2 * self.capacity)
-        for store in (self.keys, self.values):
-            for index, old in enumerate(store):
-                grown = np.zeros((*old.shape[:2], new_capacity, old.shape[3]), np.float32)
-                grown[:, :, : self.length] = old[:, :, : self.length]
-                store[index] = grown
+        stores = []
+        for old in (self.key_store, self.value_store):
+            grown = np.zeros((*old.shape[:3], new_capacity, old.shape[4]), np.float32)
+            grown[:, :, :, : self.length] = old[:, :, :, : self.length]
+            stores.append(grown)
+        self.key_store, self.value_store = stores
+        self.keys, self.values = list(self.key_store), list(self.value_store)
         mask = np.zeros((self.batch, new_capacity), dtype=bool)
         mask[:, : self.length] = self.key_mask[:, : self.length]
         self.key_mask = mask
@@ -154,6 +162,7 @@ class LlamaModel:
             self._inv_freq = (self._inv_freq / np.float32(config.rope_scaling_factor)).astype(np.float32)
         self._scale = np.float32(1.0 / np.sqrt(config.head_dim))
         self._fused = _fused_ops()
+        self._region: DecodeRegion | bool | None = self._fused is not None  # True: not built yet
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         return KVCache(self.config, batch, capacity, kv_heads=self.kv_heads)
@@ -196,7 +205,12 @@ class LlamaModel:
         end = start + seq
         cache.key_mask[:, start:end] = token_mask
         if seq == 1 and self._fused is not None:
-            hidden_one = self._step_one(input_ids, positions, cache, self._fused)
+            region = self._decode_region()
+            hidden_one = None
+            if region is not None:
+                hidden_one = self._step_region(region, input_ids, positions, cache)
+            if hidden_one is None:
+                hidden_one = self._step_one(input_ids, positions, cache, self._fused)
             cache.length = end
             return hidden_one
         # allowed[b, t, s]: query t (slot start + t) sees real slot s <= start + t, and always itself, so that a
@@ -257,6 +271,32 @@ class LlamaModel:
         cache.length = end
         return self._norm(hidden, self.final_norm)
 
+    def _decode_region(self) -> DecodeRegion | None:
+        """The whole-step region (`_region`), built on first use; None when the model does not qualify."""
+        if self._region is True:
+            from ._region import build_region
+
+            self._region = build_region(self)
+        return self._region or None
+
+    def _step_region(self, region: DecodeRegion, input_ids: I64, positions: I64, cache: KVCache) -> F32 | None:
+        """`forward` for one token per row as one `_step.decode_step` run by the model's threads; None (and the
+        region dropped, with a warning) when the team failed."""
+        from ._team import TeamFailed
+
+        batch = input_ids.shape[0]
+        cos, sin = (np.ascontiguousarray(part.reshape(batch, -1)) for part in self._rotary(positions))
+        hidden = np.ascontiguousarray(self.embedding(input_ids).reshape(batch, -1), dtype=np.float32)
+        try:
+            out = region.step(
+                hidden, cos, sin, cache.key_store, cache.value_store, cache.key_mask, cache.length, self._scale
+            )
+        except TeamFailed as exc:
+            warnings.warn(f"mcf runner: decode falls back to one call per operation: {exc}", RuntimeWarning, 2)
+            self._region = None
+            return None
+        return out.reshape(batch, 1, -1)
+
     def _step_one(self, input_ids: I64, positions: I64, cache: KVCache, fused: ModuleType) -> F32:
         """`forward` for one token per row with the compiled small operations (`_fused`): the same computation,
         with a layer's norms, rotary embedding, attention and SwiGLU in four calls instead of a few dozen."""
@@ -296,6 +336,17 @@ class LlamaModel:
         return chunked_prefill(self, input_ids, positions, token_mask, cache, chunk=chunk)
 
     def logits(self, hidden: F32) -> F32:
+        region = self._region if isinstance(self._region, DecodeRegion) else None
+        if region is not None and hidden.ndim == 2:
+            from ._team import TeamFailed
+
+            try:
+                by_team = region.logits(hidden)
+            except TeamFailed as exc:
+                warnings.warn(f"mcf runner: decode falls back to one call per operation: {exc}", RuntimeWarning, 2)
+                self._region = by_team = None
+            if by_team is not None:
+                return by_team
         return self.lm_head(hidden)
 
 

@@ -1,0 +1,140 @@
+"""Decode from one thread to two: the mcf runner's single-token step at ``threads`` 1 and 2, this checkout against
+another, in alternating rounds.
+
+    python bench/bench_llm.py --threads 1 --rounds 1 --methods q4 --new-tokens 8   # converts SmolLM2 once
+    git worktree add --detach ../carton-base <commit>                             # the code before a change
+    python bench/bench_decode_threads.py --baseline ../carton-base [--rounds 4] [--method q4]
+
+Every round starts one child process per (side, thread count), in alternating order (the baseline first in even
+rounds). A child has that side's ``carton_core``, ``protocol`` and ``runners`` first on ``PYTHONPATH``, loads the
+MCF that ``bench/bench_llm.py`` converted (its ``--work`` folder) with runner option ``threads``, prefills a prompt
+of ``--prompt-tokens`` random tokens and decodes ``--new-tokens`` greedily (the loop of the runner's generate:
+step, output head, argmax), ``--repeats`` times; it reports the best time per token and the process's CPU time per
+token (every thread, from /proc).
+
+The table gives, per side and thread count, the median over rounds of the best time per token, and the scaling
+from one thread to two as the median of the per-round ratios (each round's two children ran back to back, so a
+ratio is less exposed to the machine's load than either time), with its range, and the load average before and
+after. Without ``--baseline`` only this checkout runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+
+
+def _cpu_seconds() -> float:
+    fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _child(args: argparse.Namespace) -> dict[str, Any]:
+    import numpy as np
+    from carton_protocol import DType, LoadContext, TensorSpec
+    from carton_runner_mcf._llama import positions_from_mask
+    from carton_runner_mcf.runner import MCFRunner
+
+    runner = MCFRunner()
+    opts: dict[str, Any] = {"mode": "generate", "threads": args.threads}
+    inputs = (TensorSpec(name="input_ids", dtype=DType.INT64, shape=("batch", "seq")),)
+    outputs = (TensorSpec(name="output_ids", dtype=DType.INT64, shape=("batch", "new")),)
+    runner.load(LoadContext(model_dir=Path(args.model), opts=opts, inputs=inputs, outputs=outputs))
+    model = runner._loaded.model
+    ids = np.random.default_rng(0).integers(100, 40000, size=(1, args.prompt_tokens), dtype=np.int64)
+    mask = np.ones(ids.shape, dtype=bool)
+    one = np.ones((1, 1), dtype=bool)
+
+    def decode(steps: int) -> tuple[float, float]:
+        cache = model.new_cache(1, args.prompt_tokens + steps + 1)
+        hidden = model.forward(ids, positions_from_mask(mask), mask, cache)
+        token = model.logits(hidden[:, -1]).argmax(-1)
+        started, cpu = time.perf_counter(), _cpu_seconds()
+        for step in range(steps):
+            position = np.array([[args.prompt_tokens + step]], dtype=np.int64)
+            hidden = model.forward(token[:, None], position, one, cache)
+            token = model.logits(hidden[:, 0]).argmax(-1)
+        return (time.perf_counter() - started) / steps, (_cpu_seconds() - cpu) / steps
+
+    decode(4)  # compiled code loaded, threads started
+    runs = [decode(args.new_tokens) for _ in range(args.repeats)]
+    runner.close()
+    best = min(runs)
+    return {"step_ms": best[0] * 1e3, "cpu_ms": best[1] * 1e3}
+
+
+def _run_child(tree: Path, threads: int, model: Path, args: argparse.Namespace) -> dict[str, Any]:
+    paths = [str(tree / "carton_core"), str(tree / "protocol"), str(tree / "runners")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "OPENBLAS_NUM_THREADS": "1"}
+    command = [sys.executable, str(Path(__file__).resolve()), "--child", "--threads", str(threads),
+               "--model", str(model), "--prompt-tokens", str(args.prompt_tokens),
+               "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats)]  # fmt: skip
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False, cwd=tree)
+    if done.returncode != 0:
+        raise SystemExit(f"child ({tree.name}, threads {threads}) failed:\n{done.stderr[-3000:]}")
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--baseline", type=Path, help="another checkout (its root folder) to compare against")
+    parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "carton-bench-llm",
+                        help="bench_llm.py's work folder (holds mcf-<method>/)")  # fmt: skip
+    parser.add_argument("--method", default="q4")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(_child(args)))
+        return
+    model = args.work / f"mcf-{args.method}"
+    if not (model / "model.mcf").is_file():
+        raise SystemExit(f"{model}/model.mcf is missing: run bench/bench_llm.py --methods {args.method} first")
+    sides = [("this checkout", HERE.parent)]
+    if args.baseline is not None:
+        sides.append(("baseline", args.baseline.resolve()))
+    load_before = os.getloadavg()
+    times: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for index in range(args.rounds):
+        order = sides if index % 2 else sides[::-1]
+        for name, tree in order:
+            for threads in (1, 2):
+                times.setdefault((name, threads), []).append(_run_child(tree, threads, model, args))
+        print(f"# round {index + 1}/{args.rounds} done, load {os.getloadavg()[0]:.2f}", file=sys.stderr)
+    load_after = os.getloadavg()
+    print(f"# bench_decode_threads: SmolLM2-135M {args.method}, prompt {args.prompt_tokens}, decode "
+          f"{args.new_tokens} tokens, best of {args.repeats} per child, {args.rounds} alternating rounds; load average "
+          f"{load_before[0]:.2f} before, {load_after[0]:.2f} after")  # fmt: skip
+    print("| side | 1 thread ms/token | CPU ms/token | 2 threads ms/token | CPU ms/token | 2 threads / 1: speed-up "
+          "(median of rounds) | range |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---|")
+    for name, _ in sides:
+        one, two = times[(name, 1)], times[(name, 2)]
+        ratios = [a["step_ms"] / b["step_ms"] for a, b in zip(one, two, strict=True)]
+
+        def median(runs: list[dict[str, Any]], key: str) -> float:
+            return float(statistics.median(run[key] for run in runs))
+
+        print(f"| {name} | {median(one, 'step_ms'):.2f} | {median(one, 'cpu_ms'):.2f} | {median(two, 'step_ms'):.2f} "
+              f"| {median(two, 'cpu_ms'):.2f} | **{statistics.median(ratios):.2f}x** | "
+              f"{min(ratios):.2f}-{max(ratios):.2f} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

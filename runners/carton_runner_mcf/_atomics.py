@@ -1,0 +1,225 @@
+"""Atomic counters, a spinning barrier and a work counter for numba code run by several threads at once.
+
+numba has no atomics in nopython mode; these are LLVM's (``atomicrmw add``, ``load atomic``, ``store atomic``,
+sequentially consistent) through `numba.extending.intrinsic`, on the elements of an int64 ``control`` array that
+every thread of a `_team.Team` shares. Ordinary stores made before an atomic add are visible to a thread whose
+atomic load sees that add (the add releases, the load acquires), which is what lets one thread read the rows
+another wrote before a barrier.
+
+A waiting thread spins on an atomic load with the CPU's pause hint, yields its core after a while, then sleeps in
+short naps; it stops waiting when another thread raised the abort flag (a thread failed or never started) or after
+`WAIT_LIMIT_S` in naps, so a wait can never outlive the thread it waits for.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import platform
+from typing import Any
+
+import numba
+from llvmlite import binding as llvm_binding
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from ._blocks import JIT
+from ._simd import Codegen
+
+__all__ = [
+    "ABORT",
+    "ARRIVALS",
+    "COUNTERS",
+    "DEPARTURES",
+    "SLOT",
+    "WAIT_LIMIT_S",
+    "atomic_add",
+    "atomic_load",
+    "atomic_store",
+    "barrier",
+    "control_size",
+    "depart",
+    "take",
+    "wait_departures",
+]
+
+_I64 = ir.IntType(64)
+#: int64 elements between two fields of ``control``: one cache line each, so that threads polling one field do not
+#: slow the writers of another.
+SLOT = 8
+#: Barrier arrivals of the current run (a monotonic count: barrier ``k`` is passed at ``k * team`` arrivals).
+ARRIVALS = 0
+#: Non-zero once a thread failed: every wait returns False.
+ABORT = SLOT
+#: Threads other than the caller that have finished the current run.
+DEPARTURES = 2 * SLOT
+#: First work counter (counter ``p`` is at ``COUNTERS + SLOT * p``).
+COUNTERS = 3 * SLOT
+#: Longest a wait sleeps in naps before it gives up (the other thread is gone or stopped).
+WAIT_LIMIT_S = 30.0
+_SPINS = 300  # pause-hinted polls before yielding the core (tens of microseconds)
+_YIELDS = 200  # sched_yield polls before napping
+_NAP_US = 50
+
+
+def control_size(counters: int) -> int:
+    """Elements of a ``control`` array with ``counters`` work counters."""
+    return COUNTERS + SLOT * counters
+
+
+def _element(context: Any, builder: ir.IRBuilder, array_type: Any, array: Any, index: Any) -> Any:
+    data = context.make_array(array_type)(context, builder, array).data
+    return builder.gep(builder.bitcast(data, _I64.as_pointer()), [index])
+
+
+@intrinsic
+def atomic_add(typingctx: Any, array: Any, index: Any, value: Any) -> tuple[Any, Codegen]:
+    """Add ``value`` to element ``index`` of a C-contiguous int64 array atomically; returns the previous value."""
+
+    def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: list[Any]) -> Any:
+        pointer = _element(context, builder, sig.args[0], args[0], args[1])
+        amount = context.cast(builder, args[2], sig.args[2], types.int64)
+        return builder.atomic_rmw("add", pointer, amount, "seq_cst")
+
+    return types.int64(array, index, value), codegen
+
+
+@intrinsic
+def atomic_load(typingctx: Any, array: Any, index: Any) -> tuple[Any, Codegen]:
+    """Element ``index`` of a C-contiguous int64 array, read atomically (acquire)."""
+
+    def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: list[Any]) -> Any:
+        pointer = _element(context, builder, sig.args[0], args[0], args[1])
+        return builder.load_atomic(pointer, "acquire", 8)
+
+    return types.int64(array, index), codegen
+
+
+@intrinsic
+def atomic_store(typingctx: Any, array: Any, index: Any, value: Any) -> tuple[Any, Codegen]:
+    """Set element ``index`` of a C-contiguous int64 array atomically (release)."""
+
+    def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: list[Any]) -> Any:
+        pointer = _element(context, builder, sig.args[0], args[0], args[1])
+        builder.store_atomic(context.cast(builder, args[2], sig.args[2], types.int64), pointer, "release", 8)
+        return context.get_dummy_value()
+
+    return types.none(array, index, value), codegen
+
+
+_X86 = ("x86_64", "amd64", "i386", "i686")
+
+
+@intrinsic
+def _pause(typingctx: Any) -> tuple[Any, Codegen]:
+    """The CPU's spin-wait hint (x86 ``pause``, arm64 ``yield``); nothing elsewhere."""
+    machine = platform.machine().lower()
+
+    def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: list[Any]) -> Any:
+        module = builder.module
+        if machine in _X86:
+            hint = cgutils.get_or_insert_function(module, ir.FunctionType(ir.VoidType(), []), "llvm.x86.sse2.pause")
+            builder.call(hint, [])
+        elif machine in ("aarch64", "arm64"):
+            signature = ir.FunctionType(ir.VoidType(), [ir.IntType(32)])
+            hint = cgutils.get_or_insert_function(module, signature, "llvm.aarch64.hint")
+            builder.call(hint, [ir.Constant(ir.IntType(32), 1)])
+        return context.get_dummy_value()
+
+    return types.none(), codegen
+
+
+def _libc_symbol(name: str) -> None:
+    """Make the C library's ``name`` resolvable by compiled code. The intrinsics below call it by symbol, resolved
+    when the code is loaded, so the kernels stay cacheable (a ctypes function pointer would prevent that)."""
+    library = ctypes.CDLL(ctypes.util.find_library("c") or None)
+    llvm_binding.add_symbol(name, ctypes.cast(getattr(library, name), ctypes.c_void_p).value)
+
+
+_libc_symbol("sched_yield")
+_libc_symbol("usleep")
+_I32 = ir.IntType(32)
+
+
+@intrinsic
+def _sched_yield(typingctx: Any) -> tuple[Any, Codegen]:
+    """libc's ``sched_yield()``: give the core to another runnable thread."""
+
+    def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: list[Any]) -> Any:
+        builder.call(cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I32, []), "sched_yield"), [])
+        return context.get_dummy_value()
+
+    return types.none(), codegen
+
+
+@intrinsic
+def _usleep(typingctx: Any, microseconds: Any) -> tuple[Any, Codegen]:
+    """libc's ``usleep(microseconds)``."""
+
+    def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: list[Any]) -> Any:
+        function = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I32, [_I32]), "usleep")
+        builder.call(function, [context.cast(builder, args[0], sig.args[0], types.uint32)])
+        return context.get_dummy_value()
+
+    return types.none(microseconds), codegen
+
+
+_NAPS = int(WAIT_LIMIT_S * 1e6 / _NAP_US)
+
+
+@numba.njit(**JIT)
+def _wait(control, index, target):  # type: ignore[no-untyped-def]
+    """Wait until ``control[index] >= target``: True, or False when the run was aborted or the wait timed out
+    (which aborts it)."""
+    for _ in range(_SPINS):
+        if atomic_load(control, index) >= target:
+            return True
+        _pause()
+    for _ in range(_YIELDS):
+        if atomic_load(control, index) >= target:
+            return True
+        if atomic_load(control, ABORT) != 0:
+            return False
+        _sched_yield()
+    for _ in range(_NAPS):
+        if atomic_load(control, index) >= target:
+            return True
+        if atomic_load(control, ABORT) != 0:
+            return False
+        _usleep(_NAP_US)
+    atomic_store(control, ABORT, 1)
+    return False
+
+
+@numba.njit(**JIT)
+def barrier(control, passed, team):  # type: ignore[no-untyped-def]
+    """Barrier number ``passed + 1`` of the run, for ``team`` threads: returns the new count of barriers passed, or
+    -1 when the run was aborted."""
+    if team == 1:
+        return passed + 1
+    atomic_add(control, ARRIVALS, 1)
+    if not _wait(control, ARRIVALS, (passed + 1) * team):
+        return -1
+    return passed + 1
+
+
+@numba.njit(**JIT)
+def take(control, counter):  # type: ignore[no-untyped-def]
+    """The next unit of work of counter ``counter`` (0, 1, 2, ... across all threads, each handed out once)."""
+    return atomic_add(control, COUNTERS + SLOT * counter, 1)
+
+
+@numba.njit(**JIT)
+def depart(control):  # type: ignore[no-untyped-def]
+    """A helper thread is done with the run (it touches no shared array after this)."""
+    atomic_add(control, DEPARTURES, 1)
+
+
+@numba.njit(**JIT)
+def wait_departures(control, team):  # type: ignore[no-untyped-def]
+    """The calling thread waits for the ``team - 1`` helpers to finish the run: True, or False when aborted."""
+    if team == 1:
+        return True
+    return _wait(control, DEPARTURES, team - 1)

@@ -1,0 +1,186 @@
+"""A decode step in one parallel region: `DecodeRegion` gathers a model's matrices into the tables `_step.decode_step`
+reads and runs it on a `_team.Team` of the model's ``threads``.
+
+A model qualifies when every matrix of every layer is a whole (unsplit) q* / k* matrix multiplied by the compiled
+kernels and has no bias, and the model is not a part of a model split across processes; anything else keeps
+`LlamaModel`'s step of one call per operation.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ._kernels import QuantizedLinear
+from ._packed import CompiledPayload
+
+__all__ = ["F32", "DecodeRegion", "build_region"]
+
+F32 = npt.NDArray[np.float32]
+
+
+def _payload(linear: object) -> CompiledPayload | None:
+    """The compiled payload of a whole block-quantized matrix, else None."""
+    if type(linear) is not QuantizedLinear:
+        return None
+    compiled: CompiledPayload | None = linear._compiled
+    if compiled is None or compiled.layout.method.family == "int":
+        return None
+    layout = compiled.layout
+    if (compiled.rows, compiled.cols) != (layout.rows, layout.cols):
+        return None
+    return compiled
+
+
+def _readonly(array: npt.NDArray[np.uint8]) -> npt.NDArray[np.uint8]:
+    """A read-only view: every payload of the typed list then has one numba type (mapped files are read-only)."""
+    view = array.view()
+    view.flags.writeable = False
+    return view
+
+
+class DecodeRegion:
+    """The tables and work arrays of one model's `_step.decode_step`, and the team that runs it."""
+
+    def __init__(self, model: Any, payloads: list[CompiledPayload], threads: int) -> None:
+        from numba.typed import List
+
+        from . import _step
+        from ._compiled import activation_shapes
+        from ._team import Team
+
+        self._step = _step
+        self._activation_shapes = activation_shapes
+        config = model.config
+        self.head_dim = config.head_dim
+        self.hidden = config.hidden_size
+        self.heads, self.kv_heads = model.heads, model.kv_heads
+        self.inter = config.intermediate_size
+        self.eps = np.float32(config.rms_norm_eps)
+        self.payloads = List([_readonly(p.payload) for p in payloads])
+        self.metas = np.ascontiguousarray(np.stack([p.meta for p in payloads]))
+        self.widths = np.array([p.layout.bits for p in payloads], dtype=np.int64)
+        self.norms = np.ascontiguousarray(
+            np.stack([np.stack([layer.input_norm, layer.post_attention_norm]) for layer in model.layers]),
+            dtype=np.float32,
+        )
+        self.final_norm = np.ascontiguousarray(model.final_norm, dtype=np.float32)
+        self.layers = len(model.layers)
+        self.team = Team(threads, _step.step_counters(self.layers))
+        self.head = _payload(model.lm_head)
+        self._buffers: dict[tuple[int, int], tuple[Any, ...]] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def build(cls, model: Any, *, threads: int | None = None) -> DecodeRegion | None:
+        """The region of ``model`` (a `_llama.LlamaModel`), or None when it does not qualify (module docstring).
+        Its team has the matrices' ``threads`` (at most numba's thread count, the CPU count by default), or
+        ``threads`` if given."""
+        if model.kv_heads != model.config.num_kv_heads or model.reduce.__name__ != "_unchanged":
+            return None
+        payloads: list[CompiledPayload] = []
+        most = 1
+        for layer in model.layers:
+            if layer.o_bias is not None or layer.down_bias is not None:
+                return None
+            linears = (layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj, layer.gate_proj, layer.up_proj,
+                       layer.down_proj)  # fmt: skip
+            for linear in linears:
+                compiled = _payload(linear)
+                if compiled is None:
+                    return None
+                payloads.append(compiled)
+                most = max(most, linear.threads)
+        if not payloads:
+            return None
+        if threads is None:
+            from ._compiled import MAX_THREADS
+
+            threads = min(most, MAX_THREADS)
+        return cls(model, payloads, max(1, threads))
+
+    def _work(self, m: int, capacity: int) -> tuple[Any, ...]:
+        """Shared and per-thread work arrays for ``m`` rows and a cache of ``capacity`` slots (kept per shape)."""
+        found = self._buffers.get((m, capacity))
+        if found is not None:
+            return found
+        if len(self._buffers) > 8:
+            self._buffers.clear()
+        team, h, d = self.team.size, self.hidden, self.head_dim
+        q_width, kv_width = self.heads * d, self.kv_heads * d
+        blocks = max(-(-width // 32) for width in (h, q_width, self.inter))
+        xq, xs, xe = self._activation_shapes(m, blocks)
+        own = (
+            np.zeros((team, m, h), np.float32),
+            np.zeros((team, m, h), np.float32),
+            np.zeros((team, *xq), np.int16),
+            np.zeros((team, *xs), np.float32),
+            np.zeros((team, *xe), np.float32),
+            np.zeros((team, *xs), np.float32),
+            np.zeros((team, d), np.float32),
+            np.zeros((team, d), np.float32),
+            np.zeros((team, capacity), np.float32),
+        )
+        shared = (
+            np.zeros((m, q_width), np.float32),
+            np.zeros((m, kv_width), np.float32),
+            np.zeros((m, kv_width), np.float32),
+            np.zeros((m, q_width), np.float32),
+            np.zeros((m, h), np.float32),
+            np.zeros((m, self.inter), np.float32),
+            np.zeros((m, self.inter), np.float32),
+            np.zeros((m, self.inter), np.float32),
+        )
+        found = self._buffers[(m, capacity)] = (*shared, own)
+        return found
+
+    def step(
+        self,
+        hidden: F32,
+        cos: F32,
+        sin: F32,
+        keys: F32,
+        values: F32,
+        key_mask: npt.NDArray[np.bool_],
+        slot: int,
+        scale: np.float32,
+    ) -> F32:
+        """The final-normed hidden states ``[m, h]`` of the new tokens whose embeddings are ``hidden [m, h]``
+        (``cos`` / ``sin [m, d / 2]``; the cache ``keys`` / ``values [layers, m, kv, capacity, d]``)."""
+        m = hidden.shape[0]
+        out = np.empty((m, self.hidden), dtype=np.float32)
+        with self._lock:  # the work arrays serve one step at a time
+            work = self._work(m, keys.shape[3])
+            args = (self.payloads, self.metas, self.widths, self.norms, self.final_norm, self.eps, hidden, cos, sin,
+                    keys, values, key_mask, slot, scale, *work[:-1], out, work[-1])  # fmt: skip
+            self.team.run(self._step.decode_step, args)
+        return out
+
+    def logits(self, hidden: F32) -> F32 | None:
+        """The output head's product by the team (``hidden [m, h]``), or None when the head is not a whole block
+        matrix or the team is a single thread (the serial kernel then does the same work)."""
+        head = self.head
+        if head is None or self.team.size == 1:
+            return None
+        x = np.ascontiguousarray(hidden, dtype=np.float32)
+        m = x.shape[0]
+        xq, xs, xe = self._activation_shapes(m, head.blocks)
+        team = self.team.size
+        y = np.empty((m, head.rows), dtype=np.float32)
+        rounded = (np.empty((team, *xq), np.int16), np.empty((team, *xs), np.float32),
+                   np.empty((team, *xe), np.float32), np.empty((team, *xs), np.float32))  # fmt: skip
+        self.team.run(self._step.product, (head.payload, head.meta, head.layout.bits, x, y, *rounded))
+        return y
+
+
+def build_region(model: Any) -> DecodeRegion | None:
+    """`DecodeRegion.build`, with a warning instead of an exception when building fails."""
+    try:
+        return DecodeRegion.build(model)
+    except Exception as exc:
+        warnings.warn(f"mcf runner: decode step in one region unavailable: {exc}", RuntimeWarning, stacklevel=2)
+        return None

@@ -1,0 +1,250 @@
+"""A whole single-token decode step as one compiled function that every thread of a `_team.Team` runs at once.
+
+Per layer, five phases separated by barriers (`_atomics.barrier`); in each, units of work are handed out by an
+atomic counter (`_atomics.take`), so a thread that starts late or is descheduled only does fewer units:
+
+1. q, k, v rows (units of `ROWS` rows of one of the three matrices);
+2. attention, one unit per (row of the batch, query head): rotary embedding of its query and of its kv head's new
+   key, scores over the cache and the new slot, softmax, the weighted values; the first query head of a kv head
+   also stores the new key and value in the cache;
+3. o rows;
+4. gate and up rows together, each unit finishing its rows' SwiGLU;
+5. down rows.
+
+What every thread needs whole and is cheap (the residual adds, the RMSNorms, rounding a product's input to int16)
+each thread computes for itself into its own buffers, in the same order, so no barrier is spent on it and every
+thread holds the same bits. A row of a product is always computed whole by the same kernel as the serial path
+(`_compiled`), so results do not depend on the number of threads.
+
+`product` is one product on its own (the output head): each thread rounds the input, then rows by counter.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+
+from ._atomics import barrier, depart, take, wait_departures
+from ._blocks import JIT
+from ._compiled import _matmul_rows, quantize
+from ._fused import _rotate, rms_norm, softmax_weights
+from ._nibble import nibble_rows
+
+__all__ = ["ABORTED", "HEAD_ROWS", "MATRICES", "ROWS", "decode_step", "product", "rows_of", "step_counters"]
+
+#: Rows of a matrix per unit of work in a layer's products, and in the output head's.
+ROWS = 32
+HEAD_ROWS = 128
+#: Matrices of a layer, in the order of the step's tables: q, k, v, o, gate, up, down.
+MATRICES = 7
+#: What a team function returns when a barrier was aborted.
+ABORTED = 1
+_PHASES = 5  # work counters per layer
+
+_FAST = {**JIT, "fastmath": {"reassoc", "contract"}}
+
+
+@numba.njit(**JIT)
+def rows_of(payload, meta, width, xq, xs, xe, xoff, y, first, last):  # type: ignore[no-untyped-def]
+    """Rows ``first..last`` of ``y = x @ W.T`` for ``width``-bit codes known only at run time (activations already
+    rounded by `_compiled.quantize` for that width)."""
+    if width == 4:
+        nibble_rows(payload, meta, xq, xs, xe, xoff, y, first, last)
+    elif width == 8:
+        _matmul_rows(payload, meta, xq, xs, y, first, last, 8)
+    elif width == 6:
+        _matmul_rows(payload, meta, xq, xs, y, first, last, 6)
+    elif width == 3:
+        _matmul_rows(payload, meta, xq, xs, y, first, last, 3)
+    else:
+        _matmul_rows(payload, meta, xq, xs, y, first, last, 2)
+
+
+@numba.njit(**_FAST)
+def _dot(a, b):  # type: ignore[no-untyped-def]
+    total = np.float32(0.0)
+    for i in range(a.size):
+        total += a[i] * b[i]
+    return total
+
+
+@numba.njit(**_FAST)
+def _attend(layer, b, head, groups, q, k, v, cos, sin, keys, values, key_mask, slot, scale, query, key, scores, out):  # type: ignore[no-untyped-def]
+    """Attention of query ``head`` of batch row ``b`` over the cache and the new slot (see the module)."""
+    d = query.size
+    g = head // groups
+    _rotate(k[b, g * d : (g + 1) * d], cos[b], sin[b], key, np.float32(1.0))
+    new_value = v[b, g * d : (g + 1) * d]
+    if head % groups == 0:
+        keys[layer, b, g, slot, :] = key
+        values[layer, b, g, slot, :] = new_value
+    _rotate(q[b, head * d : (head + 1) * d], cos[b], sin[b], query, scale)
+    largest = _dot(query, key)
+    scores[slot] = largest
+    for s in range(slot):
+        if key_mask[b, s]:
+            total = _dot(query, keys[layer, b, g, s])
+            scores[s] = total
+            largest = max(largest, total)
+    denominator = softmax_weights(scores, key_mask[b], slot, largest)
+    dest = out[b, head * d : (head + 1) * d]
+    weight = scores[slot] / denominator
+    for i in range(d):
+        dest[i] = weight * new_value[i]
+    for s in range(slot):
+        if key_mask[b, s]:
+            weight = scores[s] / denominator
+            for i in range(d):
+                dest[i] += weight * values[layer, b, g, s, i]
+
+
+@numba.njit(**JIT)
+def _add(into, part):  # type: ignore[no-untyped-def]
+    m, n = into.shape
+    for j in range(m):
+        for c in range(n):
+            into[j, c] += part[j, c]
+
+
+@numba.njit(**_FAST)
+def _swiglu_rows(gate, up, out, first, last):  # type: ignore[no-untyped-def]
+    for j in range(gate.shape[0]):
+        for r in range(first, last):
+            g = gate[j, r]
+            out[j, r] = g / (np.float32(1.0) + np.float32(math.exp(-g))) * up[j, r]
+
+
+@numba.njit(**JIT)
+def _rows_by_counter(control, counter, unit_rows, tables, first_matrix, count, x, xq, xs, xe, xoff, y0, y1, y2):  # type: ignore[no-untyped-def]
+    """Units of ``unit_rows`` rows of matrices ``first_matrix ..`` (``count`` of them, outputs ``y0``, ``y1``,
+    ``y2``) until the counter runs out; ``x`` is rounded again only when the code width changes. ``tables``:
+    payloads, metas, widths."""
+    payloads, metas, widths = tables
+    rounded = -1
+    sizes = (y0.shape[1], y1.shape[1], y2.shape[1])
+    units0 = (sizes[0] + unit_rows - 1) // unit_rows
+    units1 = (sizes[1] + unit_rows - 1) // unit_rows if count > 1 else 0
+    units2 = (sizes[2] + unit_rows - 1) // unit_rows if count > 2 else 0
+    while True:
+        unit = take(control, counter)
+        if unit >= units0 + units1 + units2:
+            return
+        if unit < units0:
+            which, y = 0, y0
+        elif unit < units0 + units1:
+            which, y, unit = 1, y1, unit - units0
+        else:
+            which, y, unit = 2, y2, unit - units0 - units1
+        index = first_matrix + which
+        width = widths[index]
+        if width != rounded:
+            quantize(x, width, xq, xs, xe, xoff)
+            rounded = width
+        first = unit * unit_rows
+        rows_of(payloads[index], metas[index], width, xq, xs, xe, xoff, y, first, min(sizes[which], first + unit_rows))
+
+
+@numba.njit(**JIT)
+def decode_step(  # type: ignore[no-untyped-def]
+    payloads, metas, widths, norms, final_norm, eps, hidden_in, cos, sin, keys, values, key_mask, slot, scale,
+    q, k, v, attended, projected, gate, up, activated, out, own, control, worker, team,
+):  # fmt: skip
+    """One decode step over every layer (module docstring) for the new tokens' embeddings ``hidden_in [m, h]``;
+    worker 0 writes the final RMSNorm of the last hidden state into ``out [m, h]``.
+
+    Tables, per matrix ``7 * layer + i`` (q, k, v, o, gate, up, down): ``payloads`` (a typed list of uint8 arrays),
+    ``metas [n, 10]`` (`_packed.CompiledPayload.meta`), ``widths [n]`` (code bits). ``norms [layers, 2, h]``: input
+    and post-attention RMSNorm weights. ``keys`` / ``values [layers, m, kv, capacity, d]``: the cache, ``key_mask [m,
+    capacity]`` its real slots (``slot``, the new one, included). ``q k v attended projected gate up activated``:
+    shared work arrays. ``own``: this thread's work arrays, a tuple of ``[team, ...]`` arrays (hidden, normed, xq, xs,
+    xe, xoff, query, key, scores)."""
+    hidden_all, normed_all, xq_all, xs_all, xe_all, xoff_all, query_all, key_all, scores_all = own
+    hidden, normed = hidden_all[worker], normed_all[worker]
+    xq, xs, xe, xoff = xq_all[worker], xs_all[worker], xe_all[worker], xoff_all[worker]
+    query, key, scores = query_all[worker], key_all[worker], scores_all[worker]
+    m = hidden.shape[0]
+    heads = q.shape[1] // query.size
+    groups = heads // (k.shape[1] // query.size)
+    hidden[:, :] = hidden_in
+    passed = 0
+    tables = (payloads, metas, widths)
+    unit_rows = ROWS if team > 1 else 1 << 30  # one thread: a product is one unit, as in the serial kernels
+    for layer in range(norms.shape[0]):
+        base, counter = layer * MATRICES, layer * _PHASES
+        rms_norm(hidden, norms[layer, 0], eps, normed)
+        _rows_by_counter(control, counter, unit_rows, tables, base, 3, normed, xq, xs, xe, xoff, q, k, v)
+        passed = barrier(control, passed, team)
+        if passed < 0:
+            return ABORTED
+        while True:
+            unit = take(control, counter + 1)
+            if unit >= m * heads:
+                break
+            b, head = unit // heads, unit % heads
+            _attend(layer, b, head, groups, q, k, v, cos, sin, keys, values, key_mask, slot, scale, query, key, scores,
+                    attended)  # fmt: skip
+        passed = barrier(control, passed, team)
+        if passed < 0:
+            return ABORTED
+        _rows_by_counter(control, counter + 2, unit_rows, tables, base + 3, 1, attended, xq, xs, xe, xoff,
+                         projected, projected, projected)  # fmt: skip
+        passed = barrier(control, passed, team)
+        if passed < 0:
+            return ABORTED
+        _add(hidden, projected)
+        rms_norm(hidden, norms[layer, 1], eps, normed)
+        rounded = -1
+        units = (gate.shape[1] + unit_rows - 1) // unit_rows
+        while True:
+            unit = take(control, counter + 3)
+            if unit >= units:
+                break
+            first, last = unit * unit_rows, min(gate.shape[1], unit * unit_rows + unit_rows)
+            for which in range(2):
+                index = base + 4 + which
+                if widths[index] != rounded:
+                    quantize(normed, widths[index], xq, xs, xe, xoff)
+                    rounded = widths[index]
+                rows_of(payloads[index], metas[index], rounded, xq, xs, xe, xoff, gate if which == 0 else up, first,
+                        last)  # fmt: skip
+            _swiglu_rows(gate, up, activated, first, last)
+        passed = barrier(control, passed, team)
+        if passed < 0:
+            return ABORTED
+        _rows_by_counter(control, counter + 4, unit_rows, tables, base + 6, 1, activated, xq, xs, xe, xoff,
+                         projected, projected, projected)  # fmt: skip
+        passed = barrier(control, passed, team)
+        if passed < 0:
+            return ABORTED
+        _add(hidden, projected)
+    if worker == 0:
+        rms_norm(hidden, final_norm, eps, out)
+        return 0 if wait_departures(control, team) else ABORTED
+    depart(control)
+    return 0
+
+
+def step_counters(layers: int) -> int:
+    """Work counters a `decode_step` over ``layers`` layers uses."""
+    return layers * _PHASES
+
+
+@numba.njit(**JIT)
+def product(payload, meta, width, x, y, xq, xs, xe, xoff, control, worker, team):  # type: ignore[no-untyped-def]
+    """``y = x @ W.T`` by the team: each thread rounds ``x`` into its own ``xq xs xe xoff [team, ...]``, then takes
+    units of `HEAD_ROWS` rows."""
+    quantize(x, width, xq[worker], xs[worker], xe[worker], xoff[worker])
+    rows = y.shape[1]
+    while True:
+        unit = take(control, 0)
+        first = unit * HEAD_ROWS
+        if first >= rows:
+            break
+        rows_of(payload, meta, width, xq[worker], xs[worker], xe[worker], xoff[worker], y, first,
+                min(rows, first + HEAD_ROWS))  # fmt: skip
+    if worker == 0:
+        return 0 if wait_departures(control, team) else ABORTED
+    depart(control)
+    return 0
