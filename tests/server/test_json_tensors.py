@@ -13,7 +13,13 @@ from typing import Any
 import msgspec
 import pytest
 from carton.server import ModelControlMode, ServerOptions, _http, serve_in_thread
-from carton.server._http_codec import _LIFT_BYTES, _decode_header, _json_tensor
+from carton.server._http_codec import (
+    _CUT_BYTES,
+    _LIFT_BYTES,
+    _decode_header,
+    _decode_without_large_arrays,
+    _json_tensor,
+)
 from carton.server.errors import BadRequest
 from carton_protocol import DType
 
@@ -159,3 +165,60 @@ def test_large_headers_keep_the_structure_errors() -> None:
         _decode_header(memoryview(b'{"inputs": [}' + padding))
     with pytest.raises(BadRequest, match="not valid JSON"):
         _decode_header(memoryview(b'{"inputs": [{"data": [1, 2,]}]}' + padding))
+
+
+_LONG = list(range(_CUT_BYTES // 4))  # a flat array whose text is longer than the size from which it is cut out
+_LONG_TEXT = json.dumps(_LONG).encode()
+
+
+def _padded(document: bytes) -> memoryview:
+    return memoryview(document + b" " * (_LIFT_BYTES + 1))
+
+
+def test_long_arrays_are_cut_out_of_a_large_header_and_read_the_same() -> None:
+    text = _padded(
+        b'{"id": "r", "inputs": [{"name": "x", "shape": [%d], "datatype": "INT32", "data": %s}, '
+        b'{"name": "y", "shape": [%d], "datatype": "FP64", "data": %s}]}'
+        % (len(_LONG), _LONG_TEXT, len(_LONG), _LONG_TEXT)
+    )
+    header = _decode_without_large_arrays(text)
+    assert header is not None and header["id"] == "r"
+    for entry, dtype in zip(header["inputs"], (DType.INT32, DType.FLOAT64), strict=True):
+        assert isinstance(entry["data"], msgspec.Raw)
+        assert _json_tensor(entry["data"], dtype, [len(_LONG)], tensor=entry["name"]).tolist() == _LONG
+
+
+@pytest.mark.parametrize(
+    "document",
+    [
+        # the long array is inside a string: not a value
+        b'{"id": "a%sb", "inputs": [{"name": "x", "shape": [1], "datatype": "INT32", "data": [1]}]}' % _LONG_TEXT,
+        # a long array that is not an input's data
+        b'{"parameters": {"p": %s}, "inputs": [{"name": "x", "shape": [1], "datatype": "INT32", "data": [1]}]}'
+        % _LONG_TEXT,
+        # nested arrays
+        b'{"inputs": [{"name": "x", "shape": [2, %d], "datatype": "INT32", "data": [%s, %s]}]}'
+        % (len(_LONG), _LONG_TEXT, _LONG_TEXT),
+        # an escape: quotes can no longer be counted
+        b'{"id": "\\"", "inputs": [{"name": "x", "shape": [%d], "datatype": "INT32", "data": %s}]}'
+        % (len(_LONG), _LONG_TEXT),
+    ],
+    ids=["in-a-string", "not-data", "nested", "escape"],
+)
+def test_headers_of_other_shapes_are_not_cut_and_decode_the_same(document: bytes) -> None:
+    assert _decode_without_large_arrays(_padded(document)) is None
+    expected = json.loads(document)
+    header = _decode_header(_padded(document))
+    assert header["id"] == expected.get("id") and header["parameters"] == expected.get("parameters")
+    (entry,) = expected["inputs"]
+    tensor = _json_tensor(header["inputs"][0]["data"], DType.INT32, entry["shape"], tensor="x")
+    assert tensor.tolist() == entry["data"]
+
+
+@pytest.mark.parametrize("bad", [b"1, foo", b"1, 2,", b"1,, 2"], ids=["token", "trailing-comma", "empty-element"])
+def test_a_cut_array_that_is_not_json_is_refused_as_such(bad: bytes) -> None:
+    data = _LONG_TEXT[:-1] + b", " + bad + b"]"
+    document = b'{"inputs": [{"name": "x", "shape": [3], "datatype": "FP32", "data": %s}]}' % data
+    header = _decode_header(_padded(document))
+    with pytest.raises(BadRequest, match="not valid JSON"):
+        _json_tensor(header["inputs"][0]["data"], DType.FLOAT32, [3], tensor="x")

@@ -71,7 +71,10 @@ def _json_tensor(data: object, dtype: DType, shape: Sequence[int], *, tensor: st
         if dtype is not DType.STRING:
             array = _raw_numbers(data, NUMPY_OF[DATATYPE_OF[dtype]])
         if array is None:
-            data = orjson.loads(memoryview(data))  # valid JSON: the header's decoder checked it
+            try:
+                data = orjson.loads(memoryview(data))
+            except orjson.JSONDecodeError as exc:  # a span cut out of the header unread (`_cut_large_arrays`)
+                raise BadRequest(f"the inference request header is not valid JSON: {exc}") from exc
     if array is None and dtype is not DType.STRING:
         array = _json_numbers(data, NUMPY_OF[DATATYPE_OF[dtype]])
     if array is not None:
@@ -143,8 +146,9 @@ def _json_numbers(data: object, numpy_dtype: np.dtype[Any]) -> np.ndarray | None
 
 #: A JSON header at least this large is decoded with its tensors' ``data`` left as raw text (`_decode_header`).
 _LIFT_BYTES = 1 << 20
-#: Bytes of a raw ``data`` array parsed per call (`_raw_numbers`).
-_PIECE_BYTES = 1 << 20
+#: Bytes of a raw ``data`` array parsed per call (`_raw_numbers`): each call holds the GIL, so a piece bounds how
+#: long other requests wait.
+_PIECE_BYTES = 1 << 18
 
 
 class _LiftedInput(msgspec.Struct):
@@ -171,6 +175,9 @@ def _decode_header(text: memoryview) -> Any:
     and so stall the event loop, for its whole length. Any header that shape does not fit is decoded in full, which
     also gives the error messages."""
     if len(text) >= _LIFT_BYTES:
+        document = _decode_without_large_arrays(text)
+        if document is not None:
+            return document
         try:
             lifted = _LIFTED.decode(text)
         except (msgspec.DecodeError, msgspec.ValidationError):
@@ -190,14 +197,73 @@ def _decode_header(text: memoryview) -> Any:
         raise BadRequest(f"the inference request header is not valid JSON: {exc}") from exc
 
 
+#: A flat array at least this long (in bytes of text) is cut out of a large header before it is decoded.
+_CUT_BYTES = 1 << 16
+
+
+def _decode_without_large_arrays(text: memoryview) -> dict[str, Any] | None:
+    """A large header decoded without reading its large flat arrays: each is found by numpy scans of the text (which
+    release the GIL), cut out and replaced by a placeholder string, the rest is decoded, and each input whose ``data``
+    is a placeholder gets its array's text as `msgspec.Raw` (parsed piece by piece later, `_raw_numbers`). None when
+    the header does not have that plain shape (escapes, an array elsewhere than an input's ``data``): the caller
+    decodes it another way."""
+    codes = np.frombuffer(text, dtype=np.uint8)
+    if np.count_nonzero(codes == ord("\\")):
+        return None  # without escapes, every quote opens or closes a string, so a count says what is inside one
+    opens = np.flatnonzero(codes == ord("["))
+    closes = np.flatnonzero(codes == ord("]"))
+    quotes = np.flatnonzero(codes == ord('"'))
+    spans: list[tuple[int, int]] = []
+    for index, start in enumerate(opens.tolist()):
+        after = int(np.searchsorted(closes, start))
+        if after == len(closes):
+            break
+        end = int(closes[after]) + 1
+        if end - start < _CUT_BYTES or (index + 1 < len(opens) and opens[index + 1] < end):
+            continue  # short, or holding another array
+        before, inside = np.searchsorted(quotes, [start, end])
+        if before % 2 or inside != before:
+            continue  # inside a string, or holding one
+        spans.append((start, end))
+    if not spans:
+        return None
+    parts: list[bytes] = []
+    position = 0
+    for number, (start, end) in enumerate(spans):
+        parts += [bytes(text[position:start]), b'"\\u0000carton:%d"' % number]
+        position = end
+    parts.append(bytes(text[position:]))
+    try:
+        document = orjson.loads(b"".join(parts))
+    except orjson.JSONDecodeError:
+        return None
+    inputs = document.get("inputs") if isinstance(document, dict) else None
+    placed = 0
+    for entry in inputs if isinstance(inputs, list) else ():
+        data = entry.get("data") if isinstance(entry, dict) else None
+        if isinstance(data, str) and data.startswith("\x00carton:"):
+            start, end = spans[int(data[8:])]
+            entry["data"] = msgspec.Raw(text[start:end])
+            placed += 1
+    return document if placed == len(spans) else None
+
+
 def _raw_numbers(raw: msgspec.Raw, numpy_dtype: np.dtype[Any]) -> np.ndarray | None:
-    """A flat JSON array of numbers, given as its text, parsed about a megabyte at a time (the GIL is free between
-    pieces); None for anything else, which the caller decodes in full."""
-    text = bytes(memoryview(raw)).strip()
-    if not (text.startswith(b"[") and text.endswith(b"]")) or text.count(b"[") != 1 or b'"' in text:
+    """A flat JSON array of numbers, given as its text, parsed a piece at a time (the GIL is free between pieces);
+    None for anything else, which the caller decodes in full.
+
+    The whole-text scans (brackets, quotes, commas) are numpy comparisons over a view of the text, which release the
+    GIL, instead of `bytes` methods, which hold it for the whole text; the text is never copied whole."""
+    data = memoryview(raw).cast("B")
+    first, last = _strip(data)
+    if last - first < 2 or data[first] != ord("[") or data[last - 1] != ord("]"):
+        return None
+    inner = data[first + 1 : last - 1]
+    codes = np.frombuffer(inner, dtype=np.uint8)
+    if np.count_nonzero(codes == ord("[")) or np.count_nonzero(codes == ord('"')):
         return None  # nested, or holding strings: commas do not separate elements
-    inner = text[1:-1]
-    count = inner.count(b",") + 1 if inner.strip() else 0
+    commas = int(np.count_nonzero(codes == ord(",")))
+    count = commas + 1 if commas or bytes(inner).strip() else 0
     array = np.empty(count, dtype=numpy_dtype)
     element_list = _nested_list(_element_type(numpy_dtype), 1)
     # The pieces' Python numbers are freed together at the end: freed piece by piece, the allocator would hand their
@@ -206,8 +272,7 @@ def _raw_numbers(raw: msgspec.Raw, numpy_dtype: np.dtype[Any]) -> np.ndarray | N
     filled = start = 0
     try:
         while start < len(inner):
-            end = inner.find(b",", start + _PIECE_BYTES)
-            end = len(inner) if end < 0 else end
+            end = _next_comma(inner, start + _PIECE_BYTES)
             piece = msgspec.convert(orjson.loads(b"[" + inner[start:end] + b"]"), element_list)
             pieces.append(piece)
             array[filled : filled + len(piece)] = np.fromiter(piece, numpy_dtype, len(piece))
@@ -215,7 +280,35 @@ def _raw_numbers(raw: msgspec.Raw, numpy_dtype: np.dtype[Any]) -> np.ndarray | N
             start = end + 1
     except (orjson.JSONDecodeError, msgspec.ValidationError, OverflowError, ValueError, TypeError):
         return None
+    finally:
+        while pieces:  # one piece's numbers at a time: freeing all of them at once would hold the GIL as long
+            pieces.pop()
     return array if filled == count else None
+
+
+_JSON_SPACE = frozenset(b" \t\n\r")
+
+
+def _strip(data: memoryview) -> tuple[int, int]:
+    """Where `data` starts and ends without JSON whitespace around it."""
+    first, last = 0, len(data)
+    while first < last and data[first] in _JSON_SPACE:
+        first += 1
+    while last > first and data[last - 1] in _JSON_SPACE:
+        last -= 1
+    return first, last
+
+
+def _next_comma(data: memoryview, start: int) -> int:
+    """The offset of the first comma of `data` at or after `start`, or ``len(data)``: searched a window at a time,
+    so that no call holds the GIL over the whole text."""
+    window = 4096
+    while start < len(data):
+        found = bytes(data[start : start + window]).find(b",")
+        if found >= 0:
+            return start + found
+        start += window
+    return len(data)
 
 
 def _element_type(numpy_dtype: np.dtype[Any]) -> type:
