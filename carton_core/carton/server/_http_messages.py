@@ -16,6 +16,7 @@ after a ``content-length`` of their total size, which the transport adds.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -78,6 +79,9 @@ class HttpResponse:
 
 HttpHandler = Callable[[HttpRequest], Awaitable[HttpResponse]]
 
+#: A body at least this large is joined from its pieces off the event loop (`collect_body`).
+_JOIN_ON_A_THREAD_BYTES = 1 << 20
+
 
 async def collect_body(
     body: bytes | bytearray | BodyReader, *, declared: bytes | None, limit: int
@@ -104,7 +108,13 @@ async def collect_body(
             chunks.append(chunk)
         if not more:
             break
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    if len(chunks) == 1:
+        return chunks[0]
+    if size >= _JOIN_ON_A_THREAD_BYTES:
+        # Joining copies the whole body (and faults its fresh pages in): on a worker thread, where it releases the GIL,
+        # the event loop keeps answering other requests meanwhile.
+        return await asyncio.to_thread(b"".join, chunks)
+    return b"".join(chunks)
 
 
 class AsgiAdapter:
