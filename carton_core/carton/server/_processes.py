@@ -26,6 +26,7 @@ the parent's ``__main__`` is imported again.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import ctypes
 import dataclasses
@@ -111,18 +112,19 @@ def _loader_limits(loader: ModelLoader) -> RunnerLimits | None:
     )
 
 
-class _Totals:
-    """`ServerTotals` from the counters and statistics of every process, summed (`counters`, `model_stats`)."""
+class _Totals(abc.ABC):
+    """`ServerTotals` from the counters and statistics of every process, summed: the coordinator (`ProcessGroup`)
+    gathers them itself, a child (`CoordinatorLink`) asks the coordinator."""
 
     repository: ModelRepository
 
+    @abc.abstractmethod
     async def counters(self) -> CountersSnapshot:
         """Every process's counters, summed."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     async def model_stats(self, name: str, version: str) -> list[dict[str, Any]]:
         """Every process's ``model_stats``, summed."""
-        raise NotImplementedError
 
     async def metrics(self) -> bytes:
         return metrics_text([await self.counters()])
