@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
 
 def percentiles(samples: list[float]) -> tuple[float, float]:
@@ -34,3 +40,21 @@ async def timed_async(call: Callable[[], Awaitable[object]], repeat: int, warmup
         await call()
         samples.append(time.perf_counter() - begin)
     return samples
+
+
+def run_in_checkout(
+    script: str, tree: Path, arguments: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: Path | None = None
+) -> dict[str, Any]:
+    """Run `script` again as a child process whose ``carton_core``, ``protocol`` and ``runners`` come from the
+    checkout `tree` (first on ``PYTHONPATH``), with `arguments`; the child prints its result as JSON on its last
+    line, which is returned. A child that fails stops the benchmark with its error output."""
+    paths = [str(tree / part) for part in ("carton_core", "protocol", "runners")]
+    environment = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join(paths)}
+    done = subprocess.run(
+        [sys.executable, str(Path(script).resolve()), *arguments],
+        env=environment, capture_output=True, text=True, check=False, cwd=cwd or tree,
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise SystemExit(f"the child for {tree} ({' '.join(arguments)}) failed:\n{done.stderr[-3000:]}")
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result

@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -150,16 +149,9 @@ def _child(tree: Path, calls: int) -> None:
 
 
 def _run_side(tree: Path, calls: int) -> dict[str, float]:
-    paths = [str(tree / part) for part in ("carton_core", "protocol", "runners")]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
-    out = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), "--child", str(tree), "--calls", str(calls)],
-        env=env, capture_output=True, text=True, check=False, cwd=HERE,
-    )  # fmt: skip
-    if out.returncode != 0:
-        raise SystemExit(f"the child for {tree} failed:\n{out.stderr}")
-    result: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
-    return result
+    from _timing import run_in_checkout
+
+    return run_in_checkout(__file__, tree, ["--child", str(tree), "--calls", str(calls)], cwd=HERE)
 
 
 def main() -> None:

@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -74,16 +73,12 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _run_child(tree: Path, threads: int, model: Path, args: argparse.Namespace) -> dict[str, Any]:
-    paths = [str(tree / "carton_core"), str(tree / "protocol"), str(tree / "runners")]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "OPENBLAS_NUM_THREADS": "1"}
-    command = [sys.executable, str(Path(__file__).resolve()), "--child", "--threads", str(threads),
-               "--model", str(model), "--prompt-tokens", str(args.prompt_tokens),
-               "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats)]  # fmt: skip
-    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False, cwd=tree)
-    if done.returncode != 0:
-        raise SystemExit(f"child ({tree.name}, threads {threads}) failed:\n{done.stderr[-3000:]}")
-    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    return result
+    from _timing import run_in_checkout
+
+    arguments = ["--child", "--threads", str(threads), "--model", str(model),
+                 "--prompt-tokens", str(args.prompt_tokens), "--new-tokens", str(args.new_tokens),
+                 "--repeats", str(args.repeats)]  # fmt: skip
+    return run_in_checkout(__file__, tree, arguments, env={"OPENBLAS_NUM_THREADS": "1"})
 
 
 def main() -> None:
