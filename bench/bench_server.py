@@ -14,9 +14,9 @@ read from /proc around the same runs; the [64,3,224,224] FP32 request; one reque
 tensor, timed while another connection probes /v2/health/ready and runs a small inference on another model
 (the slowest of each is reported); and `Model.infer` of the [1,16] ONNX carton against a raw pyzmq REQ/REP round
 trip between two processes. Every server is started and stopped here; nothing is left running.
-`--protocols http` keeps the HTTP rows only; `--baseline-python` also measures the `carton serve` of another
-checkout (a Python whose environment has it installed) in the same rounds, and prints it against this checkout and
-against Triton.
+`--protocols http` keeps the HTTP rows only (the 38.5 MB and JSON rows are HTTP rows: `--protocols grpc` skips
+them); `--baseline-python` also measures the `carton serve` of another checkout (a Python whose environment has it
+installed) in the same rounds, and prints it against this checkout and against Triton.
 
 Starts every server itself: `carton serve` on ONNX Identity cartons; Triton 2.51 (python backend identity models)
 through ../shared/peers/triton.sh when it has been set up (``triton.sh setup``); MLServer 1.7 (an identity MLModel)
@@ -431,8 +431,9 @@ def measure_goals(served: Served, args: argparse.Namespace, json_body: bytes | N
     """One pass over every goal on `served`: {goal: (value, load average)}."""
     found: dict[str, tuple[float, float]] = {}
     small = (1, 16)
+    protocols = set(args.protocols.split(","))
     for protocol, port in (("http", served.http), ("grpc", served.grpc)):
-        if protocol not in args.protocols.split(","):
+        if protocol not in protocols:
             continue
         one = run_load(port, "identity", small, 1, args.requests, protocol=protocol, pid=served.pid)
         eight = run_load(port, "identity", small, 8, args.requests * 2, protocol=protocol, pid=served.pid)
@@ -440,6 +441,8 @@ def measure_goals(served: Served, args: argparse.Namespace, json_body: bytes | N
         found[f"{protocol}_cpu1"] = (one.cpu_us, one.load)
         found[f"{protocol}_rate"] = (eight.rate, eight.load)
         found[f"{protocol}_cpu8"] = (eight.cpu_us, eight.load)
+    if "http" not in protocols:  # the large and the JSON requests are HTTP rows
+        return found
     if args.big_requests:
         big = run_load(served.http, "identity4", (64, 3, 224, 224), 1, args.big_requests)
         found["big_p50"] = (big.p50_ms, big.load)
