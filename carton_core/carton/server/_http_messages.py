@@ -24,6 +24,7 @@ from typing import Any
 from .errors import BadRequest, RequestTooLarge
 
 __all__ = [
+    "JOIN_ON_A_THREAD_BYTES",
     "AsgiAdapter",
     "BodyReader",
     "HttpHandler",
@@ -80,7 +81,7 @@ class HttpResponse:
 HttpHandler = Callable[[HttpRequest], Awaitable[HttpResponse]]
 
 #: A body at least this large is joined from its pieces off the event loop (`collect_body`).
-_JOIN_ON_A_THREAD_BYTES = 1 << 20
+JOIN_ON_A_THREAD_BYTES = 1 << 20
 
 
 async def collect_body(
@@ -110,7 +111,7 @@ async def collect_body(
             break
     if len(chunks) == 1:
         return chunks[0]
-    if size >= _JOIN_ON_A_THREAD_BYTES:
+    if size >= JOIN_ON_A_THREAD_BYTES:
         # Joining copies the whole body (and faults its fresh pages in): on a worker thread, where it releases the GIL,
         # the event loop keeps answering other requests meanwhile.
         return await asyncio.to_thread(b"".join, chunks)

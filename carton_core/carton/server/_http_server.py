@@ -31,7 +31,7 @@ from typing import Any, cast
 
 import httptools
 
-from ._http_messages import HttpHandler, HttpRequest, HttpResponse
+from ._http_messages import JOIN_ON_A_THREAD_BYTES, HttpHandler, HttpRequest, HttpResponse
 from .errors import BadRequest
 
 __all__ = ["HttpServer", "serve_http"]
@@ -241,13 +241,14 @@ class _Connection(asyncio.Protocol):
     def _start_next(self) -> None:
         exchange = self.queue.popleft()
         self.current = exchange
+        received = sum(map(len, exchange.chunks)) if exchange.chunks else 0
         if self.queued_bytes:
-            self.queued_bytes -= sum(map(len, exchange.chunks))
-        if exchange.body_done:
+            self.queued_bytes -= received
+        if exchange.body_done and (len(exchange.chunks) == 1 or received < JOIN_ON_A_THREAD_BYTES):
             chunks = exchange.chunks
             exchange.chunks = []
             body: Any = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        else:
+        else:  # the handler's reader hands the pieces over one by one and joins them once (`collect_body`)
             body = self._reader(exchange)
         if self.reading_paused and len(self.queue) <= _MAX_PIPELINED and self.queued_bytes <= _MAX_PIPELINED_BYTES:
             self.reading_paused = False
@@ -257,22 +258,28 @@ class _Connection(asyncio.Protocol):
         self.task = self.loop.create_task(self._answer(exchange, request))
 
     def _reader(self, exchange: _Exchange) -> Any:
+        # The pieces as the network delivered them, one per read: joining is left to the reader's caller, which does
+        # it once for the whole body (`collect_body`, off the event loop for a large one).
+        pending: collections.deque[bytes] = collections.deque()
+
         async def read() -> tuple[bytes, bool]:
             if exchange.expect_continue and not exchange.continue_sent and not self.closed:
                 exchange.continue_sent = True
                 assert self.transport is not None
                 self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-            while not exchange.chunks and not exchange.body_done:
-                if exchange.broken:
-                    raise BadRequest("the request body's chunked encoding is malformed")
-                if self.closed or self.eof:
-                    raise BadRequest("the client disconnected before sending the whole body")
-                exchange.waiter = self.loop.create_future()
-                await exchange.waiter
-                exchange.waiter = None
-            chunks = exchange.chunks
-            exchange.chunks = []
-            return (chunks[0] if len(chunks) == 1 else b"".join(chunks)), not exchange.body_done
+            if not pending:
+                while not exchange.chunks and not exchange.body_done:
+                    if exchange.broken:
+                        raise BadRequest("the request body's chunked encoding is malformed")
+                    if self.closed or self.eof:
+                        raise BadRequest("the client disconnected before sending the whole body")
+                    exchange.waiter = self.loop.create_future()
+                    await exchange.waiter
+                    exchange.waiter = None
+                pending.extend(exchange.chunks)
+                exchange.chunks = []
+            chunk = pending.popleft() if pending else b""
+            return chunk, bool(pending) or not exchange.body_done
 
         return read
 
