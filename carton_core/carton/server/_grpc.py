@@ -1,11 +1,10 @@
 """The gRPC endpoints: ``inference.GRPCInferenceService`` over the HTTP side's repository.
 
-`GrpcService.handler` serves it on a `grpc.aio` server (``carton serve``, ``carton.ray``'s ingress); why grpc.aio
-rather than grpcio's thread-pool server: docs/server.md, "The gRPC server".
-
-Handlers are registered by hand (`grpc.method_handlers_generic_handler`) under the protocol's service name, against
-the messages generated from ``_proto/kserve_v2.proto`` into carton's own proto package (see `._proto` for why).
-Failures map to gRPC status codes the way Triton maps them, by `carton.server.errors.STATUS`: bad input
+`GrpcService` holds the protocol's methods, each taking a request message and returning the response message (a
+refused request raises `ServerError`); ``carton serve`` serves them over HTTP/2 with `._grpc_transport` (on `h2`;
+why not grpcio's server: docs/server.md, "The gRPC server"), ``carton.ray``'s ingress through Ray Serve's gRPC proxy.
+Messages are the ones generated from ``_proto/kserve_v2.proto`` into carton's own proto package (see `._proto` for
+why). Failures map to gRPC status codes the way Triton maps them, by `carton.server.errors.STATUS`: bad input
 ``INVALID_ARGUMENT``, unknown model ``NOT_FOUND``, upload disabled ``PERMISSION_DENIED``, a request timeout
 ``UNAVAILABLE``, anything else ``INTERNAL``.
 Outputs always travel in ``raw_output_contents``, as Triton sends them.
@@ -21,7 +20,6 @@ from typing import Any
 import grpc
 import numpy as np
 from carton_protocol import DType, Tensor
-from grpc import aio
 
 from ._datatypes import DATATYPE_OF, NUMPY_OF, counted
 from ._handle import metadata_shape
@@ -38,11 +36,11 @@ from ._inference import (
     request_succeeded,
     select_outputs,
 )
-from ._proto import SERVICE_NAME, message_class
+from ._proto import message_class
 from ._repository import ModelRepository, ServedVersion
 from .errors import BadRequest, ModelNotFound, ModelUnavailable, ServerError
 
-__all__ = ["GrpcService", "status_of"]
+__all__ = ["GrpcService", "message_type", "status_of"]
 
 # Which typed-contents field carries each datatype when a client does not send raw bytes.
 _CONTENTS_FIELD = {
@@ -62,6 +60,11 @@ _M = {
         "RepositoryModelLoadResponse", "RepositoryModelUnloadRequest", "RepositoryModelUnloadResponse",
     )
 }  # fmt: skip
+
+
+def message_type(name: str) -> Any:
+    """The generated message class of the protocol's message `name` (e.g. ``"ModelInferRequest"``)."""
+    return _M[name]
 
 
 def status_of(exc: ServerError) -> grpc.StatusCode:
@@ -131,8 +134,7 @@ def _response(served: ServedVersion, request: Any, outputs: Mapping[str, Tensor]
 
 
 class GrpcService:
-    """The protocol's methods over `repository`; `handler` builds the generic handler for
-    `grpc.aio.Server.add_generic_rpc_handlers`.
+    """The protocol's methods over `repository`: `unary_methods` by name, and `model_stream_infer`.
 
     Server readiness, the repository index, load and unload go to `control` (by default `repository` itself);
     ``carton.ray``'s ingress gives a control over its replicas' reports and no repository (it forwards the methods
@@ -177,35 +179,6 @@ class GrpcService:
             "RepositoryModelLoad": self.repository_load,
             "RepositoryModelUnload": self.repository_unload,
         }
-
-    def handler(self) -> grpc.GenericRpcHandler[Any, Any]:
-        unary = self.unary_methods()
-        handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
-            method: grpc.unary_unary_rpc_method_handler(
-                self._guard(function),
-                request_deserializer=_M[f"{method}Request"].FromString,
-                response_serializer=_M[f"{method}Response"].SerializeToString,
-            )
-            for method, function in unary.items()
-        }
-        handlers["ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(
-            self.model_stream_infer,
-            request_deserializer=_M["ModelInferRequest"].FromString,
-            response_serializer=_M["ModelStreamInferResponse"].SerializeToString,
-        )
-        return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
-
-    def _guard(
-        self, function: Callable[[Any], Awaitable[Any]]
-    ) -> Callable[[Any, aio.ServicerContext[Any, Any]], Awaitable[Any]]:
-        async def guarded(request: Any, context: aio.ServicerContext[Any, Any]) -> Any:
-            try:
-                return await function(request)
-            except ServerError as exc:
-                # Safe as composed (see `HttpApp.__call__`): client names are echoed verbatim.
-                await context.abort(status_of(exc), str(exc))
-
-        return guarded
 
     # ---- health and metadata -------------------------------------------------------------------------------------
     async def server_live(self, request: Any) -> Any:
@@ -327,9 +300,7 @@ class GrpcService:
         request_succeeded(served, started_ns=started, decoded_ns=decoded_at, inferred_ns=inferred_at)
         return response
 
-    async def model_stream_infer(
-        self, requests: AsyncIterator[Any], context: aio.ServicerContext[Any, Any]
-    ) -> AsyncIterator[Any]:
+    async def model_stream_infer(self, requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
         """``ModelStreamInfer``: each request answered in turn; a failure becomes that response's ``error_message``."""
         async for request in requests:
             try:

@@ -1,7 +1,7 @@
-"""Running the server: HTTP (carton's protocol on httptools + uvloop, ``_http_server.py``) and gRPC (grpc.aio) on
-one event loop, one repository.
+"""Running the server: HTTP (carton's protocol on httptools + uvloop, ``_http_server.py``) and gRPC (on h2,
+``_grpc_transport.py``) on one event loop, one repository.
 
-The HTTP listening socket is created here with ``TCP_NODELAY`` set (accepted connections inherit it on Linux), so
+The listening sockets are created here with ``TCP_NODELAY`` set (accepted connections inherit it on Linux), so
 small responses are not held back by Nagle's algorithm, and so that port 0 picks a free port the caller can read.
 """
 
@@ -29,11 +29,30 @@ from ._stats import ServerMetrics
 from .errors import ServerError
 
 if TYPE_CHECKING:
+    from ._grpc_transport import GrpcServer
     from ._processes import CoordinatorLink, ProcessGroup
 
 __all__ = ["ModelControlMode", "Server", "ServerOptions", "listening_text", "run_server", "serve_in_thread"]
 
 _log = logging.getLogger("carton.server")
+
+
+def _listen(host: str, port: int, *, shared: bool, what: str) -> socket.socket:
+    """A listening, non-blocking socket on `host`:`port`; `shared`: several server processes listen on it
+    (``SO_REUSEPORT``). `ServerError` if it cannot be bound."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if shared:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ServerError(f"cannot listen {'for ' + what if what else ''}on {host}:{port}: {exc.strerror}") from exc
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
 
 
 class ModelControlMode(enum.StrEnum):
@@ -122,47 +141,27 @@ class Server:
         self._http: HttpServer | None = None
         #: The event loop the server runs on, once started (for callers in other threads).
         self.loop: asyncio.AbstractEventLoop | None = None
-        self._grpc: object | None = None
+        self._grpc: GrpcServer | None = None
 
     async def start(self) -> None:
         """Bind the HTTP (and gRPC) ports and load the models the options name; raise `ServerError` if a port
         cannot be bound."""
-        from grpc import aio
-
         if self.options.grpc_port is not None:
             # Imported before anything listens: it needs the generated stubs, and HTTP-only serving does not.
             from ._grpc import GrpcService
+            from ._grpc_transport import serve_grpc
 
         if self.peers is not None:
             self.peers.check_ports()
-        sock = socket.socket(socket.AF_INET6 if ":" in self.options.host else socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if self.peers is not None:  # every server process listens on this port (grpcio sets it for gRPC itself)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        try:
-            sock.bind((self.options.host, self.options.http_port))
-        except OSError as exc:
-            sock.close()
-            raise ServerError(f"cannot listen on {self.options.host}:{self.options.http_port}: {exc.strerror}") from exc
-        sock.listen(2048)
-        sock.setblocking(False)
+        sock = _listen(self.options.host, self.options.http_port, shared=self.peers is not None, what="")
         self.http_port = sock.getsockname()[1]
         self.loop = asyncio.get_running_loop()
         self._http = await serve_http(self.app.handle, sock, keep_alive_timeout=30.0)
         if self.options.grpc_port is not None:
-            limit = self.options.max_body_size
-            grpc_server = aio.server(
-                options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", -1)]
-            )
+            grpc_sock = _listen(self.options.host, self.options.grpc_port, shared=self.peers is not None, what="gRPC ")
             service = GrpcService(self.repository, server_version=_version(), control=self.peers, totals=self.peers)
-            grpc_server.add_generic_rpc_handlers((service.handler(),))
-            port = grpc_server.add_insecure_port(f"{self.options.host}:{self.options.grpc_port}")
-            if port == 0:
-                raise ServerError(f"cannot listen for gRPC on {self.options.host}:{self.options.grpc_port}")
-            await grpc_server.start()
-            self.grpc_port = port
-            self._grpc = grpc_server
+            self._grpc = await serve_grpc(service, grpc_sock, max_message_size=self.options.max_body_size)
+            self.grpc_port = grpc_sock.getsockname()[1]
         if self.peers is None:
             await self._load_startup_models()
         else:
@@ -189,7 +188,7 @@ class Server:
 
     async def _stop_serving(self) -> None:
         if self._grpc is not None:
-            await self._grpc.stop(1.0)  # type: ignore[attr-defined]
+            await self._grpc.close(1.0)
         if self._http is not None:
             await self._http.close()
         await self.repository.close()
