@@ -1,0 +1,90 @@
+"""The gRPC transport's own answers (carton/server/_grpc_transport.py): what it does with calls that never reach a
+method, messages too large or not messages at all, responses larger than the client's flow-control window, and
+bytes that are not HTTP/2."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+
+import grpc
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from carton.server import Server
+from tritonclient.utils import InferenceServerException
+
+SERVICE = "/inference.GRPCInferenceService"
+
+
+@pytest.fixture
+def channel(server: Server) -> Iterator[grpc.Channel]:
+    with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as opened:
+        yield opened
+
+
+def _raw_call(channel: grpc.Channel, path: str, payload: bytes) -> bytes:
+    call = channel.unary_unary(path)  # no serializers: the bytes go as they are
+    return call(payload, timeout=30)  # type: ignore[no-any-return]
+
+
+def _still_serves(server: Server) -> None:
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    assert client.is_server_live() and client.is_model_ready("identity")
+    client.close()
+
+
+@pytest.mark.parametrize("path", [f"{SERVICE}/NoSuchMethod", "/other.Service/ModelInfer", "/"])
+def test_an_unknown_method_is_unimplemented(server: Server, channel: grpc.Channel, path: str) -> None:
+    with pytest.raises(grpc.RpcError) as caught:
+        _raw_call(channel, path, b"")
+    assert caught.value.code() is grpc.StatusCode.UNIMPLEMENTED
+    assert "unknown method" in caught.value.details()
+    _still_serves(server)
+
+
+def test_a_request_that_is_not_a_message_is_invalid_argument(server: Server, channel: grpc.Channel) -> None:
+    with pytest.raises(grpc.RpcError) as caught:
+        _raw_call(channel, f"{SERVICE}/ModelInfer", b"\xff\xff\xff\xff not protobuf")
+    assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details() == "the ModelInfer request is not a valid ModelInferRequest message"
+    _still_serves(server)
+
+
+def test_a_message_over_the_size_limit_is_resource_exhausted(server: Server, channel: grpc.Channel) -> None:
+    limit = server.options.max_body_size
+    with pytest.raises(grpc.RpcError) as caught:
+        _raw_call(channel, f"{SERVICE}/ModelInfer", b"\x00" * (limit + 1))
+    assert caught.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert caught.value.details() == f"request message of {limit + 1} bytes is over the {limit}-byte limit"
+    _still_serves(server)
+
+
+def test_a_response_larger_than_the_flow_control_window_arrives_whole(server: Server) -> None:
+    # A fresh connection's window is 64 KiB: the 3 MB response is sent in pieces as the client gives window back.
+    client = grpcclient.InferenceServerClient(
+        f"127.0.0.1:{server.grpc_port}", channel_args=[("grpc.use_local_subchannel_pool", 1), ("grpc.http2.bdp_probe", 0)]
+    )
+    x = np.random.default_rng(0).random((1, 750_000), dtype=np.float32)
+    tensor = grpcclient.InferInput("INPUT0", list(x.shape), "FP32")
+    tensor.set_data_from_numpy(x)
+    np.testing.assert_array_equal(client.infer("identity", [tensor]).as_numpy("OUTPUT0"), x * 2)
+    client.close()
+
+
+def test_an_error_message_keeps_characters_outside_ascii(server: Server) -> None:
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    with pytest.raises(InferenceServerException, match="modèle-ü%") as caught:
+        client.get_model_metadata("modèle-ü%")
+    assert caught.value.status() == str(grpc.StatusCode.NOT_FOUND)
+    client.close()
+
+
+def test_bytes_that_are_not_http2_close_only_that_connection(server: Server) -> None:
+    with socket.create_connection(("127.0.0.1", server.grpc_port), timeout=30) as sock:
+        sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+        received = b""
+        while chunk := sock.recv(65536):  # the server's SETTINGS and GOAWAY, then the end of the connection
+            received += chunk
+    assert received[3:4] == b"\x04"  # a SETTINGS frame first: it spoke HTTP/2 and no HTTP/1.1
+    _still_serves(server)
