@@ -62,9 +62,8 @@ def test_a_message_over_the_size_limit_is_resource_exhausted(server: Server, cha
 
 def test_a_response_larger_than_the_flow_control_window_arrives_whole(server: Server) -> None:
     # A fresh connection's window is 64 KiB: the 3 MB response is sent in pieces as the client gives window back.
-    client = grpcclient.InferenceServerClient(
-        f"127.0.0.1:{server.grpc_port}", channel_args=[("grpc.use_local_subchannel_pool", 1), ("grpc.http2.bdp_probe", 0)]
-    )
+    options = [("grpc.use_local_subchannel_pool", 1), ("grpc.http2.bdp_probe", 0)]
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}", channel_args=options)
     x = np.random.default_rng(0).random((1, 750_000), dtype=np.float32)
     tensor = grpcclient.InferInput("INPUT0", list(x.shape), "FP32")
     tensor.set_data_from_numpy(x)
