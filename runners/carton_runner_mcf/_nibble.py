@@ -11,8 +11,10 @@ are (``xe``: four lanes per block) and ``xoff = 8 * xs * sum(q)``. A row's odd l
 against a pair whose second half is zero.
 
 `nibble_rows` computes rows of ``y = x @ W.T``: activation rows four at a time share each unpacked pair (the weight
-scales spread once per row), a single activation row folds both scales into one spread vector per block pair and
-keeps two accumulators.
+scales spread once per row into a work buffer). Fewer than four (a decode step's one) go group by group of eight
+blocks (`_single_rows`): the group's weight scales are read from the payload, multiplied by the activation scales
+and kept in a register, each pair taking its two lanes with one shuffle, so nothing is stored and read back per
+row; two accumulators; the codes are prefetched ahead (the hardware prefetcher stops at page boundaries).
 """
 
 from __future__ import annotations
