@@ -23,6 +23,7 @@ __all__ = [
     "quantize_activations",
     "row_scales",
     "scale_group",
+    "whole_group",
 ]
 
 #: numba settings of every kernel: compiled once, cached on disk, the GIL released. No ``fastmath``: reassociation
@@ -76,13 +77,17 @@ def scale_group(payload, meta, row, kfamily, b):  # type: ignore[no-untyped-def]
     Eight scales (eight sub-scales) are read at a time, also where the part ends inside the group: in every q* / k*
     layout the scales and sub-scales are followed by at least the 64-byte aligned codes region, so the read stays in
     the payload, and the lanes past the end are zeroed before anything uses them."""
-    scale_at, blocks_full, block0, blocks = meta[1], meta[3], meta[6], meta[7]
+    return first_lanes(whole_group(payload, meta, row, kfamily, b), meta[7] - b)
+
+
+@numba.njit(**JIT)
+def whole_group(payload, meta, row, kfamily, b):  # type: ignore[no-untyped-def]
+    """`scale_group` of a group that lies wholly inside the part (``b + 8 <= blocks``): nothing to zero."""
+    scale_at, blocks_full, block0 = meta[1], meta[3], meta[6]
     if kfamily:
         scale = load_f16(payload, scale_at + 2 * (row * meta[4] + (block0 + b) // 8)) * _SUB_SCALE
-        group = mul(load_u8x8(payload, meta[2] + row * blocks_full + block0 + b), splat(scale))
-    else:
-        group = load_f16x8(payload, scale_at + 2 * (row * blocks_full + block0 + b))
-    return first_lanes(group, blocks - b)
+        return mul(load_u8x8(payload, meta[2] + row * blocks_full + block0 + b), splat(scale))
+    return load_f16x8(payload, scale_at + 2 * (row * blocks_full + block0 + b))
 
 
 @numba.njit(**JIT)

@@ -11,8 +11,10 @@ are (``xe``: four lanes per block) and ``xoff = 8 * xs * sum(q)``. A row's odd l
 against a pair whose second half is zero.
 
 `nibble_rows` computes rows of ``y = x @ W.T``: activation rows four at a time share each unpacked pair (the weight
-scales spread once per row), a single activation row folds both scales into one spread vector per block pair and
-keeps two accumulators.
+scales spread once per row into a work buffer). Fewer than four (a decode step's one) go group by group of eight
+blocks (`_single_rows`): the group's weight scales are read from the payload, multiplied by the activation scales
+and kept in a register, each pair taking its two lanes with one shuffle, so nothing is stored and read back per
+row; two accumulators; the codes are prefetched ahead (the hardware prefetcher stops at page boundaries).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ._blocks import JIT, grouped_scales, padded_blocks, row_scales, scale_group
+from ._blocks import JIT, grouped_scales, padded_blocks, row_scales, scale_group, whole_group
 from ._simd import (
     fma,
     hsum,
@@ -43,8 +45,8 @@ __all__ = ["PAIR_LANES", "nibble_rows", "quantize_pairs"]
 _INV32767 = np.float32(1.0 / 32767.0)
 #: code index (within a pair of blocks) -> lane of `_simd.nibble_order`, for `quantize_pairs`.
 _LANE_OF_CODE = np.argsort(np.array(nibble_order(), dtype=np.int64)).astype(np.int64)
-#: How far ahead of the codes being read the single-row loop asks for the next ones (bytes).
-_AHEAD = 1024
+#: How far ahead of the codes being read the single-row loops ask for the next ones (bytes).
+_AHEAD = 2048
 #: int16 activations per pair of blocks.
 PAIR_LANES = 64
 
@@ -139,17 +141,75 @@ def _offset(scales, xoff, j, padded):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(**JIT)
+def _pair_into(payload, at, xq, xa, both, k, half, acc):  # type: ignore[no-untyped-def]
+    """``acc`` plus pair ``k`` (a constant) of a group of eight blocks, whose codes start at byte ``at``, times the
+    activations at ``xq``'s flat index ``xa``, scaled by lanes ``2 k`` and ``2 k + 1`` of the group's scales
+    ``both``; with ``half`` 1 (a constant) the pair is a row's lone last block."""
+    return fma(to_float(_products(_pair(payload, at, half), xq, xa)), spread(both, k), acc)
+
+
+@numba.njit(**JIT)
+def _single_rows(payload, meta, xq, xs, xoff, y, first, last):  # type: ignore[no-untyped-def]
+    """`nibble_rows` for fewer than four activation rows of a part whose scales are read eight at a time
+    (`grouped_scales`): each group of eight blocks' scales (weight x activation) stays in a register and is spread
+    per pair; two accumulators; no work buffer."""
+    data_at, blocks_full, row0, block0, blocks, kfamily = meta[0], meta[3], meta[5], meta[6], meta[7], meta[8] != 0
+    whole = blocks // 8 * 8
+    rest = blocks - whole
+    for r in range(first, last):
+        row = row0 + r
+        at = data_at + (row * blocks_full + block0) * 16
+        for j in range(xq.shape[0]):
+            xa, sa, oa = j * xq.shape[1], j * xs.shape[1], j * xoff.shape[1]
+            offset, even, odd_sum = zeros(), zeros(), zeros()
+            for b in range(0, whole, 8):
+                group = whole_group(payload, meta, row, kfamily, b)
+                offset = fma(group, load_f32x8(xoff, oa + b), offset)
+                both = mul(group, load_f32x8(xs, sa + b))
+                base, x0 = at + 16 * b, xa + 32 * b
+                prefetch(payload, base + _AHEAD)
+                prefetch(payload, base + _AHEAD + 64)
+                even = _pair_into(payload, base, xq, x0, both, 0, 0, even)
+                odd_sum = _pair_into(payload, base + 32, xq, x0 + 64, both, 1, 0, odd_sum)
+                even = _pair_into(payload, base + 64, xq, x0 + 128, both, 2, 0, even)
+                odd_sum = _pair_into(payload, base + 96, xq, x0 + 192, both, 3, 0, odd_sum)
+            if rest:  # the last, partial group (its scales past the part's end are zero): whole pairs, a lone block
+                group = scale_group(payload, meta, row, kfamily, whole)
+                offset = fma(group, load_f32x8(xoff, oa + whole), offset)
+                both = mul(group, load_f32x8(xs, sa + whole))
+                base, x0 = at + 16 * whole, xa + 32 * whole
+                if rest >= 2:
+                    even = _pair_into(payload, base, xq, x0, both, 0, 0, even)
+                if rest >= 4:
+                    odd_sum = _pair_into(payload, base + 32, xq, x0 + 64, both, 1, 0, odd_sum)
+                if rest >= 6:
+                    even = _pair_into(payload, base + 64, xq, x0 + 128, both, 2, 0, even)
+                if rest == 1:
+                    odd_sum = _pair_into(payload, base, xq, x0, both, 0, 1, odd_sum)
+                elif rest == 3:
+                    odd_sum = _pair_into(payload, base + 32, xq, x0 + 64, both, 1, 1, odd_sum)
+                elif rest == 5:
+                    odd_sum = _pair_into(payload, base + 64, xq, x0 + 128, both, 2, 1, odd_sum)
+                elif rest == 7:
+                    odd_sum = _pair_into(payload, base + 96, xq, x0 + 192, both, 3, 1, odd_sum)
+            y[j, r] = hsum(even) + hsum(odd_sum) - hsum(offset)
+
+
+@numba.njit(**JIT)
 def nibble_rows(payload, meta, xq, xs, xe, xoff, y, first, last):  # type: ignore[no-untyped-def]
     """Rows ``first..last`` (of the part) of ``y [m, rows] = x @ W.T`` for a 4-bit part (``meta[8]``: k* scales),
     from activations rounded by `quantize_pairs`."""
     data_at, blocks_full, row0, block0, blocks, kfamily = meta[0], meta[3], meta[5], meta[6], meta[7], meta[8] != 0
     m, stride = xq.shape
+    grouped = grouped_scales(meta)
+    if m < 4 and grouped:
+        _single_rows(payload, meta, xq, xs, xoff, y, first, last)
+        return
     pairs, odd = blocks // 2, blocks % 2
     padded = padded_blocks(blocks)
     scales = np.empty(padded, dtype=np.float32)
     spread_scales = np.empty(4 * padded, dtype=np.float32)
     both = np.empty(padded, dtype=np.float32)
-    grouped = grouped_scales(meta)
     for r in range(first, last):
         row = row0 + r
         at = data_at + (row * blocks_full + block0) * 16

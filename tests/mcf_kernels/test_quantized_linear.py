@@ -62,6 +62,19 @@ def test_matches_dequantized_matmul(method: str, cache: str, cols: int, kernels:
         _check(linear, rng.standard_normal((batch, cols)).astype(np.float32), dense)
 
 
+@pytest.mark.parametrize("method", ["q4", "k4"])
+def test_four_bit_rows_end_in_every_partial_group(method: str, kernels: str) -> None:
+    """The 4-bit kernels read a row's scales eight blocks at a time: rows of 1 to 24 blocks end after every count
+    of whole groups and every length of a partial one (a lone last block included), the last block padded."""
+    rng = np.random.default_rng(12)
+    for blocks in range(1, 25):
+        cols = 32 * blocks - 5
+        q = quantize(rng.standard_normal((9, cols)).astype(np.float32), method)
+        linear = QuantizedLinear.from_quantized(q, cache="packed", kernels=kernels)
+        for batch in (1, 2, 3, 5):
+            _check(linear, rng.standard_normal((batch, cols)).astype(np.float32), q.dequantize())
+
+
 @pytest.mark.parametrize("method", ["int8", "int4"])
 @pytest.mark.parametrize("cache", CACHES)
 def test_int_activations_domain_zero_point(method: str, cache: str, kernels: str) -> None:
