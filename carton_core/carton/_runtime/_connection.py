@@ -217,7 +217,11 @@ class AsyncChannel:
 
     ZeroMQ's descriptor is edge-triggered: it signals that the socket's state may have changed, not that a message
     is waiting. So every wake-up, and every send, ends with reading ``EVENTS`` until no message is left; a message
-    that arrived while we were sending would otherwise never wake the loop.
+    that arrived while we were sending would otherwise never wake the loop. The read after a send is needed even
+    when no other reply is due: a new ZeroMQ pipe starts with its reader counted as awake, so the first reply into
+    it sends no signal at all; the read that finds the pipe empty is what makes the next reply signal. (Skipping
+    it when nothing else was due left a call waiting for good; reading once per loop step instead of once per send
+    cost more than it saved: docs/performance.md.)
     """
 
     def __init__(self, connection: Connection, loop: asyncio.AbstractEventLoop) -> None:
