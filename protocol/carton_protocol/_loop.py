@@ -195,7 +195,6 @@ class _Server:
         self.last_infer_seconds = 0.0
         self.inline_max_seconds = _inline_max_seconds()
         self.local = threading.local()
-        self.main_thread = threading.get_ident()
         self.running = True
         self.exit_code = 0
         try:
@@ -245,23 +244,14 @@ class _Server:
         """
         executor = self.executor
         if executor is None or (self.last_infer_seconds < self.inline_max_seconds and self.pooled == 0):
-            self._infer(ident, received)
+            send_message(self.router, [ident, *self._infer(received)])
             return
         self.pooled += 1
-        executor.submit(self._infer, ident, received)
+        executor.submit(self._pooled_infer, ident, received)
 
     def _send(self, ident: Any, reply: Reply) -> None:
-        self._send_parts([ident, self.codec.encode(reply)])
-
-    def _send_parts(self, message: list[Any]) -> None:
-        if self.results is None or threading.get_ident() == self.main_thread:
-            send_message(self.router, message)
-        else:
-            sender = getattr(self.local, "sender", None)
-            if sender is None:
-                sender = self.local.sender = self.context.socket(zmq.PUSH)
-                sender.connect("inproc://results")
-            send_message(sender, message)
+        """Send `reply` on the router (from the socket thread: pool threads send theirs in `_pooled_infer`)."""
+        send_message(self.router, [ident, self.codec.encode(reply)])
 
     def _handle(self, frames: list[zmq.Frame]) -> None:
         if len(frames) < 2:
@@ -382,7 +372,17 @@ class _Server:
             runner.close()
 
     # --- any thread ------------------------------------------------------------------------------------------
-    def _infer(self, ident: Any, received: Received) -> None:
+    def _pooled_infer(self, ident: Any, received: Received) -> None:
+        """`_infer` on a pool thread: the reply goes back to the socket thread over this thread's own PUSH socket."""
+        parts = self._infer(received)
+        sender = getattr(self.local, "sender", None)
+        if sender is None:
+            sender = self.local.sender = self.context.socket(zmq.PUSH)
+            sender.connect("inproc://results")
+        send_message(sender, [ident, *parts])
+
+    def _infer(self, received: Received) -> list[Any]:
+        """The parts of the reply to an infer request: its outputs, or the error."""
         request_id = received.message.id
         try:
             inputs = self.codec.tensors(received)
@@ -392,11 +392,9 @@ class _Server:
             start = time.perf_counter()
             outputs = runner.infer(inputs)
             self.last_infer_seconds = time.perf_counter() - start
-            outgoing = self._encode_outputs(request_id, outputs)
+            return self._encode_outputs(request_id, outputs).parts
         except Exception as exc:
-            self._send(ident, error_reply(request_id, exc))
-            return
-        self._send_parts([ident, *outgoing.parts])
+            return [self.codec.encode(error_reply(request_id, exc))]
 
     def _encode_outputs(self, request_id: int, outputs: object) -> Outgoing:
         if type(outputs) is not dict:

@@ -53,6 +53,10 @@ class _Worker:
         self.restart_lock = threading.Lock()
 
 
+def _in_flight(worker: _Worker) -> int:
+    return worker.in_flight
+
+
 def _close_workers(workers: Sequence[_Worker], timeout: float = 5.0) -> None:
     """Close every worker's process, all at once: each may wait ``timeout`` for a graceful exit before a kill."""
     processes = [w.process for w in workers if w.process is not None]
@@ -220,7 +224,8 @@ class Model:
         with self._lock:
             if self._closed:
                 raise ModelClosed("the model is closed")
-            worker = min(self._workers, key=lambda w: w.in_flight)
+            workers = self._workers
+            worker = workers[0] if len(workers) == 1 else min(workers, key=_in_flight)
             worker.in_flight += 1
             return worker
 

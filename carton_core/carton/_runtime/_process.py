@@ -102,7 +102,10 @@ class RunnerProcess:
         self.spec = spec
         self.plan = plan
         self._resources = resources
-        self._lock = threading.Condition()
+        # Calls count themselves in and out under the bare lock (its C-level `with` is cheaper than the condition's);
+        # `close` waits on the condition for them to leave.
+        self._mutex = threading.RLock()
+        self._lock = threading.Condition(self._mutex)
         self._inflight = 0
         self._closed = False
         self._fate: RunnerError | None = None  # why the host killed the process, for calls that were waiting
@@ -209,7 +212,7 @@ class RunnerProcess:
 
     # --- calls ---------------------------------------------------------------------------------------------------
     def _enter(self, what: str) -> Connection:
-        with self._lock:
+        with self._mutex:
             connection = self._resources.connection
             if self._closed or connection is None:
                 raise ModelClosed(f"runner {self.spec.entry} is closed; cannot {what}")
@@ -217,7 +220,7 @@ class RunnerProcess:
         return connection
 
     def _leave(self) -> None:
-        with self._lock:
+        with self._mutex:
             self._inflight -= 1
             if self._closed:
                 self._lock.notify_all()
