@@ -38,6 +38,7 @@ __all__ = [
     "atomic_add",
     "atomic_load",
     "atomic_store",
+    "await_post",
     "barrier",
     "control_size",
     "depart",
@@ -62,6 +63,7 @@ WAIT_LIMIT_S = 30.0
 _SPINS = 300  # pause-hinted polls before yielding the core (tens of microseconds)
 _YIELDS = 200  # sched_yield polls before napping
 _NAP_US = 50
+_IDLE_YIELDS = 2000  # sched_yield polls of a helper between runs before it sleeps (a few milliseconds when idle)
 
 
 def control_size(counters: int) -> int:
@@ -223,3 +225,18 @@ def wait_departures(control, team):  # type: ignore[no-untyped-def]
     if team == 1:
         return True
     return _wait(control, DEPARTURES, team - 1)
+
+
+@numba.njit(**JIT)
+def await_post(posted, seen):  # type: ignore[no-untyped-def]
+    """A helper between runs: True as soon as ``posted[0]`` (the run count the caller posted) exceeds ``seen``, or
+    False after spinning then yielding its core for a few milliseconds (the helper then sleeps until woken)."""
+    for _ in range(_SPINS):
+        if atomic_load(posted, 0) > seen:
+            return True
+        _pause()
+    for _ in range(_IDLE_YIELDS):
+        if atomic_load(posted, 0) > seen:
+            return True
+        _sched_yield()
+    return False

@@ -163,6 +163,7 @@ class LlamaModel:
         self._scale = np.float32(1.0 / np.sqrt(config.head_dim))
         self._fused = _fused_ops()
         self._region: DecodeRegion | bool | None = self._fused is not None  # True: not built yet
+        self._stepped: tuple[F32, F32] | None = None  # the last region step's output and logits
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         return KVCache(self.config, batch, capacity, kv_heads=self.kv_heads)
@@ -280,21 +281,28 @@ class LlamaModel:
         return self._region or None
 
     def _step_region(self, region: DecodeRegion, input_ids: I64, positions: I64, cache: KVCache) -> F32 | None:
-        """`forward` for one token per row as one `_step.decode_step` run by the model's threads; None (and the
-        region dropped, with a warning) when the team failed."""
+        """`forward` for one token per row as one `_step.decode_step` run by the model's threads, which also
+        computes the step's logits (kept for `logits`); None (and the region dropped, with a warning) when the team
+        failed."""
         from ._team import TeamFailed
 
         batch = input_ids.shape[0]
+        ids = np.ascontiguousarray(input_ids.reshape(batch), dtype=np.int64)
         cos, sin = (np.ascontiguousarray(part.reshape(batch, -1)) for part in self._rotary(positions))
-        hidden = np.ascontiguousarray(self.embedding(input_ids).reshape(batch, -1), dtype=np.float32)
+        hidden = None
+        if not region.embeds(ids):
+            hidden = np.ascontiguousarray(self.embedding(input_ids).reshape(batch, -1), dtype=np.float32)
         try:
-            out = region.step(
-                hidden, cos, sin, cache.key_store, cache.value_store, cache.key_mask, cache.length, self._scale
+            out, logits = region.step(
+                ids, hidden, cos, sin, cache.key_store, cache.value_store, cache.key_mask, cache.length, self._scale
             )
         except TeamFailed as exc:
             warnings.warn(f"mcf runner: decode falls back to one call per operation: {exc}", RuntimeWarning, 2)
             self._region = None
             return None
+        # Read-only, so that the logits kept for it cannot go stale.
+        out.flags.writeable = False
+        self._stepped = (out, logits) if logits is not None else None
         return out.reshape(batch, 1, -1)
 
     def _step_one(self, input_ids: I64, positions: I64, cache: KVCache, fused: ModuleType) -> F32:
@@ -336,17 +344,19 @@ class LlamaModel:
         return chunked_prefill(self, input_ids, positions, token_mask, cache, chunk=chunk)
 
     def logits(self, hidden: F32) -> F32:
-        region = self._region if isinstance(self._region, DecodeRegion) else None
-        if region is not None and hidden.ndim == 2:
-            from ._team import TeamFailed
-
-            try:
-                by_team = region.logits(hidden)
-            except TeamFailed as exc:
-                warnings.warn(f"mcf runner: decode falls back to one call per operation: {exc}", RuntimeWarning, 2)
-                self._region = by_team = None
-            if by_team is not None:
-                return by_team
+        stepped, self._stepped = self._stepped, None
+        if stepped is not None:
+            out, logits = stepped
+            # ``hidden`` is what the last single-token step returned (or a view of all of it): its logits were
+            # computed in the same run of the threads.
+            if (
+                hidden.size == out.size
+                and hidden.shape[-1] == out.shape[-1]
+                and hidden.dtype == out.dtype
+                and hidden.flags.c_contiguous
+                and hidden.__array_interface__["data"][0] == out.__array_interface__["data"][0]
+            ):
+                return logits.reshape(*hidden.shape[:-1], logits.shape[-1])
         return self.lm_head(hidden)
 
 

@@ -17,6 +17,7 @@ import numpy.typing as npt
 
 from ._kernels import QuantizedLinear
 from ._packed import CompiledPayload
+from ._weights import QuantizedEmbedding
 
 __all__ = ["F32", "DecodeRegion", "build_region"]
 
@@ -72,6 +73,12 @@ class DecodeRegion:
         self.layers = len(model.layers)
         self.team = Team(threads, _step.step_counters(self.layers))
         self.head = _payload(model.lm_head)
+        self.vocab = self.head.rows if self.head is not None else 0
+        no_table = (_readonly(np.zeros(0, np.uint8)), np.zeros(10, np.int64))
+        self._head = (_readonly(self.head.payload), self.head.meta) if self.head is not None else no_table
+        self.embedding = _embedding_payload(model.embedding)
+        self._table = (_readonly(self.embedding.payload), self.embedding.meta) if self.embedding else no_table
+        self._no_ids = np.zeros(0, np.int64)
         self._buffers: dict[tuple[int, int], tuple[Any, ...]] = {}
         self._lock = threading.Lock()
 
@@ -113,6 +120,9 @@ class DecodeRegion:
         team, h, d = self.team.size, self.hidden, self.head_dim
         q_width, kv_width = self.heads * d, self.kv_heads * d
         blocks = max(-(-width // 32) for width in (h, q_width, self.inter))
+        if self.head is not None:
+            blocks = max(blocks, self.head.blocks)
+        row = self.embedding.width if self.embedding is not None else 0
         xq, xs, xe = self._activation_shapes(m, blocks)
         own = (
             np.zeros((team, m, h), np.float32),
@@ -124,6 +134,7 @@ class DecodeRegion:
             np.zeros((team, d), np.float32),
             np.zeros((team, d), np.float32),
             np.zeros((team, capacity), np.float32),
+            np.zeros((team, 1, row), np.float32),
         )
         shared = (
             np.zeros((m, q_width), np.float32),
@@ -140,7 +151,8 @@ class DecodeRegion:
 
     def step(
         self,
-        hidden: F32,
+        ids: npt.NDArray[np.int64],
+        hidden: F32 | None,
         cos: F32,
         sin: F32,
         keys: F32,
@@ -148,33 +160,42 @@ class DecodeRegion:
         key_mask: npt.NDArray[np.bool_],
         slot: int,
         scale: np.float32,
-    ) -> F32:
-        """The final-normed hidden states ``[m, h]`` of the new tokens whose embeddings are ``hidden [m, h]``
-        (``cos`` / ``sin [m, d / 2]``; the cache ``keys`` / ``values [layers, m, kv, capacity, d]``)."""
-        m = hidden.shape[0]
+    ) -> tuple[F32, F32 | None]:
+        """The final-normed hidden states ``[m, h]`` of the new tokens ``ids [m]`` and their logits ``[m, vocab]``
+        (None when the output head is not a whole block matrix). ``hidden [m, h]``: the tokens' embeddings, or None
+        to let the threads decode them from the quantized table (`embeds`); ``cos`` / ``sin [m, d / 2]``; the cache
+        ``keys`` / ``values [layers, m, kv, capacity, d]``."""
+        m = ids.shape[0]
         out = np.empty((m, self.hidden), dtype=np.float32)
+        logits = np.empty((m, self.vocab), dtype=np.float32)
+        embedded = hidden is not None
         with self._lock:  # the work arrays serve one step at a time
             work = self._work(m, keys.shape[3])
-            args = (self.payloads, self.metas, self.widths, self.norms, self.final_norm, self.eps, hidden, cos, sin,
-                    keys, values, key_mask, slot, scale, *work[:-1], out, work[-1])  # fmt: skip
+            args = (self.payloads, self.metas, self.widths, self.norms, self.final_norm, self.eps, self._table,
+                    self._no_ids if embedded else ids, hidden if embedded else out, cos, sin, keys, values, key_mask,
+                    slot, scale, *work[:-1], out, self._head, logits, work[-1])  # fmt: skip
             self.team.run(self._step.decode_step, args)
-        return out
+        return out, (logits if self.vocab else None)
 
-    def logits(self, hidden: F32) -> F32 | None:
-        """The output head's product by the team (``hidden [m, h]``), or None when the head is not a whole block
-        matrix or the team is a single thread (the serial kernel then does the same work)."""
-        head = self.head
-        if head is None or self.team.size == 1:
-            return None
-        x = np.ascontiguousarray(hidden, dtype=np.float32)
-        m = x.shape[0]
-        xq, xs, xe = self._activation_shapes(m, head.blocks)
-        team = self.team.size
-        y = np.empty((m, head.rows), dtype=np.float32)
-        rounded = (np.empty((team, *xq), np.int16), np.empty((team, *xs), np.float32),
-                   np.empty((team, *xe), np.float32), np.empty((team, *xs), np.float32))  # fmt: skip
-        self.team.run(self._step.product, (head.payload, head.meta, head.layout.bits, x, y, *rounded))
-        return y
+    def embeds(self, ids: npt.NDArray[np.int64]) -> bool:
+        """Whether the threads can decode the embeddings of ``ids`` themselves (a quantized block table, ids in
+        range: anything else is left to the model's `Embedding`, which reports bad ids)."""
+        table = self.embedding
+        return table is not None and ids.size > 0 and int(ids.min()) >= 0 and int(ids.max()) < table.rows
+
+
+def _embedding_payload(embedding: object) -> CompiledPayload | None:
+    """The embedding table as a compiled payload when it is a whole q* / k* table (its rows are then decoded by the
+    threads of the step, with the same bits as `QuantizedEmbedding`'s decoder), else None."""
+    from ._packed import compiled_kernels
+
+    if type(embedding) is not QuantizedEmbedding or embedding.layout.method.family == "int":
+        return None
+    kernels = compiled_kernels()
+    if kernels is None:
+        return None
+    layout = embedding.layout
+    return CompiledPayload(kernels, embedding.payload, layout, (0, layout.rows), (0, layout.cols))
 
 
 def build_region(model: Any) -> DecodeRegion | None:

@@ -28,7 +28,7 @@ import numpy as np
 
 from ._atomics import barrier, depart, take, wait_departures
 from ._blocks import JIT
-from ._compiled import _matmul_rows, quantize
+from ._compiled import _decode_rows, _matmul_rows, quantize
 from ._fused import _rotate, rms_norm, softmax_weights
 from ._nibble import nibble_rows
 
@@ -101,6 +101,28 @@ def _attend(layer, b, head, groups, q, k, v, cos, sin, keys, values, key_mask, s
 
 
 @numba.njit(**JIT)
+def _embed(embedding, ids, row, hidden):  # type: ignore[no-untyped-def]
+    """Rows ``ids`` of the quantized embedding table ``embedding`` (payload, meta) into ``hidden [m, h]``, decoded
+    through ``row`` (a float32 buffer of at least the table's padded width)."""
+    payload, meta = embedding
+    h, width = hidden.shape[1], meta[9]
+    for j in range(ids.size):
+        first, last = ids[j], ids[j] + 1
+        if width == 4:
+            _decode_rows(payload, meta, row, first, last, 4)
+        elif width == 8:
+            _decode_rows(payload, meta, row, first, last, 8)
+        elif width == 6:
+            _decode_rows(payload, meta, row, first, last, 6)
+        elif width == 3:
+            _decode_rows(payload, meta, row, first, last, 3)
+        else:
+            _decode_rows(payload, meta, row, first, last, 2)
+        for c in range(h):
+            hidden[j, c] = row[0, c]
+
+
+@numba.njit(**JIT)
 def _add(into, part):  # type: ignore[no-untyped-def]
     m, n = into.shape
     for j in range(m):
@@ -148,26 +170,31 @@ def _rows_by_counter(control, counter, unit_rows, tables, first_matrix, count, x
 
 @numba.njit(**JIT)
 def decode_step(  # type: ignore[no-untyped-def]
-    payloads, metas, widths, norms, final_norm, eps, hidden_in, cos, sin, keys, values, key_mask, slot, scale,
-    q, k, v, attended, projected, gate, up, activated, out, own, control, worker, team,
+    payloads, metas, widths, norms, final_norm, eps, embedding, ids, hidden_in, cos, sin, keys, values, key_mask,
+    slot, scale, q, k, v, attended, projected, gate, up, activated, out, head_table, logits, own, control, worker, team,
 ):  # fmt: skip
-    """One decode step over every layer (module docstring) for the new tokens' embeddings ``hidden_in [m, h]``;
-    worker 0 writes the final RMSNorm of the last hidden state into ``out [m, h]``.
+    """One decode step over every layer (module docstring) for the new tokens ``ids [m]``, whose embeddings each
+    thread decodes from ``embedding`` (payload, meta), or, when ``ids`` is empty, for their embeddings ``hidden_in
+    [m, h]``; worker 0 writes the final RMSNorm of the last hidden state into ``out [m, h]``, and the output head
+    ``head_table`` (payload, meta) multiplies it into ``logits [m, vocab]`` unless that has no columns.
 
     Tables, per matrix ``7 * layer + i`` (q, k, v, o, gate, up, down): ``payloads`` (a typed list of uint8 arrays),
     ``metas [n, 10]`` (`_packed.CompiledPayload.meta`), ``widths [n]`` (code bits). ``norms [layers, 2, h]``: input
     and post-attention RMSNorm weights. ``keys`` / ``values [layers, m, kv, capacity, d]``: the cache, ``key_mask [m,
     capacity]`` its real slots (``slot``, the new one, included). ``q k v attended projected gate up activated``:
     shared work arrays. ``own``: this thread's work arrays, a tuple of ``[team, ...]`` arrays (hidden, normed, xq, xs,
-    xe, xoff, query, key, scores)."""
-    hidden_all, normed_all, xq_all, xs_all, xe_all, xoff_all, query_all, key_all, scores_all = own
+    xe, xoff, query, key, scores, an embedding row)."""
+    hidden_all, normed_all, xq_all, xs_all, xe_all, xoff_all, query_all, key_all, scores_all, row_all = own
     hidden, normed = hidden_all[worker], normed_all[worker]
     xq, xs, xe, xoff = xq_all[worker], xs_all[worker], xe_all[worker], xoff_all[worker]
     query, key, scores = query_all[worker], key_all[worker], scores_all[worker]
     m = hidden.shape[0]
     heads = q.shape[1] // query.size
     groups = heads // (k.shape[1] // query.size)
-    hidden[:, :] = hidden_in
+    if ids.size:
+        _embed(embedding, ids, row_all[worker], hidden)
+    else:
+        hidden[:, :] = hidden_in
     passed = 0
     tables = (payloads, metas, widths)
     unit_rows = ROWS if team > 1 else 1 << 30  # one thread: a product is one unit, as in the serial kernels
@@ -219,16 +246,28 @@ def decode_step(  # type: ignore[no-untyped-def]
         if passed < 0:
             return ABORTED
         _add(hidden, projected)
+    rms_norm(hidden, final_norm, eps, out if worker == 0 else normed)
+    if logits.shape[1]:
+        # The output head in the same run: every thread has the same final norm (worker 0's is ``out``).
+        head_payload, head_meta = head_table
+        width = head_meta[9]
+        quantize(out if worker == 0 else normed, width, xq, xs, xe, xoff)
+        rows = logits.shape[1]
+        head_rows = HEAD_ROWS if team > 1 else rows
+        while True:
+            first = take(control, norms.shape[0] * _PHASES) * head_rows
+            if first >= rows:
+                break
+            rows_of(head_payload, head_meta, width, xq, xs, xe, xoff, logits, first, min(rows, first + head_rows))
     if worker == 0:
-        rms_norm(hidden, final_norm, eps, out)
         return 0 if wait_departures(control, team) else ABORTED
     depart(control)
     return 0
 
 
 def step_counters(layers: int) -> int:
-    """Work counters a `decode_step` over ``layers`` layers uses."""
-    return layers * _PHASES
+    """Work counters a `decode_step` over ``layers`` layers uses (the output head's last)."""
+    return layers * _PHASES + 1
 
 
 @numba.njit(**JIT)

@@ -9,7 +9,8 @@ or writes a shared array when `run` returns.
 Plain Python threads, not a numba parallel region: every worker is an OS thread that exists for the team's life,
 so a barrier never waits on work that was queued behind another (a TBB task arena may run two iterations of a
 ``prange`` one after the other on one thread, which would deadlock a barrier), and no OpenMP team spins on the
-cores between tokens. A helper that fails sets the abort flag; every wait then returns, `run` raises `TeamFailed`,
+cores between tokens (a helper polls for the next run for a few milliseconds, yielding its core, then sleeps on a
+condition). A helper that fails sets the abort flag; every wait then returns, `run` raises `TeamFailed`,
 and the team refuses further runs.
 """
 
@@ -23,7 +24,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ._atomics import ABORT, control_size
+from ._atomics import ABORT, SLOT, await_post, control_size
 
 __all__ = ["OK", "Team", "TeamFailed"]
 
@@ -45,14 +46,22 @@ class _Shared:
         self.work: tuple[Callable[..., Any], tuple[Any, ...]] | None = None
         self.closed = False
         self.failure: BaseException | None = None
+        #: ``posted[0]``: the generation, also written outside the condition so that a helper between runs can
+        #: poll it in compiled code without the GIL (`_atomics.await_post`) before it sleeps on the condition.
+        self.posted = np.zeros(SLOT, dtype=np.int64)
 
 
 def _helper(shared: _Shared, control: npt.NDArray[np.int64], worker: int, size: int) -> None:
     seen = 0
     while True:
+        # A step's runs follow each other within microseconds to a millisecond: a helper that polls for the next
+        # one starts it at once, where a wake-up from the condition costs a futex wake and a trip through the
+        # scheduler per run. After a few idle milliseconds it sleeps.
+        if not await_post(shared.posted, seen):
+            with shared.condition:
+                while shared.generation == seen and not shared.closed:
+                    shared.condition.wait()
         with shared.condition:
-            while shared.generation == seen and not shared.closed:
-                shared.condition.wait()
             if shared.closed:
                 return
             seen = shared.generation
@@ -115,6 +124,7 @@ class Team:
             with shared.condition:
                 shared.work = (function, args)
                 shared.generation += 1
+                shared.posted[0] = shared.generation
                 shared.condition.notify_all()
         try:
             status = function(*args, self.control, 0, self.size)
@@ -134,4 +144,5 @@ class Team:
 def _close(shared: _Shared) -> None:
     with shared.condition:
         shared.closed = True
+        shared.posted[0] += 1
         shared.condition.notify_all()

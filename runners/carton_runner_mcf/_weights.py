@@ -107,7 +107,9 @@ class QuantizedEmbedding:
             raise ValueError(f"a payload of {len(payload)} bytes is too short for a [{rows}, {cols}] table")
         self._rows = rows
         self._cols = cols
-        self._layout = layout
+        #: the whole table's payload and layout (the compiled decode step decodes its rows itself)
+        self.payload = payload
+        self.layout = layout
         self._dequantize = dequantize
         self._regions = [
             payload[region.offset : region.end].reshape(rows, per_row)
@@ -123,7 +125,7 @@ class QuantizedEmbedding:
     def __call__(self, ids: NDArray[np.int64]) -> F32:
         unique, inverse = np.unique(ids.reshape(-1), return_inverse=True)
         count = len(unique)
-        part = payload_layout(self._layout.method, count, self._cols, domain=self._layout.domain)
+        part = payload_layout(self.layout.method, count, self._cols, domain=self.layout.domain)
         cut = row_regions(part)
         assert cut is not None  # same columns as the table
         sub = np.zeros(part.size, dtype=np.uint8)
