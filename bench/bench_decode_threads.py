@@ -3,7 +3,7 @@ another, in alternating rounds.
 
     python bench/bench_llm.py --threads 1 --rounds 1 --methods q4 --new-tokens 8   # converts SmolLM2 once
     git worktree add --detach ../carton-base <commit>                             # the code before a change
-    python bench/bench_decode_threads.py --baseline ../carton-base [--rounds 4] [--method q4]
+    python bench/bench_decode_threads.py --baseline ../carton-base [--rounds 4] [--method q4] [--bandwidth]
 
 Every round starts one child process per (side, thread count), in alternating order (the baseline first in even
 rounds). A child has that side's ``carton_core``, ``protocol`` and ``runners`` first on ``PYTHONPATH``, loads the
@@ -11,6 +11,10 @@ MCF that ``bench/bench_llm.py`` converted (its ``--work`` folder) with runner op
 of ``--prompt-tokens`` random tokens and decodes ``--new-tokens`` greedily (the loop of the runner's generate:
 step, output head, argmax), ``--repeats`` times; it reports the best time per token and the process's CPU time per
 token (every thread, from /proc).
+
+``--bandwidth`` first measures what bounds a step from below: the time to read the model file's bytes once (a
+compiled XOR over them as 64-bit words, the file already in the page cache) by one thread and by two (each half),
+best of 5, alternated over ``--rounds``: a decode step reads every weight once.
 
 The table gives, per side and thread count, the median over rounds of the best time per token, and the scaling
 from one thread to two as the median of the per-round ratios (each round's two children ran back to back, so a
@@ -72,6 +76,50 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
     return {"step_ms": best[0] * 1e3, "cpu_ms": best[1] * 1e3}
 
 
+def _bandwidth(model: Path, rounds: int) -> None:
+    import threading
+
+    import numba
+    import numpy as np
+
+    @numba.njit(nogil=True, cache=False)
+    def fold(words: Any, first: int, last: int) -> int:
+        total = np.uint64(0)
+        for i in range(first, last):
+            total ^= words[i]
+        return int(total)
+
+    raw = np.fromfile(model / "model.mcf", dtype=np.uint8)
+    words = raw[: raw.size // 8 * 8].view(np.uint64)
+    n = words.size
+    fold(words, 0, 8)
+
+    def one() -> float:
+        started = time.perf_counter()
+        fold(words, 0, n)
+        return time.perf_counter() - started
+
+    def two() -> float:
+        helper = threading.Thread(target=fold, args=(words, n // 2, n))
+        started = time.perf_counter()
+        helper.start()
+        fold(words, 0, n // 2)
+        helper.join()
+        return time.perf_counter() - started
+
+    results = []
+    for _ in range(rounds):
+        results.append((min(one() for _ in range(5)), min(two() for _ in range(5))))
+    mb = raw.size / 1e6
+    print(f"# reading the {mb:.0f} MB model file once, best of 5 per round, {rounds} rounds; load average "
+          f"{os.getloadavg()[0]:.2f}")  # fmt: skip
+    print("| round | 1 thread ms | GB/s | 2 threads ms | GB/s | 2 threads / 1 |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for index, (a, b) in enumerate(results):
+        rates = f"{a * 1e3:.2f} | {mb / a / 1e3:.1f} | {b * 1e3:.2f} | {mb / b / 1e3:.1f}"
+        print(f"| {index + 1} | {rates} | {a / b:.2f}x |")
+
+
 def _run_child(tree: Path, threads: int, model: Path, args: argparse.Namespace) -> dict[str, Any]:
     from _timing import run_in_checkout
 
@@ -91,6 +139,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--bandwidth", action="store_true", help="also time reading the model at 1 and 2 threads")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -101,6 +150,8 @@ def main() -> None:
     model = args.work / f"mcf-{args.method}"
     if not (model / "model.mcf").is_file():
         raise SystemExit(f"{model}/model.mcf is missing: run bench/bench_llm.py --methods {args.method} first")
+    if args.bandwidth:
+        _bandwidth(model, args.rounds)
     sides = [("this checkout", HERE.parent)]
     if args.baseline is not None:
         sides.append(("baseline", args.baseline.resolve()))

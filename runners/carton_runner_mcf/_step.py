@@ -16,7 +16,8 @@ each thread computes for itself into its own buffers, in the same order, so no b
 thread holds the same bits. A row of a product is always computed whole by the same kernel as the serial path
 (`_compiled`), so results do not depend on the number of threads.
 
-`product` is one product on its own (the output head): each thread rounds the input, then rows by counter.
+Before the first layer each thread decodes the new tokens' embedding rows from a quantized table itself; after the
+last, each computes the final RMSNorm and the output head's rows are handed out by counter like a layer's.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from ._compiled import _decode_rows, _matmul_rows, quantize
 from ._fused import _rotate, rms_norm, softmax_weights
 from ._nibble import nibble_rows
 
-__all__ = ["ABORTED", "HEAD_ROWS", "MATRICES", "ROWS", "decode_step", "product", "rows_of", "step_counters"]
+__all__ = ["ABORTED", "HEAD_ROWS", "MATRICES", "ROWS", "decode_step", "rows_of", "step_counters"]
 
 #: Rows of a matrix per unit of work in a layer's products, and in the output head's.
 ROWS = 32
@@ -268,22 +269,3 @@ def decode_step(  # type: ignore[no-untyped-def]
 def step_counters(layers: int) -> int:
     """Work counters a `decode_step` over ``layers`` layers uses (the output head's last)."""
     return layers * _PHASES + 1
-
-
-@numba.njit(**JIT)
-def product(payload, meta, width, x, y, xq, xs, xe, xoff, control, worker, team):  # type: ignore[no-untyped-def]
-    """``y = x @ W.T`` by the team: each thread rounds ``x`` into its own ``xq xs xe xoff [team, ...]``, then takes
-    units of `HEAD_ROWS` rows."""
-    quantize(x, width, xq[worker], xs[worker], xe[worker], xoff[worker])
-    rows = y.shape[1]
-    while True:
-        unit = take(control, 0)
-        first = unit * HEAD_ROWS
-        if first >= rows:
-            break
-        rows_of(payload, meta, width, xq[worker], xs[worker], xe[worker], xoff[worker], y, first,
-                min(rows, first + HEAD_ROWS))  # fmt: skip
-    if worker == 0:
-        return 0 if wait_departures(control, team) else ABORTED
-    depart(control)
-    return 0

@@ -9,14 +9,14 @@ import warnings
 
 import numpy as np
 import pytest
-from carton.mcf import quantize
+from carton.mcf import dequantize, quantize
 from carton_runner_mcf._config import DecoderConfig
 from carton_runner_mcf._kernels import QuantizedLinear
 from carton_runner_mcf._llama import DecoderLayer, LlamaModel, positions_from_mask
-from carton_runner_mcf._weights import FloatEmbedding, FloatLinear, Linear
+from carton_runner_mcf._weights import Embedding, FloatEmbedding, FloatLinear, Linear, QuantizedEmbedding
 
 numba = pytest.importorskip("numba", reason="numba is not installed (pip install 'carton[mcf]')")
-from carton_runner_mcf import _atomics, _region, _team  # noqa: E402 - after the skip
+from carton_runner_mcf import _atomics, _region, _step, _team  # noqa: E402 - after the skip
 from carton_runner_mcf._packed import KERNELS_ENV, compiled_kernels  # noqa: E402
 
 pytestmark = pytest.mark.skipif(compiled_kernels("auto") is None, reason=f"{KERNELS_ENV} forces the numpy path")
@@ -45,6 +45,7 @@ def _model(
     head_dim: int = 16,
     kernels: str = "numba",
     float_o: bool = False,
+    quantized_embedding: bool = False,
 ) -> LlamaModel:
     """A random decoder whose matrices are quantized with ``method`` (the same weights for any ``threads``)."""
     config = _config(hidden, inter, layers, heads, kv_heads, head_dim)
@@ -71,8 +72,22 @@ def _model(
                 down_proj=linear(hidden, inter),
             )
         )  # fmt: skip
-    embedding = FloatEmbedding(rng.standard_normal((config.vocab_size, hidden)).astype(np.float32))
+    table = rng.standard_normal((config.vocab_size, hidden)).astype(np.float32)
+    embedding: Embedding = FloatEmbedding(table)
+    if quantized_embedding:
+        embedding = _quantized_embedding(table, method)
     return LlamaModel(config, embedding=embedding, layers=blocks, final_norm=norm(), lm_head=linear(97, hidden))
+
+
+def _quantized_embedding(table: np.ndarray, method: str) -> QuantizedEmbedding:
+    """``table`` quantized with ``method`` as the loader builds it (rows decoded by `carton.mcf.dequantize`)."""
+    tensor = quantize(table, method)
+    cols = table.shape[1]
+
+    def decode(sub: np.ndarray, count: int) -> np.ndarray:
+        return dequantize(sub, tensor.method, (count, cols), domain=tensor.domain)
+
+    return QuantizedEmbedding(np.frombuffer(tensor.payload, dtype=np.uint8), layout=tensor.layout, dequantize=decode)
 
 
 def _decode(model: LlamaModel, region: object, *, batch: int = 1, steps: int = 5) -> np.ndarray:
@@ -111,6 +126,42 @@ def test_region_equals_the_step_of_one_call_per_operation(method: str) -> None:
     _close(by_one, reference)
     # every row of every product, every head and norm is computed by the same compiled code whichever thread runs it
     np.testing.assert_array_equal(by_two, by_one)
+
+
+@pytest.mark.parametrize("method", BLOCK_METHODS)
+def test_the_threads_decode_a_quantized_embedding_as_its_lookup_does(method: str) -> None:
+    """With a quantized embedding table the step's threads decode the new tokens' rows themselves: the same bits
+    as the model's own lookup (which the per-operation step uses), so the same logits at one thread and two."""
+    model = _model(method, 1, hidden=80, quantized_embedding=True)
+    region = _region.DecodeRegion.build(model, threads=2)
+    assert region is not None and region.embedding is not None
+    ids = np.array([0, 5, 96], dtype=np.int64)
+    assert region.embeds(ids) and not region.embeds(np.array([97])) and not region.embeds(np.array([-1]))
+    rows = np.zeros((3, 80), np.float32)
+    _step._embed((region.embedding.payload, region.embedding.meta), ids, np.zeros((1, region.embedding.width),
+                 np.float32), rows)  # fmt: skip
+    np.testing.assert_array_equal(rows, model.embedding(ids))
+    reference = _decode(model, None, batch=2)
+    by_one = _decode(model, _region.DecodeRegion.build(model, threads=1), batch=2)
+    _close(by_one, reference)
+    np.testing.assert_array_equal(_decode(model, region, batch=2), by_one)
+
+
+def test_the_step_keeps_its_logits_for_its_own_hidden_state_only() -> None:
+    """The logits computed in the step's run answer `logits` of the returned hidden state (whole or its rows), once;
+    any other array goes through the head."""
+    model = _model("q4", 2)
+    model._region = True  # type: ignore[assignment]
+    cache = model.new_cache(2, 8)
+    ids = np.array([[3], [4]])
+    hidden = model.forward(ids, np.zeros((2, 1), np.int64), np.ones((2, 1), dtype=bool), cache)
+    assert not hidden.flags.writeable
+    kept = model._stepped
+    assert kept is not None
+    copy = hidden[:, 0].copy()
+    np.testing.assert_array_equal(model.logits(hidden[:, 0]), kept[1])
+    assert model._stepped is None
+    np.testing.assert_array_equal(model.logits(copy), kept[1])  # the head itself, on equal input: equal rows
 
 
 @pytest.mark.parametrize("method", ["q4", "k3"])
