@@ -13,7 +13,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from carton.server import Server
 from carton.server._proto import message_class
-from hpack import Encoder
+from hpack import Decoder, Encoder
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = 0, 1, 2, 3, 4, 6, 7, 8, 9
@@ -260,3 +260,18 @@ def test_stream_ids_must_increase(peer: Peer) -> None:
         frame(HEADERS, END_HEADERS, 3, peer.request_block("ServerLive")),
     )
     assert peer.goaway() == (5, PROTOCOL_ERROR)
+
+
+def test_a_repeated_header_block_is_read_against_the_current_dynamic_table(peer: Peer) -> None:
+    peer.start()
+    mirror = Decoder()  # what the server's decoder holds, block for block
+    first = peer.request_block("ServerLive")
+    repeated = peer.request_block("ServerLive")  # the same headers, now as indexed fields only
+    more = peer.encoder.encode([(":method", "POST"), ("x-extra", "1")])  # a new entry: every index moves by one
+    before = [mirror.decode(block, raw=True) for block in (first, repeated, more)][1]
+    assert mirror.decode(repeated, raw=True) != before
+    for stream_id, block in ((1, first), (3, repeated), (5, more), (7, repeated)):
+        peer.send(frame(HEADERS, END_HEADERS, stream_id, block), frame(DATA, END_STREAM, stream_id, message(b"")))
+        kind, flags, _ = peer.frame_of(stream_id)
+        # The ServerLive calls are answered with response headers; the other two are refused in one HEADERS frame.
+        assert (kind, bool(flags & END_STREAM)) == (HEADERS, stream_id in (5, 7))

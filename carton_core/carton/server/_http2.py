@@ -47,6 +47,7 @@ MAX_STREAMS = 1000
 # A header block split over CONTINUATION frames is bounded before it is decoded (hpack bounds the decoded list).
 _MAX_HEADER_BLOCK = 256 * 1024
 
+_KNOWN_BLOCKS = 64
 _HEAD = struct.Struct(">BHBBI")  # length (24 bits, as 8 + 16), type, flags, stream id
 
 
@@ -133,6 +134,7 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
         self._preface = True
         self._settled = False  # the client's first SETTINGS came
         self._decoder = Decoder()
+        self._known: dict[bytes, dict[bytes, bytes]] = {}  # header blocks of indexed fields only, decoded
         self._streams: dict[int, _Stream] = {}
         self._last_stream = 0
         self._continuing: tuple[int, int, list[bytes]] | None = None  # stream id, flags, fragments of a header block
@@ -148,7 +150,8 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
     # ---- what a subclass does --------------------------------------------------------------------------------------
     @abc.abstractmethod
     def request_received(self, stream_id: int, headers: dict[bytes, bytes]) -> None:
-        """A request's header block arrived (its body, if any, follows)."""
+        """A request's header block arrived (its body, if any, follows); `headers` may be shared between requests
+        and must not be changed."""
 
     @abc.abstractmethod
     def body_received(self, stream_id: int, data: bytes) -> None:
@@ -375,10 +378,22 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
             self._header_block(stream_id, first_flags, b"".join(fragments))
 
     def _header_block(self, stream_id: int, flags: int, block: bytes) -> None:
-        try:
-            headers = self._decoder.decode(block, raw=True)
-        except HPACKError as exc:
-            raise _ConnectionError(ErrorCode.COMPRESSION_ERROR, "a header block that is not valid HPACK") from exc
+        headers = self._known.get(block)
+        if headers is None:
+            try:
+                decoded = cast(list[tuple[bytes, bytes]], self._decoder.decode(block, raw=True))
+            except HPACKError as exc:
+                raise _ConnectionError(ErrorCode.COMPRESSION_ERROR, "a header block that is not valid HPACK") from exc
+            headers = dict(decoded)
+            # A client repeats its calls' headers as blocks of one-byte indexed fields (each byte above 0x80, none
+            # 0xff, which starts a longer index). Such a block leaves the dynamic table as it is, so while the table
+            # stays as it is it means the same headers again; any other block may change the table.
+            if min(block, default=0) > 0x80 and 0xFF not in block:
+                if len(self._known) >= _KNOWN_BLOCKS:
+                    self._known.clear()
+                self._known[block] = headers
+            elif self._known:
+                self._known.clear()
         stream = self._streams.get(stream_id)
         if stream is not None:  # trailers: they end the request
             if stream.ended:
@@ -397,7 +412,7 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
             return
         stream = self._streams[stream_id] = _Stream(self._initial_window)
         stream.ended = bool(flags & _END_STREAM)  # before the subclass answers, which may end the stream
-        self.request_received(stream_id, dict(cast(list[tuple[bytes, bytes]], headers)))
+        self.request_received(stream_id, headers)
         if stream.ended and self._streams.get(stream_id) is stream:
             self.body_ended(stream_id)
 
