@@ -223,7 +223,7 @@ def test_a_stream_past_the_concurrency_limit_is_refused(peer: Peer) -> None:
 @pytest.mark.parametrize(
     ("frames", "code"),
     [
-        ([b"GET / HTTP/1.1\r\nHost: x\r\n\r\n\r\n\r\n"], PROTOCOL_ERROR),
+        ([b"GET / HTTP/1.1\r\n\r\n"], PROTOCOL_ERROR),  # shorter than the preface: answered without waiting
         ([PREFACE, frame(PING, 0, 0, b"12345678")], PROTOCOL_ERROR),  # the first frame must be SETTINGS
         ([PREFACE, settings(), frame(HEADERS, END_HEADERS, 2, b"\x82")], PROTOCOL_ERROR),  # an even stream id
         ([PREFACE, settings(), (1024 * 1024 + 1).to_bytes(3, "big") + b"\x00\x00\x00\x00\x00\x01"], FRAME_SIZE_ERROR),

@@ -194,6 +194,8 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
         self._parts.append(data)
         self._have += len(data)
         if self._have < self._need:
+            if self._preface and not PREFACE.startswith(b"".join(self._parts)):  # say so without waiting for more
+                self._fail(ErrorCode.PROTOCOL_ERROR, "not the HTTP/2 connection preface")
             return
         buffer = b"".join(self._parts) if len(self._parts) > 1 else self._parts[0]
         try:
