@@ -28,7 +28,7 @@ __all__ = ["ErrorCode", "Http2Connection", "StreamGone", "header_block"]
 
 _log = logging.getLogger("carton.server")
 
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 
 _DATA, _HEADERS, _PRIORITY, _RST_STREAM, _SETTINGS, _PUSH_PROMISE, _PING, _GOAWAY, _WINDOW_UPDATE, _CONTINUATION = (
     range(10)
@@ -41,9 +41,9 @@ _DEFAULT_WINDOW = 65535
 _DEFAULT_FRAME = 16384
 
 # Offered to clients: a large receive window and frames, so large tensors arrive in few frames and few window updates.
-WINDOW = 4 * 1024 * 1024
-MAX_FRAME = 1024 * 1024
-MAX_STREAMS = 1000
+_WINDOW = 4 * 1024 * 1024
+_MAX_FRAME = 1024 * 1024
+_MAX_STREAMS = 1000
 # A header block split over CONTINUATION frames is bounded before it is decoded (hpack bounds the decoded list).
 _MAX_HEADER_BLOCK = 256 * 1024
 
@@ -117,7 +117,7 @@ class _Stream:
 
     def __init__(self, send_window: int) -> None:
         self.send_window = send_window
-        self.recv_window = WINDOW
+        self.recv_window = _WINDOW
         self.received = 0  # bytes received and not yet given back with a WINDOW_UPDATE
         self.ended = False  # the client's END_STREAM came
 
@@ -130,7 +130,7 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
         self._out: list[bytes] = []
         self._parts: list[bytes] = []  # received bytes not yet parsed
         self._have = 0
-        self._need = len(PREFACE)
+        self._need = len(_PREFACE)
         self._preface = True
         self._settled = False  # the client's first SETTINGS came
         self._decoder = Decoder()
@@ -141,7 +141,7 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
         self._send_window = _DEFAULT_WINDOW
         self._initial_window = _DEFAULT_WINDOW
         self._max_frame = _DEFAULT_FRAME
-        self._recv_window = WINDOW
+        self._recv_window = _WINDOW
         self._received = 0
         self._waiters: list[asyncio.Future[None]] = []
         self._going_away = False
@@ -171,13 +171,13 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
         settings = b"".join(
             struct.pack(">HI", key, value)
             for key, value in (
-                (_MAX_CONCURRENT_STREAMS, MAX_STREAMS),
-                (_INITIAL_WINDOW_SIZE, WINDOW),
-                (_MAX_FRAME_SIZE, MAX_FRAME),
+                (_MAX_CONCURRENT_STREAMS, _MAX_STREAMS),
+                (_INITIAL_WINDOW_SIZE, _WINDOW),
+                (_MAX_FRAME_SIZE, _MAX_FRAME),
             )
         )
         self._out.append(_frame(_SETTINGS, 0, 0, settings))
-        self._out.append(_frame(_WINDOW_UPDATE, 0, 0, (WINDOW - _DEFAULT_WINDOW).to_bytes(4, "big")))
+        self._out.append(_frame(_WINDOW_UPDATE, 0, 0, (_WINDOW - _DEFAULT_WINDOW).to_bytes(4, "big")))
         self.flush()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -194,7 +194,7 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
         self._parts.append(data)
         self._have += len(data)
         if self._have < self._need:
-            if self._preface and not PREFACE.startswith(b"".join(self._parts)):  # say so without waiting for more
+            if self._preface and not _PREFACE.startswith(b"".join(self._parts)):  # say so without waiting for more
                 self._fail(ErrorCode.PROTOCOL_ERROR, "not the HTTP/2 connection preface")
             return
         buffer = b"".join(self._parts) if len(self._parts) > 1 else self._parts[0]
@@ -240,16 +240,16 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
         """Handle the whole frames at the start of `buffer`; the offset of the rest."""
         at = 0
         if self._preface:
-            if buffer[: len(PREFACE)] != PREFACE:
+            if buffer[: len(_PREFACE)] != _PREFACE:
                 raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "not the HTTP/2 connection preface")
             self._preface = False
-            at = len(PREFACE)
+            at = len(_PREFACE)
         size = len(buffer)
         while size - at >= 9:
             head: tuple[int, int, int, int, int] = _HEAD.unpack_from(buffer, at)
             high, low, kind, flags, stream_id = head
             length = high << 16 | low
-            if length > MAX_FRAME:
+            if length > _MAX_FRAME:
                 raise _ConnectionError(ErrorCode.FRAME_SIZE_ERROR, f"a frame of {length} bytes")
             if size - at - 9 < length:
                 self._need = 9 + length
@@ -409,7 +409,7 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
         if stream_id % 2 == 0 or stream_id <= self._last_stream:
             raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, f"a request on stream {stream_id}")
         self._last_stream = stream_id
-        if self._going_away or len(self._streams) >= MAX_STREAMS:
+        if self._going_away or len(self._streams) >= _MAX_STREAMS:
             self._out.append(_frame(_RST_STREAM, 0, stream_id, ErrorCode.REFUSED_STREAM.to_bytes(4, "big")))
             return
         stream = self._streams[stream_id] = _Stream(self._initial_window)
@@ -447,12 +447,12 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
 
     def _give_back(self) -> None:
         """Give the client back the window its DATA used, once half of a window is used (so it never runs out)."""
-        if self._received >= WINDOW // 2:
+        if self._received >= _WINDOW // 2:
             self._out.append(_frame(_WINDOW_UPDATE, 0, 0, self._received.to_bytes(4, "big")))
             self._recv_window += self._received
             self._received = 0
         for stream_id, stream in self._streams.items():
-            if stream.received >= WINDOW // 2 and not stream.ended:
+            if stream.received >= _WINDOW // 2 and not stream.ended:
                 self._out.append(_frame(_WINDOW_UPDATE, 0, stream_id, stream.received.to_bytes(4, "big")))
                 stream.recv_window += stream.received
                 stream.received = 0
