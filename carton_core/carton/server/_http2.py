@@ -35,7 +35,7 @@ _DATA, _HEADERS, _PRIORITY, _RST_STREAM, _SETTINGS, _PUSH_PROMISE, _PING, _GOAWA
 )
 _END_STREAM, _ACK, _END_HEADERS, _PADDED, _PRIORITY_FLAG = 0x1, 0x1, 0x4, 0x8, 0x20
 
-_HEADER_TABLE_SIZE, _ENABLE_PUSH, _MAX_CONCURRENT_STREAMS, _INITIAL_WINDOW_SIZE, _MAX_FRAME_SIZE = 1, 2, 3, 4, 5
+_ENABLE_PUSH, _MAX_CONCURRENT_STREAMS, _INITIAL_WINDOW_SIZE, _MAX_FRAME_SIZE = 2, 3, 4, 5
 _MAX_WINDOW = 2**31 - 1
 _DEFAULT_WINDOW = 65535
 _DEFAULT_FRAME = 16384
@@ -47,6 +47,7 @@ _MAX_STREAMS = 1000
 # A header block split over CONTINUATION frames is bounded before it is decoded (hpack bounds the decoded list).
 _MAX_HEADER_BLOCK = 256 * 1024
 
+# Decoded header blocks kept per connection: a client's calls repeat a handful (one per method and model).
 _KNOWN_BLOCKS = 64
 _HEAD = struct.Struct(">BHBBI")  # length (24 bits, as 8 + 16), type, flags, stream id
 
@@ -60,7 +61,6 @@ class ErrorCode(enum.IntEnum):
     STREAM_CLOSED = 5
     FRAME_SIZE_ERROR = 6
     REFUSED_STREAM = 7
-    CANCEL = 8
     COMPRESSION_ERROR = 9
 
 
