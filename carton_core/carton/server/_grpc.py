@@ -1,7 +1,7 @@
 """The gRPC endpoints: ``inference.GRPCInferenceService`` over the HTTP side's repository.
 
 `GrpcService` holds the protocol's methods, each taking a request message and returning the response message (a
-refused request raises `ServerError`); ``carton serve`` serves them over HTTP/2 with `._grpc_transport` (on `h2`;
+refused request raises `ServerError`); ``carton serve`` serves them over HTTP/2 with `._grpc_transport` (on `._http2`;
 why not grpcio's server: docs/server.md, "The gRPC server"), ``carton.ray``'s ingress through Ray Serve's gRPC proxy.
 Messages are the ones generated from ``_proto/kserve_v2.proto`` into carton's own proto package (see `._proto` for
 why). Failures map to gRPC status codes the way Triton maps them, by `carton.server.errors.STATUS`: bad input

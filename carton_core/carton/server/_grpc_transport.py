@@ -1,9 +1,10 @@
-"""gRPC over HTTP/2 on the `h2` protocol library and the server's own event loop: ``carton serve``'s gRPC endpoint.
+"""gRPC over HTTP/2 on carton's own frame layer and the server's own event loop: ``carton serve``'s gRPC endpoint.
 
-`h2` does HTTP/2 (frames, HPACK, stream states, flow control, pings); this module is the glue between it and
-`GrpcService`: the gRPC framing of messages (a 5-byte prefix: compressed flag and length), the response's
-``grpc-status``/``grpc-message`` trailers, ``grpc-timeout`` deadlines, the message size limit, and a task per call
-that a client's ``RST_STREAM`` cancels. Why not grpcio's server: docs/server.md, "The gRPC server".
+`._http2` does HTTP/2 (frames, HPACK through the `hpack` library, stream states, flow control, pings); this module
+is the glue between it and `GrpcService`: the gRPC framing of messages (a 5-byte prefix: compressed flag and
+length), the response's ``grpc-status``/``grpc-message`` trailers, ``grpc-timeout`` deadlines, the message size
+limit, and a task per call that a client's ``RST_STREAM`` cancels. Why not grpcio's server: docs/server.md, "The
+gRPC server".
 
 Requests are parsed once, by the committed stubs' ``FromString``; responses are serialized once. A request that is
 not a valid message is answered ``INVALID_ARGUMENT``, one over the size limit ``RESOURCE_EXHAUSTED``, an unknown
@@ -13,31 +14,18 @@ method ``UNIMPLEMENTED``, a compressed message (no compression is offered) ``UNI
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 from urllib.parse import quote
 
 import grpc
 from google.protobuf.message import DecodeError
-from h2.config import H2Configuration
-from h2.connection import H2Connection
-from h2.events import (
-    ConnectionTerminated,
-    DataReceived,
-    RemoteSettingsChanged,
-    RequestReceived,
-    StreamEnded,
-    StreamReset,
-    WindowUpdated,
-)
-from h2.exceptions import H2Error, ProtocolError
-from h2.settings import SettingCodes
 
 from ._grpc import GrpcService, message_type
+from ._http2 import Http2Connection, StreamGone, header_block
 from ._proto import SERVICE_NAME
 from .errors import BadRequest, ServerError
 
@@ -45,26 +33,14 @@ __all__ = ["GrpcServer", "serve_grpc"]
 
 _log = logging.getLogger("carton.server")
 
-# The headers carton writes are fixed and valid, and the ones it reads are looked up by name, so h2's per-header
-# validation and normalization (a large share of its per-call cost, docs/performance.md) are off.
-_CONFIG = H2Configuration(
-    client_side=False,
-    header_encoding=None,
-    validate_outbound_headers=False,
-    normalize_outbound_headers=False,
-    validate_inbound_headers=False,
-    normalize_inbound_headers=False,
-)
-# Receive window and frame size offered to clients: large tensors arrive in few frames and few window updates.
-_WINDOW = 4 * 1024 * 1024
-_MAX_FRAME = 1024 * 1024
-
 _RESPONSE_HEADERS = [
     (b":status", b"200"),
     (b"content-type", b"application/grpc"),
     (b"grpc-accept-encoding", b"identity"),
 ]
-_OK_TRAILERS = [(b"grpc-status", b"0")]
+_RESPONSE_BLOCK = header_block(_RESPONSE_HEADERS)
+_OK_TRAILERS_BLOCK = header_block([(b"grpc-status", b"0")])
+_NOT_GRPC_BLOCK = header_block([(b":status", b"415")])
 _TIMEOUT_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
 _PREFIX = 5
 
@@ -138,109 +114,50 @@ def _split_messages(call: _Call, limit: int) -> list[bytes]:
     return messages
 
 
-class _Connection(asyncio.Protocol):
-    """One client connection: h2's state machine fed from the socket, a task per call."""
+class _Connection(Http2Connection):
+    """One client connection: carton's HTTP/2 frame layer, a task per call."""
 
     def __init__(self, server: GrpcServer) -> None:
+        super().__init__()
         self._server = server
-        self._h2 = H2Connection(config=_CONFIG)
         self._calls: dict[int, _Call] = {}
-        self._transport: asyncio.Transport | None = None
-        self._window_waiters: list[asyncio.Future[None]] = []
-        self.closed = False
 
-    # ---- the socket ----------------------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = cast(asyncio.Transport, transport)  # uvloop's transports are not its subclasses
         self._server.connections.add(self)
-        self._h2.initiate_connection()
-        self._h2.update_settings({SettingCodes.INITIAL_WINDOW_SIZE: _WINDOW, SettingCodes.MAX_FRAME_SIZE: _MAX_FRAME})
-        self._h2.increment_flow_control_window(_WINDOW - self._h2.inbound_flow_control_window)
-        self._flush()
+        super().connection_made(transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
         self._server.connections.discard(self)
-        for call in self._calls.values():
-            if call.task is not None:
-                call.task.cancel()
-        self._calls.clear()
-        self._wake_senders()
-
-    def data_received(self, data: bytes) -> None:
-        try:
-            events = self._h2.receive_data(data)
-        except ProtocolError:  # h2 has queued the GOAWAY that says why
-            self._flush()
-            self.close()
-            return
-        for event in events:
-            if isinstance(event, DataReceived):
-                self._data(event)
-            elif isinstance(event, RequestReceived):
-                self._request(event)
-            elif isinstance(event, StreamEnded):
-                self._ended(event.stream_id)
-            elif isinstance(event, StreamReset):
-                self._reset(event.stream_id)
-            elif isinstance(event, WindowUpdated | RemoteSettingsChanged):
-                self._wake_senders()
-            elif isinstance(event, ConnectionTerminated):
-                self._flush()
-                self.close()
-                return
-        self._flush()
-
-    def _flush(self) -> None:
-        out = self._h2.data_to_send()
-        if out and self._transport is not None and not self.closed:
-            self._transport.write(out)
-
-    def close(self) -> None:
-        if self._transport is not None:
-            self._transport.close()
-
-    def goaway(self) -> None:
-        """Tell the client no new calls are taken (the server is stopping); calls under way go on."""
-        if not self.closed:
-            self._h2.close_connection()
-            self._flush()
+        super().connection_lost(exc)  # each call's stream is reset: its task is cancelled
 
     @property
     def calls(self) -> list[asyncio.Task[None]]:
         return [call.task for call in self._calls.values() if call.task is not None]
 
-    # ---- h2 events -----------------------------------------------------------------------------------------------
-    def _request(self, event: RequestReceived) -> None:
-        sid = event.stream_id
-        headers = dict(event.headers or ())
+    # ---- requests ------------------------------------------------------------------------------------------------
+    def request_received(self, stream_id: int, headers: dict[bytes, bytes]) -> None:
         content_type = headers.get(b"content-type", b"")
         if headers.get(b":method") != b"POST" or not content_type.startswith(b"application/grpc"):
-            self._h2.send_headers(sid, [(b":status", b"415")], end_stream=True)
+            self.send_headers(stream_id, _NOT_GRPC_BLOCK, end_stream=True)
             return
         path = headers.get(b":path", b"").decode("ascii", "replace")
         service, _, name = path[1:].rpartition("/")
         method = self._server.methods.get(name) if service == SERVICE_NAME else None
         if method is None:
-            self._trailers_only(sid, grpc.StatusCode.UNIMPLEMENTED, f"unknown method {path!r}")
+            self._trailers_only(stream_id, grpc.StatusCode.UNIMPLEMENTED, f"unknown method {path!r}")
             return
-        call = _Call(sid, name, method, _timeout(headers.get(b"grpc-timeout")))
-        self._calls[sid] = call
+        call = _Call(stream_id, name, method, _timeout(headers.get(b"grpc-timeout")))
+        self._calls[stream_id] = call
         if method.streaming:
             call.queue = asyncio.Queue()
             call.task = asyncio.get_running_loop().create_task(self._run_stream(call))
 
-    def _data(self, event: DataReceived) -> None:
-        sid = event.stream_id
-        if event.flow_controlled_length:
-            # On a stream closed already, h2 still gives the connection's window back before it raises.
-            with contextlib.suppress(H2Error):
-                self._h2.acknowledge_received_data(event.flow_controlled_length, sid)
-        call = self._calls.get(sid)
+    def body_received(self, stream_id: int, data: bytes) -> None:
+        call = self._calls.get(stream_id)
         if call is None or call.done:
             return
-        call.pending.append(event.data)
-        call.size += len(event.data)
+        call.pending.append(data)
+        call.size += len(data)
         if call.queue is None and call.size < _PREFIX + self._server.max_message_size:
             return  # a unary request is parsed once it has all come
         try:
@@ -252,8 +169,8 @@ class _Connection(asyncio.Protocol):
             for message in messages:
                 call.queue.put_nowait(message)
 
-    def _ended(self, sid: int) -> None:
-        call = self._calls.get(sid)
+    def body_ended(self, stream_id: int) -> None:
+        call = self._calls.get(stream_id)
         if call is None or call.done:
             return
         if call.queue is not None:
@@ -268,16 +185,10 @@ class _Connection(asyncio.Protocol):
             return
         call.task = asyncio.get_running_loop().create_task(self._run_unary(call, messages[0]))
 
-    def _reset(self, sid: int) -> None:
-        call = self._calls.pop(sid, None)
+    def stream_reset(self, stream_id: int) -> None:
+        call = self._calls.pop(stream_id, None)
         if call is not None and call.task is not None:
             call.task.cancel()  # the client cancelled: the handler's `CancelledError` releases what it holds
-
-    def _wake_senders(self) -> None:
-        waiters, self._window_waiters = self._window_waiters, []
-        for waiter in waiters:
-            if not waiter.done():
-                waiter.set_result(None)
 
     # ---- answering -----------------------------------------------------------------------------------------------
     def _refuse(self, call: _Call, failure: _Failure) -> None:
@@ -287,51 +198,30 @@ class _Connection(asyncio.Protocol):
             call.task.cancel()
         self._finish(call, failure.status, str(failure))
 
-    def _trailers_only(self, sid: int, status: grpc.StatusCode, message: str) -> None:
+    def _trailers_only(self, stream_id: int, status: grpc.StatusCode, message: str) -> None:
         headers = [*_RESPONSE_HEADERS, (b"grpc-status", _code(status)), (b"grpc-message", _message(message))]
-        self._h2.send_headers(sid, headers, end_stream=True)
+        self.send_headers(stream_id, header_block(headers), end_stream=True)
 
     def _finish(self, call: _Call, status: grpc.StatusCode, message: str = "") -> None:
         """End `call` with `status` (trailers, or headers and trailers in one when nothing was sent yet)."""
-        if self.closed:
-            return
         try:
             if status is grpc.StatusCode.OK:
-                self._h2.send_headers(call.stream_id, _OK_TRAILERS, end_stream=True)
+                self.send_headers(call.stream_id, _OK_TRAILERS_BLOCK, end_stream=True)
             elif call.headers_sent:
                 trailers = [(b"grpc-status", _code(status)), (b"grpc-message", _message(message))]
-                self._h2.send_headers(call.stream_id, trailers, end_stream=True)
+                self.send_headers(call.stream_id, header_block(trailers), end_stream=True)
             else:
                 self._trailers_only(call.stream_id, status, message)
-        except H2Error:  # the client reset the stream meanwhile
+        except StreamGone:  # the client reset the stream meanwhile, or left
             pass
-        self._flush()
+        self.flush()
 
     async def _send_message(self, call: _Call, payload: bytes) -> None:
         """Send one response message, within the client's flow-control windows."""
-        h2 = self._h2
-        sid = call.stream_id
         if not call.headers_sent:
-            h2.send_headers(sid, _RESPONSE_HEADERS)
+            self.send_headers(call.stream_id, _RESPONSE_BLOCK)
             call.headers_sent = True
-        data = b"\x00" + len(payload).to_bytes(4, "big") + payload
-        if len(data) <= h2.max_outbound_frame_size and len(data) <= h2.local_flow_control_window(sid):
-            h2.send_data(sid, data)
-            return
-        view = memoryview(data)
-        while view:
-            room = min(h2.local_flow_control_window(sid), h2.max_outbound_frame_size, len(view))
-            if room <= 0:
-                self._flush()
-                waiter = asyncio.get_running_loop().create_future()
-                self._window_waiters.append(waiter)
-                await waiter
-                if self.closed:
-                    raise asyncio.CancelledError
-                continue
-            h2.send_data(sid, view[:room].tobytes())
-            view = view[room:]
-        self._flush()
+        await self.send_data(call.stream_id, b"\x00" + len(payload).to_bytes(4, "big") + payload)
 
     async def _guarded(self, call: _Call, work: Awaitable[None]) -> None:
         """Run `work` (which sends the response messages) and end the call with its status."""
@@ -350,7 +240,7 @@ class _Connection(asyncio.Protocol):
             status, message = grpc.StatusCode[exc.grpc_status], str(exc)
         except _Failure as failure:
             status, message = failure.status, str(failure)
-        except H2Error:  # the stream went away under the call
+        except StreamGone:  # the stream went away under the call
             self._calls.pop(call.stream_id, None)
             return
         except Exception:
@@ -379,7 +269,7 @@ class _Connection(asyncio.Protocol):
         async def work() -> None:
             async for response in call.method.function(requests()):
                 await self._send_message(call, response.SerializeToString())
-                self._flush()
+                self.flush()
 
         await self._guarded(call, work())
 

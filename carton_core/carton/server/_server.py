@@ -1,5 +1,5 @@
-"""Running the server: HTTP (carton's protocol on httptools + uvloop, ``_http_server.py``) and gRPC (on h2,
-``_grpc_transport.py``) on one event loop, one repository.
+"""Running the server: HTTP (carton's protocol on httptools + uvloop, ``_http_server.py``) and gRPC (on carton's
+own HTTP/2 frames, ``_grpc_transport.py``) on one event loop, one repository.
 
 The listening sockets are created here with ``TCP_NODELAY`` set (accepted connections inherit it on Linux), so
 small responses are not held back by Nagle's algorithm, and so that port 0 picks a free port the caller can read.

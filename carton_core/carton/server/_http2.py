@@ -1,0 +1,524 @@
+"""The server side of an HTTP/2 connection (RFC 9113) as gRPC clients use it: carton's own frame layer.
+
+`Http2Connection` is an asyncio protocol that checks the connection preface, parses frames, keeps the streams'
+states and both directions' flow-control windows, and answers SETTINGS, PING and protocol errors itself. A subclass
+gets a call per request (`request_received`), per piece of body (`body_received`), per end of body (`body_ended`) and
+per stream the client reset (`stream_reset`), and answers with `send_headers` and `send_data`; frames are buffered
+and written by `flush` (once per batch of received bytes, and by the subclass after its sends).
+
+Header blocks are decoded by the `hpack` library (dynamic table, Huffman). Header blocks sent never use the dynamic
+table (`header_block`: literals without indexing or static-table indexes), so they can be built once and reused, and
+the client's HEADER_TABLE_SIZE setting, which bounds the table an encoder may use, has nothing to bound. Server push
+is never used. Why not the `h2` library: docs/server.md, "The gRPC server".
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import enum
+import logging
+import struct
+from typing import cast
+
+from hpack import Decoder
+from hpack.exceptions import HPACKError
+
+__all__ = ["ErrorCode", "Http2Connection", "StreamGone", "header_block"]
+
+_log = logging.getLogger("carton.server")
+
+_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+
+_DATA, _HEADERS, _PRIORITY, _RST_STREAM, _SETTINGS, _PUSH_PROMISE, _PING, _GOAWAY, _WINDOW_UPDATE, _CONTINUATION = (
+    range(10)
+)
+_END_STREAM, _ACK, _END_HEADERS, _PADDED, _PRIORITY_FLAG = 0x1, 0x1, 0x4, 0x8, 0x20
+
+_ENABLE_PUSH, _MAX_CONCURRENT_STREAMS, _INITIAL_WINDOW_SIZE, _MAX_FRAME_SIZE = 2, 3, 4, 5
+_MAX_WINDOW = 2**31 - 1
+_DEFAULT_WINDOW = 65535
+_DEFAULT_FRAME = 16384
+
+# Offered to clients: a large receive window and frames, so large tensors arrive in few frames and few window updates.
+_WINDOW = 4 * 1024 * 1024
+_MAX_FRAME = 1024 * 1024
+_MAX_STREAMS = 1000
+# A header block split over CONTINUATION frames is bounded before it is decoded (hpack bounds the decoded list).
+_MAX_HEADER_BLOCK = 256 * 1024
+
+# Decoded header blocks kept per connection: a client's calls repeat a handful (one per method and model).
+_KNOWN_BLOCKS = 64
+_HEAD = struct.Struct(">BHBBI")  # length (24 bits, as 8 + 16), type, flags, stream id
+
+
+class ErrorCode(enum.IntEnum):
+    """The error codes of the RST_STREAM and GOAWAY frames this side sends."""
+
+    NO_ERROR = 0
+    PROTOCOL_ERROR = 1
+    FLOW_CONTROL_ERROR = 3
+    STREAM_CLOSED = 5
+    FRAME_SIZE_ERROR = 6
+    REFUSED_STREAM = 7
+    COMPRESSION_ERROR = 9
+
+
+class StreamGone(Exception):
+    """A send on a stream the client reset, or on a connection that is closed."""
+
+
+class _ConnectionError(Exception):
+    """A connection error: GOAWAY with `code`, then the connection is closed."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
+    return len(payload).to_bytes(3, "big") + bytes((kind, flags)) + stream_id.to_bytes(4, "big") + payload
+
+
+def _integer(value: int, prefix_bits: int, first: int) -> bytes:
+    """An HPACK integer with a `prefix_bits`-bit prefix whose other bits are `first`."""
+    limit = (1 << prefix_bits) - 1
+    if value < limit:
+        return bytes((first | value,))
+    out = bytearray((first | limit,))
+    value -= limit
+    while value >= 128:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+# The static table's entries a response names (RFC 7541, appendix A).
+_STATIC_NAMES = {b":status": 8, b"content-type": 31}
+_STATIC_FIELDS = {(b":status", b"200"): 8}
+
+
+def header_block(headers: list[tuple[bytes, bytes]]) -> bytes:
+    """An HPACK header block for `headers` that never touches the dynamic table (so any decoder state accepts it)."""
+    out = []
+    for name, value in headers:
+        if (name, value) in _STATIC_FIELDS:
+            out.append(_integer(_STATIC_FIELDS[name, value], 7, 0x80))
+            continue
+        index = _STATIC_NAMES.get(name)
+        out.append(_integer(index, 4, 0) if index else b"\x00" + _integer(len(name), 7, 0) + name)
+        out.append(_integer(len(value), 7, 0) + value)
+    return b"".join(out)
+
+
+class _Stream:
+    __slots__ = ("ended", "received", "recv_window", "send_window")
+
+    def __init__(self, send_window: int) -> None:
+        self.send_window = send_window
+        self.recv_window = _WINDOW
+        self.received = 0  # bytes received and not yet given back with a WINDOW_UPDATE
+        self.ended = False  # the client's END_STREAM came
+
+
+class Http2Connection(asyncio.Protocol, abc.ABC):
+    """One client connection; a subclass answers its requests."""
+
+    def __init__(self) -> None:
+        self._transport: asyncio.Transport | None = None
+        self._out: list[bytes] = []
+        self._parts: list[bytes] = []  # received bytes not yet parsed
+        self._have = 0
+        self._need = len(_PREFACE)
+        self._preface = True
+        self._settled = False  # the client's first SETTINGS came
+        self._decoder = Decoder()
+        self._known: dict[bytes, dict[bytes, bytes]] = {}  # header blocks of indexed fields only, decoded
+        self._streams: dict[int, _Stream] = {}
+        self._last_stream = 0
+        self._continuing: tuple[int, int, list[bytes]] | None = None  # stream id, flags, fragments of a header block
+        self._send_window = _DEFAULT_WINDOW
+        self._initial_window = _DEFAULT_WINDOW
+        self._max_frame = _DEFAULT_FRAME
+        self._recv_window = _WINDOW
+        self._received = 0
+        self._waiters: list[asyncio.Future[None]] = []
+        self._going_away = False
+        self.closed = False
+
+    # ---- what a subclass does --------------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def request_received(self, stream_id: int, headers: dict[bytes, bytes]) -> None:
+        """A request's header block arrived (its body, if any, follows); `headers` may be shared between requests
+        and must not be changed."""
+
+    @abc.abstractmethod
+    def body_received(self, stream_id: int, data: bytes) -> None:
+        """A piece of a request's body arrived."""
+
+    @abc.abstractmethod
+    def body_ended(self, stream_id: int) -> None:
+        """The request's body is complete (the client's END_STREAM)."""
+
+    @abc.abstractmethod
+    def stream_reset(self, stream_id: int) -> None:
+        """The client reset the stream, or the connection ended under it: its request is abandoned."""
+
+    # ---- the socket ------------------------------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)  # uvloop's transports are not its subclasses
+        settings = b"".join(
+            struct.pack(">HI", key, value)
+            for key, value in (
+                (_MAX_CONCURRENT_STREAMS, _MAX_STREAMS),
+                (_INITIAL_WINDOW_SIZE, _WINDOW),
+                (_MAX_FRAME_SIZE, _MAX_FRAME),
+            )
+        )
+        self._out.append(_frame(_SETTINGS, 0, 0, settings))
+        self._out.append(_frame(_WINDOW_UPDATE, 0, 0, (_WINDOW - _DEFAULT_WINDOW).to_bytes(4, "big")))
+        self.flush()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        streams = list(self._streams)
+        self._streams.clear()
+        for stream_id in streams:
+            self.stream_reset(stream_id)
+        self._wake()
+
+    def data_received(self, data: bytes) -> None:
+        if self.closed:
+            return
+        self._parts.append(data)
+        self._have += len(data)
+        if self._have < self._need:
+            if self._preface and not _PREFACE.startswith(b"".join(self._parts)):  # say so without waiting for more
+                self._fail(ErrorCode.PROTOCOL_ERROR, "not the HTTP/2 connection preface")
+            return
+        buffer = b"".join(self._parts) if len(self._parts) > 1 else self._parts[0]
+        try:
+            at = self._parse(buffer)
+        except _ConnectionError as error:
+            self._fail(error.code, str(error))
+            return
+        rest = buffer[at:]
+        self._parts = [rest] if rest else []
+        self._have = len(rest)
+        self._give_back()
+        self.flush()
+
+    def flush(self) -> None:
+        """Write the frames buffered so far."""
+        if self._out:
+            out = b"".join(self._out) if len(self._out) > 1 else self._out[0]
+            self._out = []
+            if self._transport is not None and not self.closed:
+                self._transport.write(out)
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+    def goaway(self) -> None:
+        """Tell the client no new streams are taken; the streams under way go on."""
+        if not self.closed and not self._going_away:
+            self._going_away = True
+            self._out.append(_goaway(self._last_stream, ErrorCode.NO_ERROR))
+            self.flush()
+
+    def _fail(self, code: int, message: str) -> None:
+        _log.debug("HTTP/2 connection error %d: %s", code, message)
+        self._out.append(_goaway(self._last_stream, code, message.encode()))
+        self.flush()
+        self.closed = True
+        self.close()
+
+    # ---- receiving -------------------------------------------------------------------------------------------------
+    def _parse(self, buffer: bytes) -> int:
+        """Handle the whole frames at the start of `buffer`; the offset of the rest."""
+        at = 0
+        if self._preface:
+            if buffer[: len(_PREFACE)] != _PREFACE:
+                raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "not the HTTP/2 connection preface")
+            self._preface = False
+            at = len(_PREFACE)
+        size = len(buffer)
+        while size - at >= 9:
+            head: tuple[int, int, int, int, int] = _HEAD.unpack_from(buffer, at)
+            high, low, kind, flags, stream_id = head
+            length = high << 16 | low
+            if length > _MAX_FRAME:
+                raise _ConnectionError(ErrorCode.FRAME_SIZE_ERROR, f"a frame of {length} bytes")
+            if size - at - 9 < length:
+                self._need = 9 + length
+                return at
+            payload = buffer[at + 9 : at + 9 + length]
+            at += 9 + length
+            stream_id &= _MAX_WINDOW
+            if not self._settled and kind != _SETTINGS:
+                raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "the first frame is not SETTINGS")
+            if self._continuing is not None and kind != _CONTINUATION:
+                raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "a frame inside a header block")
+            if kind == _DATA:
+                self._data(stream_id, flags, payload)
+            elif kind == _HEADERS:
+                self._headers(stream_id, flags, payload)
+            elif kind == _CONTINUATION:
+                self._continuation(stream_id, flags, payload)
+            elif kind == _SETTINGS:
+                self._settings(stream_id, flags, payload)
+            elif kind == _WINDOW_UPDATE:
+                self._window_update(stream_id, payload)
+            elif kind == _PING:
+                if length != 8:
+                    raise _ConnectionError(ErrorCode.FRAME_SIZE_ERROR, "a PING frame that is not 8 bytes")
+                if stream_id:
+                    raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "a PING frame on a stream")
+                if not flags & _ACK:
+                    self._out.append(_frame(_PING, _ACK, 0, payload))
+            elif kind == _RST_STREAM:
+                self._rst_stream(stream_id, payload)
+            elif kind == _GOAWAY:
+                if stream_id:
+                    raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "a GOAWAY frame on a stream")
+                self.flush()
+                self.close()
+                return at
+            elif kind == _PRIORITY:
+                if length != 5:
+                    raise _ConnectionError(ErrorCode.FRAME_SIZE_ERROR, "a PRIORITY frame that is not 5 bytes")
+            elif kind == _PUSH_PROMISE:
+                raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "a client sent PUSH_PROMISE")
+            # Other frame types are extensions this side does not take part in: ignored, as RFC 9113 asks.
+        self._need = 9
+        return at
+
+    def _settings(self, stream_id: int, flags: int, payload: bytes) -> None:
+        if stream_id:
+            raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "a SETTINGS frame on a stream")
+        if flags & _ACK:
+            if payload:
+                raise _ConnectionError(ErrorCode.FRAME_SIZE_ERROR, "a SETTINGS acknowledgement with a payload")
+            return
+        if len(payload) % 6:
+            raise _ConnectionError(ErrorCode.FRAME_SIZE_ERROR, "a SETTINGS frame that is not whole settings")
+        self._settled = True
+        for key, value in struct.iter_unpack(">HI", payload):
+            if key == _INITIAL_WINDOW_SIZE:
+                if value > _MAX_WINDOW:
+                    raise _ConnectionError(ErrorCode.FLOW_CONTROL_ERROR, "an INITIAL_WINDOW_SIZE over 2^31-1")
+                delta = value - self._initial_window
+                self._initial_window = value
+                for stream in self._streams.values():
+                    stream.send_window += delta
+                    if stream.send_window > _MAX_WINDOW:
+                        raise _ConnectionError(ErrorCode.FLOW_CONTROL_ERROR, "a stream's window over 2^31-1")
+                self._wake()
+            elif key == _MAX_FRAME_SIZE:
+                if not _DEFAULT_FRAME <= value < 1 << 24:
+                    raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, f"a MAX_FRAME_SIZE of {value}")
+                self._max_frame = value
+                self._wake()
+            elif key == _ENABLE_PUSH and value > 1:
+                raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, f"an ENABLE_PUSH of {value}")
+            # HEADER_TABLE_SIZE bounds the dynamic table of this side's encoder, which uses none; the others (this
+            # side opens no streams, and its header blocks are small) have nothing to change.
+        self._out.append(_frame(_SETTINGS, _ACK, 0))
+
+    def _window_update(self, stream_id: int, payload: bytes) -> None:
+        if len(payload) != 4:
+            raise _ConnectionError(ErrorCode.FRAME_SIZE_ERROR, "a WINDOW_UPDATE frame that is not 4 bytes")
+        increment = int.from_bytes(payload, "big") & _MAX_WINDOW
+        if not stream_id:
+            if not increment:
+                raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "a WINDOW_UPDATE of 0")
+            self._send_window += increment
+            if self._send_window > _MAX_WINDOW:
+                raise _ConnectionError(ErrorCode.FLOW_CONTROL_ERROR, "the connection's window over 2^31-1")
+        elif stream_id > self._last_stream:
+            raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "a WINDOW_UPDATE on a stream never opened")
+        elif (stream := self._streams.get(stream_id)) is not None:  # a closed stream's is ignored
+            stream.send_window += increment
+            if not increment or stream.send_window > _MAX_WINDOW:
+                self._reset(stream_id, ErrorCode.PROTOCOL_ERROR if not increment else ErrorCode.FLOW_CONTROL_ERROR)
+        self._wake()
+
+    def _rst_stream(self, stream_id: int, payload: bytes) -> None:
+        if len(payload) != 4:
+            raise _ConnectionError(ErrorCode.FRAME_SIZE_ERROR, "an RST_STREAM frame that is not 4 bytes")
+        if not stream_id or stream_id > self._last_stream:
+            raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "an RST_STREAM on a stream never opened")
+        if self._streams.pop(stream_id, None) is not None:
+            self.stream_reset(stream_id)
+            self._wake()
+
+    def _headers(self, stream_id: int, flags: int, payload: bytes) -> None:
+        if not stream_id:
+            raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "a HEADERS frame on stream 0")
+        if flags & _PADDED:
+            payload = _unpad(payload)
+        if flags & _PRIORITY_FLAG:
+            if len(payload) < 5:
+                raise _ConnectionError(ErrorCode.FRAME_SIZE_ERROR, "a HEADERS frame too short for its priority")
+            payload = payload[5:]
+        if flags & _END_HEADERS:
+            self._header_block(stream_id, flags, payload)
+        else:
+            self._continuing = (stream_id, flags, [payload])
+
+    def _continuation(self, stream_id: int, flags: int, payload: bytes) -> None:
+        if self._continuing is None or self._continuing[0] != stream_id:
+            raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "a CONTINUATION frame outside a header block")
+        _, first_flags, fragments = self._continuing
+        fragments.append(payload)
+        if sum(map(len, fragments)) > _MAX_HEADER_BLOCK:
+            raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "a header block over 256 KiB")
+        if flags & _END_HEADERS:
+            self._continuing = None
+            self._header_block(stream_id, first_flags, b"".join(fragments))
+
+    def _header_block(self, stream_id: int, flags: int, block: bytes) -> None:
+        headers = self._known.get(block)
+        if headers is None:
+            try:
+                decoded = cast(list[tuple[bytes, bytes]], self._decoder.decode(block, raw=True))
+            except HPACKError as exc:
+                raise _ConnectionError(ErrorCode.COMPRESSION_ERROR, "a header block that is not valid HPACK") from exc
+            headers = dict(decoded)
+            # A client repeats its calls' headers as blocks of one-byte indexed fields (each byte above 0x80, none
+            # 0xff, which starts a longer index). Such a block leaves the dynamic table as it is, so while the table
+            # stays as it is it means the same headers again; any other block may change the table.
+            if min(block, default=0) > 0x80 and 0xFF not in block:
+                if len(self._known) >= _KNOWN_BLOCKS:
+                    self._known.clear()
+                self._known[block] = headers
+            elif self._known:
+                self._known.clear()
+        stream = self._streams.get(stream_id)
+        if stream is not None:  # trailers: they end the request
+            if stream.ended:
+                self._reset(stream_id, ErrorCode.STREAM_CLOSED)
+            elif not flags & _END_STREAM:
+                raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "trailers without END_STREAM")
+            else:
+                stream.ended = True
+                self.body_ended(stream_id)
+            return
+        if stream_id % 2 == 0 or stream_id <= self._last_stream:
+            raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, f"a request on stream {stream_id}")
+        self._last_stream = stream_id
+        if self._going_away or len(self._streams) >= _MAX_STREAMS:
+            self._out.append(_frame(_RST_STREAM, 0, stream_id, ErrorCode.REFUSED_STREAM.to_bytes(4, "big")))
+            return
+        stream = self._streams[stream_id] = _Stream(self._initial_window)
+        stream.ended = bool(flags & _END_STREAM)  # before the subclass answers, which may end the stream
+        self.request_received(stream_id, headers)
+        if stream.ended and self._streams.get(stream_id) is stream:
+            self.body_ended(stream_id)
+
+    def _data(self, stream_id: int, flags: int, payload: bytes) -> None:
+        if not stream_id or stream_id > self._last_stream:
+            raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "a DATA frame on a stream never opened")
+        length = len(payload)
+        self._recv_window -= length
+        self._received += length
+        if self._recv_window < 0:
+            raise _ConnectionError(ErrorCode.FLOW_CONTROL_ERROR, "DATA over the connection's window")
+        if flags & _PADDED:
+            payload = _unpad(payload)
+        stream = self._streams.get(stream_id)
+        if stream is None:  # a stream answered or reset already: only the connection's window counts it
+            return
+        if stream.ended:
+            self._reset(stream_id, ErrorCode.STREAM_CLOSED)
+            return
+        stream.recv_window -= length
+        stream.received += length
+        if stream.recv_window < 0:
+            self._reset(stream_id, ErrorCode.FLOW_CONTROL_ERROR)
+            return
+        stream.ended = bool(flags & _END_STREAM)
+        if payload:
+            self.body_received(stream_id, payload)
+        if stream.ended and self._streams.get(stream_id) is stream:
+            self.body_ended(stream_id)
+
+    def _give_back(self) -> None:
+        """Give the client back the window its DATA used, once half of a window is used (so it never runs out)."""
+        if self._received >= _WINDOW // 2:
+            self._out.append(_frame(_WINDOW_UPDATE, 0, 0, self._received.to_bytes(4, "big")))
+            self._recv_window += self._received
+            self._received = 0
+        for stream_id, stream in self._streams.items():
+            if stream.received >= _WINDOW // 2 and not stream.ended:
+                self._out.append(_frame(_WINDOW_UPDATE, 0, stream_id, stream.received.to_bytes(4, "big")))
+                stream.recv_window += stream.received
+                stream.received = 0
+
+    def _reset(self, stream_id: int, code: int) -> None:
+        """A stream error: RST_STREAM with `code`, and the request is abandoned."""
+        self._out.append(_frame(_RST_STREAM, 0, stream_id, code.to_bytes(4, "big")))
+        if self._streams.pop(stream_id, None) is not None:
+            self.stream_reset(stream_id)
+            self._wake()
+
+    def _wake(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    # ---- sending ---------------------------------------------------------------------------------------------------
+    def send_headers(self, stream_id: int, block: bytes, *, end_stream: bool = False) -> None:
+        """Buffer a HEADERS frame with the header block `block` (see `header_block`); `end_stream` ends the response,
+        and the stream with it (a request still arriving is then reset with NO_ERROR, as RFC 9113 allows)."""
+        stream = self._streams.get(stream_id)
+        if stream is None or self.closed:
+            raise StreamGone(stream_id)
+        flags = _END_STREAM if end_stream else 0
+        if len(block) <= self._max_frame:
+            self._out.append(_frame(_HEADERS, flags | _END_HEADERS, stream_id, block))
+        else:
+            pieces = [block[at : at + self._max_frame] for at in range(0, len(block), self._max_frame)]
+            self._out.append(_frame(_HEADERS, flags, stream_id, pieces[0]))
+            for piece in pieces[1:-1]:
+                self._out.append(_frame(_CONTINUATION, 0, stream_id, piece))
+            self._out.append(_frame(_CONTINUATION, _END_HEADERS, stream_id, pieces[-1]))
+        if end_stream:
+            del self._streams[stream_id]
+            if not stream.ended:
+                self._out.append(_frame(_RST_STREAM, 0, stream_id, ErrorCode.NO_ERROR.to_bytes(4, "big")))
+
+    async def send_data(self, stream_id: int, data: bytes) -> None:
+        """Buffer `data` in DATA frames, waiting for the client's windows to open when they are too small (the
+        frames buffered so far are flushed before each wait); `StreamGone` if the stream or connection goes away."""
+        view = memoryview(data)
+        while view:
+            stream = self._streams.get(stream_id)
+            if stream is None or self.closed:
+                raise StreamGone(stream_id)
+            room = min(self._send_window, stream.send_window, self._max_frame, len(view))
+            if room <= 0:
+                self.flush()
+                waiter = asyncio.get_running_loop().create_future()
+                self._waiters.append(waiter)
+                await waiter
+                continue
+            piece = data if room == len(data) else view[:room].tobytes()
+            self._out.append(room.to_bytes(3, "big") + bytes((_DATA, 0)) + stream_id.to_bytes(4, "big"))
+            self._out.append(piece)
+            self._send_window -= room
+            stream.send_window -= room
+            view = view[room:]
+
+
+def _unpad(payload: bytes) -> bytes:
+    if not payload or payload[0] >= len(payload):
+        raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "padding as long as the frame")
+    return payload[1 : len(payload) - payload[0]]
+
+
+def _goaway(last_stream: int, code: int, debug: bytes = b"") -> bytes:
+    return _frame(_GOAWAY, 0, 0, last_stream.to_bytes(4, "big") + code.to_bytes(4, "big") + debug)

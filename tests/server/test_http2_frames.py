@@ -1,0 +1,277 @@
+"""carton's HTTP/2 frame layer (carton/server/_http2.py) byte for byte: hand-built frames over a real socket to the
+gRPC port, and the exact frames that come back (settings, pings, header blocks, flow control, connection errors)."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from carton.server import Server
+from carton.server._proto import message_class
+from hpack import Decoder, Encoder
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = 0, 1, 2, 3, 4, 6, 7, 8, 9
+END_STREAM, END_HEADERS, PADDED, PRIORITY_FLAG = 0x1, 0x4, 0x8, 0x20
+PROTOCOL_ERROR, FRAME_SIZE_ERROR, REFUSED_STREAM, COMPRESSION_ERROR = 1, 6, 7, 9
+SERVICE = "/inference.GRPCInferenceService"
+
+# What the server says first, exactly: MAX_CONCURRENT_STREAMS 1000, INITIAL_WINDOW_SIZE 4 MiB, MAX_FRAME_SIZE 1 MiB,
+# then the connection's window raised from 65535 to 4 MiB.
+SERVER_SETTINGS = bytes.fromhex("000012 04 00 00000000 0003000003e8 000400400000 000500100000".replace(" ", ""))
+SERVER_WINDOW = bytes.fromhex("000004 08 00 00000000 003f0001".replace(" ", ""))
+SETTINGS_ACK = bytes.fromhex("000000 04 01 00000000".replace(" ", ""))
+# The response's header block: `:status: 200` indexed, then literals never indexed into the dynamic table.
+RESPONSE_BLOCK = b"\x88\x0f\x10\x10application/grpc\x00\x14grpc-accept-encoding\x08identity"
+OK_TRAILERS_BLOCK = b"\x00\x0bgrpc-status\x010"
+
+
+def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
+    return len(payload).to_bytes(3, "big") + bytes((kind, flags)) + stream_id.to_bytes(4, "big") + payload
+
+
+def settings(**values: int) -> bytes:
+    codes = {"INITIAL_WINDOW_SIZE": 4, "MAX_FRAME_SIZE": 5}
+    return frame(SETTINGS, 0, 0, b"".join(struct.pack(">HI", codes[key], value) for key, value in values.items()))
+
+
+class Peer:
+    """A hand-driven HTTP/2 client: frames out, frames in."""
+
+    def __init__(self, server: Server) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", server.grpc_port), timeout=30)
+        self.buffer = b""
+        self.encoder = Encoder()
+
+    def send(self, *frames: bytes) -> None:
+        self.sock.sendall(b"".join(frames))
+
+    def read_exact(self, size: int) -> bytes:
+        while len(self.buffer) < size:
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                raise EOFError(f"the connection ended with {self.buffer!r} pending")
+            self.buffer += chunk
+        out, self.buffer = self.buffer[:size], self.buffer[size:]
+        return out
+
+    def frame(self) -> tuple[int, int, int, bytes]:
+        head = self.read_exact(9)
+        payload = self.read_exact(int.from_bytes(head[:3], "big"))
+        return head[3], head[4], int.from_bytes(head[5:9], "big"), payload
+
+    def frame_of(self, stream_id: int) -> tuple[int, int, bytes]:
+        """The next frame on `stream_id`, skipping the connection's (SETTINGS ACK, WINDOW_UPDATE)."""
+        while True:
+            kind, flags, sid, payload = self.frame()
+            if sid == stream_id:
+                return kind, flags, payload
+
+    def start(self, **values: int) -> None:
+        self.send(PREFACE, settings(**values))
+        assert self.read_exact(len(SERVER_SETTINGS) + len(SERVER_WINDOW)) == SERVER_SETTINGS + SERVER_WINDOW
+        assert self.read_exact(len(SETTINGS_ACK)) == SETTINGS_ACK
+
+    def request_block(self, method: str) -> bytes:
+        return self.encoder.encode(
+            [
+                (":method", "POST"),
+                (":scheme", "http"),
+                (":path", f"{SERVICE}/{method}"),
+                (":authority", "127.0.0.1"),
+                ("content-type", "application/grpc"),
+                ("te", "trailers"),
+            ]
+        )
+
+    def goaway(self) -> tuple[int, int]:
+        """The GOAWAY the server ends with (its last stream id and error code), then the end of the connection."""
+        while True:
+            kind, _, _, payload = self.frame()
+            if kind == GOAWAY:
+                break
+        assert self.sock.recv(65536) == b""
+        return int.from_bytes(payload[:4], "big"), int.from_bytes(payload[4:8], "big")
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture
+def peer(server: Server, caplog: pytest.LogCaptureFixture) -> Iterator[Peer]:
+    opened = Peer(server)
+    with caplog.at_level(logging.DEBUG, logger="carton.server"):
+        yield opened
+    opened.close()
+    assert not [record for record in caplog.records if record.exc_info or record.levelno >= logging.WARNING]
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    assert client.is_server_live()
+    client.close()
+
+
+def message(payload: bytes) -> bytes:
+    return b"\x00" + len(payload).to_bytes(4, "big") + payload
+
+
+def infer_request(x: np.ndarray) -> bytes:
+    request = message_class("ModelInferRequest")(model_name="identity")
+    tensor = request.inputs.add(name="INPUT0", datatype="FP32", shape=list(x.shape))
+    del tensor
+    request.raw_input_contents.append(x.tobytes())
+    return message(request.SerializeToString())
+
+
+def test_settings_exchange_and_ping(peer: Peer) -> None:
+    peer.start()
+    peer.send(frame(PING, 0, 0, b"12345678"), frame(SETTINGS, 1, 0))  # and an ACK of the server's SETTINGS
+    assert peer.read_exact(17) == frame(PING, 1, 0, b"12345678")
+
+
+def test_a_unary_call_answered_exactly(peer: Peer) -> None:
+    peer.start()
+    peer.send(
+        frame(HEADERS, END_HEADERS, 1, peer.request_block("ServerLive")),
+        frame(DATA, END_STREAM, 1, message(b"")),
+    )
+    assert peer.frame_of(1) == (HEADERS, END_HEADERS, RESPONSE_BLOCK)
+    assert peer.frame_of(1) == (DATA, 0, message(b"\x08\x01"))  # ServerLiveResponse(live=True)
+    assert peer.frame_of(1) == (HEADERS, END_HEADERS | END_STREAM, OK_TRAILERS_BLOCK)
+
+
+def test_a_header_block_in_continuation_frames_with_padding_and_priority(peer: Peer) -> None:
+    peer.start()
+    block = peer.request_block("ServerReady")
+    padded = bytes((3,)) + b"\x00\x00\x00\x00\x10" + block[:10] + b"\x00" * 3  # pad length, priority, fragment, pad
+    peer.send(
+        frame(HEADERS, PADDED | PRIORITY_FLAG, 1, padded),
+        frame(CONTINUATION, 0, 1, block[10:20]),
+        frame(CONTINUATION, END_HEADERS, 1, block[20:]),
+        frame(PRIORITY, 0, 1, b"\x00\x00\x00\x00\x10"),  # ignored
+        frame(0xFA, 0, 0, b"an extension frame"),  # ignored
+        frame(DATA, PADDED | END_STREAM, 1, bytes((10,)) + message(b"") + b"\x00" * 10),
+    )
+    assert peer.frame_of(1) == (HEADERS, END_HEADERS, RESPONSE_BLOCK)
+    assert peer.frame_of(1) == (DATA, 0, message(b"\x08\x01"))
+    assert peer.frame_of(1) == (HEADERS, END_HEADERS | END_STREAM, OK_TRAILERS_BLOCK)
+
+
+def _infer_frames(peer: Peer, x: np.ndarray) -> None:
+    peer.send(
+        frame(HEADERS, END_HEADERS, 1, peer.request_block("ModelInfer")),
+        frame(DATA, END_STREAM, 1, infer_request(x)),
+    )
+
+
+def test_a_large_response_is_sent_as_the_clients_windows_open(peer: Peer) -> None:
+    peer.start(INITIAL_WINDOW_SIZE=1000)
+    x = np.arange(40_000, dtype=np.float32).reshape(1, 40_000)  # a response over the connection's 65535 bytes
+    _infer_frames(peer, x)
+    assert peer.frame_of(1) == (HEADERS, END_HEADERS, RESPONSE_BLOCK)
+    received = b""
+    granted = 1000
+    while granted < 65535:
+        while len(received) < granted:
+            kind, _, payload = peer.frame_of(1)
+            assert kind == DATA
+            received += payload
+        assert len(received) == granted  # never past the stream's window
+        peer.send(frame(WINDOW_UPDATE, 0, 1, (7000).to_bytes(4, "big")))
+        granted += 7000
+    while len(received) < 65535:  # the connection's window: the client's default, never raised
+        kind, _, payload = peer.frame_of(1)
+        assert kind == DATA
+        received += payload
+    assert len(received) == 65535
+    # A larger INITIAL_WINDOW_SIZE opens the stream's window, the connection's WINDOW_UPDATE the connection's; the
+    # rest comes in frames of the client's (default) MAX_FRAME_SIZE.
+    peer.send(settings(INITIAL_WINDOW_SIZE=1 << 20), frame(WINDOW_UPDATE, 0, 0, (1 << 20).to_bytes(4, "big")))
+    sizes = []
+    while (answer := peer.frame_of(1))[0] == DATA:
+        sizes.append(len(answer[2]))
+        received += answer[2]
+    assert answer == (HEADERS, END_HEADERS | END_STREAM, OK_TRAILERS_BLOCK)
+    assert max(sizes) == 16384
+    assert int.from_bytes(received[1:5], "big") == len(received) - 5
+    response = message_class("ModelInferResponse").FromString(received[5:])
+    np.testing.assert_array_equal(np.frombuffer(response.raw_output_contents[0], np.float32), x.ravel() * 2)
+
+
+def test_a_client_that_leaves_mid_response_leaves_nothing_behind(peer: Peer) -> None:
+    peer.start(INITIAL_WINDOW_SIZE=1000)
+    _infer_frames(peer, np.zeros((1, 20_000), dtype=np.float32))
+    assert peer.frame_of(1) == (HEADERS, END_HEADERS, RESPONSE_BLOCK)
+    assert peer.frame_of(1)[0] == DATA
+    peer.close()  # the send waiting for window is cancelled; the fixture checks the log and that it still serves
+
+
+def test_a_stream_past_the_concurrency_limit_is_refused(peer: Peer) -> None:
+    peer.start()
+    for stream_id in range(1, 2001, 2):  # 1000 requests whose bodies never come
+        peer.send(frame(HEADERS, END_HEADERS, stream_id, peer.request_block("ModelInfer")))
+    peer.send(frame(HEADERS, END_HEADERS, 2001, peer.request_block("ModelInfer")))
+    assert peer.frame_of(2001) == (RST_STREAM, 0, REFUSED_STREAM.to_bytes(4, "big"))
+    peer.send(frame(RST_STREAM, 0, 1, (8).to_bytes(4, "big")))  # CANCEL: one stream fewer, so the next is taken
+    peer.send(frame(HEADERS, END_HEADERS, 2003, peer.request_block("ServerLive")), frame(DATA, 1, 2003, message(b"")))
+    assert peer.frame_of(2003) == (HEADERS, END_HEADERS, RESPONSE_BLOCK)
+
+
+@pytest.mark.parametrize(
+    ("frames", "code"),
+    [
+        ([b"GET / HTTP/1.1\r\n\r\n"], PROTOCOL_ERROR),  # shorter than the preface: answered without waiting
+        ([PREFACE, frame(PING, 0, 0, b"12345678")], PROTOCOL_ERROR),  # the first frame must be SETTINGS
+        ([PREFACE, settings(), frame(HEADERS, END_HEADERS, 2, b"\x82")], PROTOCOL_ERROR),  # an even stream id
+        ([PREFACE, settings(), (1024 * 1024 + 1).to_bytes(3, "big") + b"\x00\x00\x00\x00\x00\x01"], FRAME_SIZE_ERROR),
+        ([PREFACE, settings(), frame(HEADERS, END_HEADERS, 1, b"\xff\xff\xff\xff\x0f")], COMPRESSION_ERROR),
+        ([PREFACE, settings(), frame(PING, 0, 0, b"1234")], FRAME_SIZE_ERROR),
+        ([PREFACE, settings(), frame(HEADERS, 0, 1, b"\x82"), frame(PING, 0, 0, b"12345678")], PROTOCOL_ERROR),
+        ([PREFACE, settings(), frame(CONTINUATION, END_HEADERS, 1, b"\x82")], PROTOCOL_ERROR),
+        ([PREFACE, settings(), frame(DATA, 0, 1, b"x")], PROTOCOL_ERROR),  # DATA on a stream never opened
+        ([PREFACE, settings(MAX_FRAME_SIZE=100)], PROTOCOL_ERROR),
+    ],
+    ids=[
+        "not-the-preface",
+        "no-settings-first",
+        "even-stream-id",
+        "oversized-frame",
+        "garbage-hpack",
+        "short-ping",
+        "frame-inside-a-header-block",
+        "stray-continuation",
+        "data-on-an-idle-stream",
+        "max-frame-size-too-small",
+    ],
+)
+def test_a_connection_error_is_a_goaway_with_its_code(peer: Peer, frames: list[bytes], code: int) -> None:
+    peer.send(*frames)
+    assert peer.goaway()[1] == code
+
+
+def test_stream_ids_must_increase(peer: Peer) -> None:
+    peer.start()
+    peer.send(
+        frame(HEADERS, END_HEADERS, 5, peer.request_block("ServerLive")),
+        frame(DATA, END_STREAM, 5, message(b"")),
+        frame(HEADERS, END_HEADERS, 3, peer.request_block("ServerLive")),
+    )
+    assert peer.goaway() == (5, PROTOCOL_ERROR)
+
+
+def test_a_repeated_header_block_is_read_against_the_current_dynamic_table(peer: Peer) -> None:
+    peer.start()
+    mirror = Decoder()  # what the server's decoder holds, block for block
+    first = peer.request_block("ServerLive")
+    repeated = peer.request_block("ServerLive")  # the same headers, now as indexed fields only
+    more = peer.encoder.encode([(":method", "POST"), ("x-extra", "1")])  # a new entry: every index moves by one
+    before = [mirror.decode(block, raw=True) for block in (first, repeated, more)][1]
+    assert mirror.decode(repeated, raw=True) != before
+    for stream_id, block in ((1, first), (3, repeated), (5, more), (7, repeated)):
+        peer.send(frame(HEADERS, END_HEADERS, stream_id, block), frame(DATA, END_STREAM, stream_id, message(b"")))
+        kind, flags, _ = peer.frame_of(stream_id)
+        # The ServerLive calls are answered with response headers; the other two are refused in one HEADERS frame.
+        assert (kind, bool(flags & END_STREAM)) == (HEADERS, stream_id in (5, 7))
