@@ -7,8 +7,8 @@ in it) and calls the kernels of `_compiled`:
 
 - batches up to ``gemv_max_batch`` rows: activations rounded to int16 per block, integer block products
   (`_compiled.block_kernels`), rows split across numba's threads when ``threads > 1``;
-- larger batches (prefill): row tiles decoded to float32 and multiplied by the activations with BLAS; tiles split
-  across a small thread pool;
+- larger batches (prefill): row tiles decoded to float32 on the calling thread, each multiplied by the activations
+  in one BLAS call that BLAS splits across its own threads;
 - int8 / int4 payloads (one tensor scale, rows not aligned to blocks): decoded tiles and BLAS for every batch.
 """
 
@@ -29,7 +29,6 @@ from carton.mcf import (
     PayloadLayout,
     block_scales,
     int_parameters,
-    parallel_ranges,
 )
 
 __all__ = [
@@ -167,7 +166,7 @@ class CompiledPayload:
         m = x2.shape[0]
         if not self._int and m <= gemv_max_batch:
             return self._blockwise(x2, threads)
-        return self._tiled(x2, threads, PREFILL_TILE_BYTES if tile_bytes is None else tile_bytes)
+        return self._tiled(x2, PREFILL_TILE_BYTES if tile_bytes is None else tile_bytes)
 
     def _blockwise(self, x2: npt.NDArray[np.float32], threads: int) -> npt.NDArray[np.float32]:
         global _parallel_broken
@@ -186,26 +185,23 @@ class CompiledPayload:
         self._kernels.matmul(self._flat, self.meta, x2, xq, xs, xe, xoff, out)
         return out
 
-    def _tiled(self, x2: npt.NDArray[np.float32], threads: int, tile_bytes: int) -> npt.NDArray[np.float32]:
+    def _tiled(self, x2: npt.NDArray[np.float32], tile_bytes: int) -> npt.NDArray[np.float32]:
+        # One tile after another on the calling thread, each product one sgemm call that BLAS splits across its own
+        # threads: splitting the rows across a pool of ours as well had each pool thread call a threaded sgemm, and
+        # the two levels of threads fought over the cores.
         m = x2.shape[0]
         out = np.empty((m, self.rows), dtype=np.float32)
         step = max(1, tile_bytes // (4 * self.width))
-
-        def work(first: int, last: int) -> None:
-            rows = min(step, last - first)
-            tile = _tile_buffer(rows * self.width)
-            for t0 in range(first, last, step):
-                t1 = min(last, t0 + step)
-                part = tile[: (t1 - t0) * self.width].reshape(t1 - t0, self.width)
-                self.decode(t0, t1, part)
-                weights = part[:, : self.cols]  # codes past the last column, if any, are not part of the matrix
-                if t1 - t0 == self.rows:
-                    np.matmul(x2, weights.T, out=out)
-                else:
-                    out[:, t0:t1] = x2 @ weights.T
-
-        parts = min(threads, max(1, self.rows // _MIN_ROWS_PER_PART))
-        parallel_ranges(self.rows, parts, 16, work)
+        tile = _tile_buffer(min(step, self.rows) * self.width)
+        for t0 in range(0, self.rows, step):
+            t1 = min(self.rows, t0 + step)
+            part = tile[: (t1 - t0) * self.width].reshape(t1 - t0, self.width)
+            self.decode(t0, t1, part)
+            weights = part[:, : self.cols]  # codes past the last column, if any, are not part of the matrix
+            if t1 - t0 == self.rows:
+                np.matmul(x2, weights.T, out=out)
+            else:
+                out[:, t0:t1] = x2 @ weights.T
         return out
 
     def decode(self, first: int, last: int, out: npt.NDArray[np.float32]) -> None:
