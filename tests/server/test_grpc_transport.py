@@ -60,6 +60,36 @@ def test_a_message_over_the_size_limit_is_resource_exhausted(server: Server, cha
     _still_serves(server)
 
 
+def test_a_message_of_exactly_the_size_limit_reaches_its_method(server: Server, channel: grpc.Channel) -> None:
+    from carton.server._grpc import message_type
+
+    limit = server.options.max_body_size
+    request = message_type("ModelInferRequest")(model_name="no_such_model")
+    request.id = "x" * (limit - request.ByteSize() - 5)  # the field's tag and 4-byte length take 5 bytes
+    payload = request.SerializeToString()
+    assert len(payload) == limit
+    with pytest.raises(grpc.RpcError) as caught:
+        _raw_call(channel, f"{SERVICE}/ModelInfer", payload)
+    assert caught.value.code() is grpc.StatusCode.NOT_FOUND  # parsed and answered by the method
+    _still_serves(server)
+
+
+def test_large_streamed_messages_arrive_in_pieces_and_whole(server: Server, channel: grpc.Channel) -> None:
+    from carton.server._grpc import message_type
+
+    request_type, response_type = message_type("ModelInferRequest"), message_type("ModelStreamInferResponse")
+    requests = [request_type(model_name="no_such_model", id=str(n) + "x" * 3_000_000) for n in range(3)]
+    stream = channel.stream_stream(
+        f"{SERVICE}/ModelStreamInfer",
+        request_serializer=request_type.SerializeToString,
+        response_deserializer=response_type.FromString,
+    )
+    responses = list(stream(iter(requests), timeout=30))
+    assert len(responses) == 3  # each message parsed once whole, in order
+    assert all("no_such_model" in response.error_message for response in responses)
+    _still_serves(server)
+
+
 def test_a_response_larger_than_the_flow_control_window_arrives_whole(server: Server) -> None:
     # A fresh connection's window is 64 KiB: the 3 MB response is sent in pieces as the client gives window back.
     options = [("grpc.use_local_subchannel_pool", 1), ("grpc.http2.bdp_probe", 0)]

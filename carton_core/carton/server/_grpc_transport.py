@@ -43,6 +43,7 @@ _OK_TRAILERS_BLOCK = header_block([(b"grpc-status", b"0")])
 _NOT_GRPC_BLOCK = header_block([(b":status", b"415")])
 _TIMEOUT_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
 _PREFIX = 5
+_ONE_MESSAGE = "{} takes exactly one whole request message"
 
 
 def _code(status: grpc.StatusCode) -> bytes:
@@ -69,7 +70,19 @@ class _Failure(Exception):
 class _Call:
     """One stream: the method it calls, the bytes received not yet parsed, and its task."""
 
-    __slots__ = ("done", "headers_sent", "method", "name", "pending", "queue", "size", "stream_id", "task", "timeout")
+    __slots__ = (
+        "done",
+        "headers_sent",
+        "method",
+        "name",
+        "need",
+        "pending",
+        "queue",
+        "size",
+        "stream_id",
+        "task",
+        "timeout",
+    )
 
     def __init__(self, stream_id: int, name: str, method: _Method, timeout: float | None) -> None:
         self.stream_id = stream_id
@@ -77,6 +90,7 @@ class _Call:
         self.method = method
         self.pending: list[bytes] = []
         self.size = 0
+        self.need = _PREFIX  # pending bytes that make the next whole message (its prefix, once that is known)
         self.task: asyncio.Task[None] | None = None
         self.queue: asyncio.Queue[bytes | None] | None = None
         self.timeout = timeout
@@ -111,6 +125,7 @@ def _split_messages(call: _Call, limit: int) -> list[bytes]:
         at += _PREFIX + length
     call.pending = [data[at:]] if at < len(data) else []
     call.size = len(data) - at
+    call.need = _PREFIX + int.from_bytes(data[at + 1 : at + 5], "big") if call.size >= _PREFIX else _PREFIX
     return messages
 
 
@@ -158,16 +173,26 @@ class _Connection(Http2Connection):
             return
         call.pending.append(data)
         call.size += len(data)
-        if call.queue is None and call.size < _PREFIX + self._server.max_message_size:
-            return  # a unary request is parsed once it has all come
+        limit = self._server.max_message_size
+        if call.queue is None:
+            # A unary request is parsed once it has all come; past the size of one message at the limit it can
+            # only be refused: a message over the limit, or more than one message.
+            if call.size > _PREFIX + limit:
+                try:
+                    _split_messages(call, limit)
+                    raise _Failure(grpc.StatusCode.INVALID_ARGUMENT, _ONE_MESSAGE.format(call.name))
+                except _Failure as failure:
+                    self._refuse(call, failure)
+            return
+        if call.size < call.need:
+            return  # a streamed message is split off once it has all come, not re-joined with every piece
         try:
-            messages = _split_messages(call, self._server.max_message_size)
+            messages = _split_messages(call, limit)
         except _Failure as failure:
             self._refuse(call, failure)
             return
-        if call.queue is not None:
-            for message in messages:
-                call.queue.put_nowait(message)
+        for message in messages:
+            call.queue.put_nowait(message)
 
     def body_ended(self, stream_id: int) -> None:
         call = self._calls.get(stream_id)
@@ -179,7 +204,7 @@ class _Connection(Http2Connection):
         try:
             messages = _split_messages(call, self._server.max_message_size)
             if len(messages) != 1 or call.size:
-                raise _Failure(grpc.StatusCode.INVALID_ARGUMENT, f"{call.name} takes exactly one whole request message")
+                raise _Failure(grpc.StatusCode.INVALID_ARGUMENT, _ONE_MESSAGE.format(call.name))
         except _Failure as failure:
             self._refuse(call, failure)
             return
