@@ -12,6 +12,12 @@ from pathlib import Path
 from typing import Any
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process `pid`, all its threads (from /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def percentiles(samples: list[float]) -> tuple[float, float]:
     """p50 and p99 of `samples`."""
     ordered = sorted(samples)

@@ -50,12 +50,6 @@ ROWS = (
 )
 
 
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU time of process `pid`, all its threads (from /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _identity_carton(folder: Path) -> Path:
     """A packed ``[1,16]``-capable identity ONNX carton (input ``INPUT0``, output ``OUTPUT0``) in `folder`."""
     import carton
@@ -83,7 +77,7 @@ def _child(tree: Path, calls: int) -> None:
 
     import carton
     import numpy as np
-    from _timing import timed, timed_async
+    from _timing import process_cpu_seconds, timed, timed_async
     from carton._runtime._process import RunnerProcess
     from carton_protocol import RunnerSpec
 
@@ -100,10 +94,10 @@ def _child(tree: Path, calls: int) -> None:
     def cpu_per_call(call: Callable[[], object], pid: int = runner_pid, repeat: int = calls) -> float:
         for _ in range(max(1, repeat // 10)):
             call()
-        host, remote = time.process_time(), _cpu_seconds(pid)
+        host, remote = time.process_time(), process_cpu_seconds(pid)
         for _ in range(repeat):
             call()
-        return (time.process_time() - host + _cpu_seconds(pid) - remote) / repeat
+        return (time.process_time() - host + process_cpu_seconds(pid) - remote) / repeat
 
     async def loop_calls(call: Callable[[], Any], count: int) -> None:
         for _ in range(count):

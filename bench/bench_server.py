@@ -518,17 +518,12 @@ def run_goals(repo: Path, args: argparse.Namespace) -> None:
         print_model_infer_ratio(repo, args.runtime_calls)
 
 
-def _process_cpu(pid: int) -> float:
-    """User + system CPU seconds of process `pid`, all its threads (from /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def print_model_infer_ratio(repo: Path, calls: int) -> None:
     """`Model.infer` of the [1,16] ONNX identity carton against a raw pyzmq REQ/REP round trip of the same bytes
     between two processes, interleaved in rounds (the issue's in-process goal: at most 1.5x), with the CPU time one
     call costs in the calling process and in its peer (every thread of each, ZeroMQ's I/O threads included)."""
     import carton
+    from _timing import process_cpu_seconds
     from bench_runtime import RawZmq
     from carton_protocol import Infer
     from carton_protocol._framing import encode_tensors
@@ -552,13 +547,13 @@ def print_model_infer_ratio(repo: Path, calls: int) -> None:
             for name, call in (("raw", lambda: raw.call(frames)), ("model", lambda: model.infer({"INPUT0": x}))):
                 for _ in range(50):
                     call()
-                caller, peer = time.process_time(), _process_cpu(peers[name])
+                caller, peer = time.process_time(), process_cpu_seconds(peers[name])
                 for _ in range(calls // 10):
                     started = time.perf_counter()
                     call()
                     samples[name].append(time.perf_counter() - started)
                 cpu[name][0] += time.process_time() - caller
-                cpu[name][1] += _process_cpu(peers[name]) - peer
+                cpu[name][1] += process_cpu_seconds(peers[name]) - peer
     finally:
         raw.close()
         model.close()
