@@ -233,3 +233,23 @@ def test_only_the_compiled_reader_takes_nested_arrays(monkeypatch: pytest.Monkey
     assert array is not None and array.tolist() == [1.0, 2.0, 3.0, 4.0]
     monkeypatch.setenv(_json_numbers.READER_ENV, "pieces")
     assert _json_numbers.read_numbers(nested, np.dtype(np.float32), 4) is None
+
+
+@pytest.mark.parametrize(
+    "array",
+    [
+        np.random.default_rng(1).standard_normal((3, 40_000)).astype(np.float32),
+        np.concatenate([np.random.default_rng(2).standard_normal(70_000), [np.nan, np.inf, -np.inf, -0.0, 5e-324]]),
+        np.random.default_rng(3).standard_normal(70_000).astype(np.float16),
+        np.random.default_rng(4).integers(-128, 127, 70_000).astype(np.int8),
+        np.random.default_rng(5).integers(0, 2**64 - 1, 70_000, dtype=np.uint64, endpoint=True),
+        np.random.default_rng(6).integers(0, 2, 70_000).astype(bool),
+        np.zeros((0, 5), np.float32),
+        np.arange(1, dtype=np.int64),
+    ],
+    ids=["fp32", "fp64", "fp16", "int8", "uint64", "bool", "empty", "one"],
+)
+def test_output_text_is_what_one_orjson_call_over_the_list_gives(array: np.ndarray) -> None:
+    expected = orjson.dumps(array.ravel().tolist())
+    assert b"".join(_json_numbers.array_text(array)) == expected
+    assert b"".join(_json_numbers.array_text(np.asfortranarray(array.reshape(-1, 1)))) == expected

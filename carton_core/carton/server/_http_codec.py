@@ -29,7 +29,7 @@ from ._inference import (
     json_elements,
     output_tensor,
 )
-from ._json_numbers import element_type, nested_list, read_numbers
+from ._json_numbers import WRITTEN_KINDS, array_text, element_type, nested_list, read_numbers
 from ._repository import ServedVersion
 from .errors import BadRequest
 
@@ -428,19 +428,38 @@ def _parse_infer_request(
     )
 
 
+#: JSON outputs with at least this many elements are written apart, a slice at a time (`array_text`).
+_WRITE_APART_ELEMENTS = 1 << 16
+
+
 def encode_infer_response(
     served: ServedVersion, request: InferBody, selected: list[tuple[str, Tensor]]
 ) -> tuple[bytes, list[bytes | memoryview]]:
     """The response's JSON header and the binary parts that follow it (empty when every output is JSON)."""
+    encoded = _encode_response(served, request, selected, apart=True)
+    if encoded is None:  # the request's id or an output's name held a placeholder's text
+        encoded = _encode_response(served, request, selected, apart=False)
+        assert encoded is not None  # nothing was written apart
+    return encoded
+
+
+def _encode_response(
+    served: ServedVersion, request: InferBody, selected: list[tuple[str, Tensor]], *, apart: bool
+) -> tuple[bytes, list[bytes | memoryview]] | None:
     binary_of = dict(request.outputs) if request.outputs is not None else {}
     described: list[dict[str, Any]] = []
     parts: list[bytes | memoryview] = []
+    # Large arrays are written apart (`array_text`) and spliced into the document where their placeholders are.
+    texts: list[list[bytes]] = []
     for name, tensor in selected:
         datatype, array, data = output_tensor(name, tensor)
         entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(array.shape)}
         if binary_of.get(name, request.binary_default):
             entry["parameters"] = {"binary_data_size": len(data)}
             parts.append(data)
+        elif apart and array.size >= _WRITE_APART_ELEMENTS and array.dtype.kind in WRITTEN_KINDS:
+            entry["data"] = f"\x00carton:{len(texts)}"
+            texts.append(array_text(array))
         else:
             entry["data"] = json_elements(array)
         described.append(entry)
@@ -450,4 +469,14 @@ def encode_infer_response(
     document["model_name"] = served.model
     document["model_version"] = served.version_str
     document["outputs"] = described
-    return orjson.dumps(document), parts
+    header = orjson.dumps(document)
+    if texts:
+        pieces = []
+        for number, text in enumerate(texts):
+            placeholder = b'"\\u0000carton:%d"' % number
+            before, found, header = header.partition(placeholder)
+            if not found or placeholder in header:
+                return None
+            pieces += [before, *text]
+        header = b"".join([*pieces, header])  # one copy, with the GIL released (a join of this size lets it go)
+    return header, parts

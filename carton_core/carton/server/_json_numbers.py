@@ -1,10 +1,14 @@
-"""A JSON tensor's ``data``, given as its text, read into a numpy array without holding the GIL for long.
+"""JSON tensor numbers without holding the GIL for long: a tensor's ``data`` text read into a numpy array
+(`read_numbers`), and a large output array written as JSON text (`array_text`).
 
 With numba installed (``carton[mcf]``), the compiled reader (`_json_kernel`) parses the whole text, nested or not,
 with the GIL released; without it, a flat array is parsed a piece at a time by orjson and msgspec, the GIL free
 between pieces. Both give the array the general decoding (orjson, then msgspec's checks) gives, bit for bit, and
 both decline (None) whatever is not plainly such an array, for the caller to decode the general way, which names
 the fault. ``CARTON_JSON_READER=pieces`` chooses the piecewise reader even when numba is there.
+
+An output is written by orjson a slice at a time, the GIL free between slices, as the same text one orjson call
+over the whole list of Python numbers would give.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import msgspec
 import numpy as np
 import orjson
 
-__all__ = ["READER_ENV", "element_type", "nested_list", "read_numbers", "warm_up"]
+__all__ = ["READER_ENV", "WRITTEN_KINDS", "array_text", "element_type", "nested_list", "read_numbers", "warm_up"]
 
 READER_ENV = "CARTON_JSON_READER"
 
@@ -32,6 +36,10 @@ _SLOW_ROWS = 1 << 14
 #: Bytes of text parsed per call by the piecewise reader: each call holds the GIL, so a piece bounds how long other
 #: requests wait.
 _PIECE_BYTES = 1 << 18
+#: Elements written per orjson call by `array_text`: each call holds the GIL.
+_WRITE_ELEMENTS = 1 << 13
+#: Array kinds `array_text` writes (booleans, integers, floats).
+WRITTEN_KINDS = frozenset("biuf")
 
 
 @functools.cache
@@ -157,3 +165,21 @@ def warm_up() -> None:
     module = _kernel()
     if module is not None:
         _compiled(module, memoryview(b"[0]"), np.dtype(np.float64), 1)
+
+
+def array_text(array: np.ndarray) -> list[bytes]:
+    """`array`'s elements (row-major, flattened) as a JSON array, in pieces to be joined: the text
+    ``orjson.dumps(array.tolist())`` gives, written a slice at a time so that no call holds the GIL for the whole
+    array (see `WRITTEN_KINDS`). Joining the pieces with ``b"".join`` releases the GIL; ``+`` would not."""
+    flat = array.ravel(order="C")
+    if flat.dtype.kind == "f" and flat.dtype != np.float64:
+        # ``tolist`` gives Python floats, written as the shortest text of the double; orjson writes a float32 array's
+        # elements as the shortest text of the float32, which differs.
+        flat = flat.astype(np.float64)
+    pieces = [b"["]
+    for start in range(0, len(flat), _WRITE_ELEMENTS):
+        if start:
+            pieces.append(b",")
+        pieces.append(orjson.dumps(flat[start : start + _WRITE_ELEMENTS], option=orjson.OPT_SERIALIZE_NUMPY)[1:-1])
+    pieces.append(b"]")
+    return pieces
