@@ -50,10 +50,14 @@ def _kernel() -> ModuleType | None:
         return None
 
 
+def _chosen_kernel() -> ModuleType | None:
+    return None if os.environ.get(READER_ENV) == "pieces" else _kernel()
+
+
 def read_numbers(text: memoryview, numpy_dtype: np.dtype[Any], count: int) -> np.ndarray | None:
     """`text` (a JSON array of numbers, or one number) as a flat array of `numpy_dtype`; None for anything else,
     including another number of elements than `count` when the compiled reader is used."""
-    module = None if os.environ.get(READER_ENV) == "pieces" else _kernel()
+    module = _chosen_kernel()
     if module is None or numpy_dtype.str[1:] not in _COMPILED_KINDS:
         return _pieces(text, numpy_dtype)
     return _compiled(module, text, numpy_dtype, count)
@@ -161,8 +165,9 @@ def nested_list(element: type, depth: int) -> Any:
 def warm_up() -> None:
     """Load the compiled reader now, when there is one (importing numba and loading or compiling the reader take a
     moment, with the GIL held in long stretches): the server calls this on a thread as it starts, so that its first
-    JSON tensor does not wait for it."""
-    module = _kernel()
+    JSON tensor does not wait for it. Nothing is loaded when ``CARTON_JSON_READER=pieces``: numba and the compiled
+    code take memory in the server process, which a server that gets no large JSON tensors can keep."""
+    module = _chosen_kernel()
     if module is not None:
         _compiled(module, memoryview(b"[0]"), np.dtype(np.float64), 1)
 
