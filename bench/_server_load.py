@@ -135,15 +135,16 @@ def run_load(
     )
 
 
-def json_tensor_body(elements: int) -> bytes:
+def json_tensor_body(elements: int, *, binary_output: bool = True) -> bytes:
     """An inference request for model `identity` whose input is `elements` FP32 numbers as a JSON list (shape
-    [1, elements]); the output is asked for as binary data, so the response costs little to either server."""
+    [1, elements]); the output is asked for as binary data, so the response costs little to either server, or with
+    `binary_output` false as JSON, so the response is as large as the request."""
     import orjson
 
     values = (np.arange(elements, dtype=np.float32) % 1000) / np.float32(8)
     document = {
         "inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, elements], "data": values}],
-        "outputs": [{"name": "OUTPUT0", "parameters": {"binary_data": True}}],
+        "outputs": [{"name": "OUTPUT0", "parameters": {"binary_data": binary_output}}],
     }
     return orjson.dumps(document, option=orjson.OPT_SERIALIZE_NUMPY)
 

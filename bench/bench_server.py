@@ -1,7 +1,8 @@
 """Load generator for the model server: carton's server vs real Triton and MLServer, same computation, one run, ratios.
 
     python bench/bench_server.py [--sections goals,servers,stacks,runtime] [--rounds 3] [--requests 2000]
-                                 [--big-requests 16] [--json-elements 10000000] [--runtime-calls 5000]
+                                 [--big-requests 16] [--json-elements 10000000] [--skip-json-response]
+                                 [--runtime-calls 5000]
                                  [--skip-triton] [--skip-mlserver] [--stack-requests 2000] [--protocols http,grpc]
                                  [--baseline-python PYTHON] [--stacks carton-httptools,uvicorn-httptools,...]
 
@@ -12,8 +13,9 @@ p50 at one client and throughput at eight, over HTTP (tritonclient.http, binary 
 (tritonclient.grpc); CPU time per request of each server's whole process tree (runners and backend stubs included)
 read from /proc around the same runs; the [64,3,224,224] FP32 request; one request with a 10-million-element JSON
 tensor, timed while another connection probes /v2/health/ready and runs a small inference on another model
-(the slowest of each is reported); and `Model.infer` of the [1,16] ONNX carton against a raw pyzmq REQ/REP round
-trip between two processes. Every server is started and stopped here; nothing is left running.
+(the slowest of each is reported), its output asked for as binary data and again as JSON; and `Model.infer` of the
+[1,16] ONNX carton against a raw pyzmq REQ/REP round trip between two processes. Every server is started and
+stopped here; nothing is left running.
 `--protocols http` keeps the HTTP rows only (the 38.5 MB and JSON rows are HTTP rows: `--protocols grpc` skips
 them); `--baseline-python` also measures the `carton serve` of another checkout (a Python whose environment has it
 installed) in the same rounds, and prints it against this checkout and against Triton.
@@ -424,10 +426,15 @@ GOALS = {
     "json_s": Goal("10M-element JSON tensor, request time", "s", "le"),
     "json_health": Goal("  slowest health probe meanwhile", "ms", "le"),
     "json_other": Goal("  slowest [1,16] infer of another model", "ms", "le"),
+    "json_out_s": Goal("  the same with a JSON response, request time", "s", "le"),
+    "json_out_health": Goal("  slowest health probe meanwhile", "ms", "le"),
+    "json_out_other": Goal("  slowest [1,16] infer of another model", "ms", "le"),
 }
 
 
-def measure_goals(served: Served, args: argparse.Namespace, json_body: bytes | None) -> dict[str, tuple[float, float]]:
+def measure_goals(
+    served: Served, args: argparse.Namespace, json_body: bytes | None, json_out_body: bytes | None
+) -> dict[str, tuple[float, float]]:
     """One pass over every goal on `served`: {goal: (value, load average)}."""
     found: dict[str, tuple[float, float]] = {}
     small = (1, 16)
@@ -451,6 +458,11 @@ def measure_goals(served: Served, args: argparse.Namespace, json_body: bytes | N
         found["json_s"] = (result.seconds, result.load)
         found["json_health"] = (result.health_max_ms, result.load)
         found["json_other"] = (result.other_max_ms, result.load)
+    if json_out_body is not None:
+        result = json_request(served.http, json_out_body)
+        found["json_out_s"] = (result.seconds, result.load)
+        found["json_out_health"] = (result.health_max_ms, result.load)
+        found["json_out_other"] = (result.other_max_ms, result.load)
     return found
 
 
@@ -492,6 +504,9 @@ def print_goals(
 
 def run_goals(repo: Path, args: argparse.Namespace) -> None:
     json_body = json_tensor_body(args.json_elements) if args.json_elements else None
+    json_out_body = None
+    if args.json_elements and not args.skip_json_response:
+        json_out_body = json_tensor_body(args.json_elements, binary_output=False)
     rounds: list[dict[str, dict[str, tuple[float, float]]]] = []
     with contextlib.ExitStack() as running:
         servers = [running.enter_context(carton_served(repo))]
@@ -506,7 +521,7 @@ def run_goals(repo: Path, args: argparse.Namespace) -> None:
             shift = index % len(servers)
             measured: dict[str, dict[str, tuple[float, float]]] = {}
             for served in servers[shift:] + servers[:shift]:
-                measured[served.name] = measure_goals(served, args, json_body)
+                measured[served.name] = measure_goals(served, args, json_body, json_out_body)
             rounds.append(measured)
             print(f"round {index + 1}/{args.rounds} done (load {os.getloadavg()[0]:.2f})", file=sys.stderr)
     print_goals(rounds)
@@ -595,6 +610,9 @@ def main() -> None:
     )
     parser.add_argument("--rounds", type=int, default=3, help="A/B-alternated rounds of the goals section")
     parser.add_argument("--json-elements", type=int, default=10_000_000, help="JSON tensor size (0: skip)")
+    parser.add_argument(
+        "--skip-json-response", action="store_true", help="skip the JSON tensor request that asks for a JSON response"
+    )
     parser.add_argument("--runtime-calls", type=int, default=5000, help="Model.infer vs raw pyzmq calls (0: skip)")
     args = parser.parse_args()
     sections = set(args.sections.split(","))

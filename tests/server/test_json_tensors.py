@@ -222,3 +222,66 @@ def test_a_cut_array_that_is_not_json_is_refused_as_such(bad: bytes) -> None:
     header = _decode_header(_padded(document))
     with pytest.raises(BadRequest, match="not valid JSON"):
         _json_tensor(header["inputs"][0]["data"], DType.FLOAT32, [3], tensor="x")
+
+
+def _serve(repository: Path) -> Any:
+    options = ServerOptions(
+        repository=repository,
+        http_port=0,
+        grpc_port=None,
+        model_control_mode=ModelControlMode.EXPLICIT,
+        load_models=("identity",),
+        max_body_size=64 * 1024 * 1024,
+        upload_sandbox=None,
+    )
+    return serve_in_thread(options)
+
+
+def _json_request(values: list[float], request_id: str | None = None) -> bytes:
+    document: dict[str, Any] = {
+        "inputs": [{"name": "INPUT0", "shape": [1, len(values)], "datatype": "FP32", "data": values}]
+    }
+    if request_id is not None:
+        document["id"] = request_id
+    return json.dumps(document).encode()
+
+
+@pytest.mark.parametrize("request_id", [None, "r1", "\x00carton:0"], ids=["no-id", "id", "placeholder-id"])
+def test_a_large_json_output_is_the_json_of_its_values(repository: Path, request_id: str | None) -> None:
+    import numpy as np
+
+    values = np.random.default_rng(7).standard_normal(100_000).astype(np.float32)
+    with _serve(repository) as server:
+        status, payload = _post(
+            server.http_port, "/v2/models/identity/infer", _json_request(values.tolist(), request_id)
+        )
+    assert status == 200, payload[:200]
+    answer = json.loads(payload)
+    assert answer.get("id") == request_id
+    (output,) = answer["outputs"]
+    # the latest version of `identity` doubles its input
+    assert output["shape"] == [1, len(values)] and output["data"] == (values * np.float32(2)).tolist()
+
+
+def test_pipelined_requests_with_large_bodies_are_all_answered(repository: Path) -> None:
+    import socket
+
+    bodies = [_json_request([float(i % 97)] * 400_000, request_id=f"r{i}") for i in range(3)]  # megabytes each
+    wire = b"".join(
+        b"POST /v2/models/identity/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        for body in bodies
+    )
+    with _serve(repository) as server, socket.create_connection(("127.0.0.1", server.http_port), timeout=120) as sock:
+        sock.sendall(wire)
+        stream = sock.makefile("rb")
+        for index in range(3):
+            status_line = stream.readline()
+            headers = {}
+            while (line := stream.readline()) not in (b"\r\n", b""):
+                name, _, value = line.partition(b":")
+                headers[name.strip().lower()] = value.strip()
+            answer = json.loads(stream.read(int(headers[b"content-length"])))
+            assert status_line.startswith(b"HTTP/1.1 200"), answer
+            assert answer["id"] == f"r{index}"
+            assert answer["outputs"][0]["data"][:3] == [2.0 * (index % 97)] * 3  # the latest version doubles

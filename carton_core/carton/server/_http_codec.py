@@ -8,7 +8,6 @@ arrays' memory.
 
 from __future__ import annotations
 
-import functools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from ._inference import (
     json_elements,
     output_tensor,
 )
+from ._json_numbers import WRITTEN_KINDS, array_text, element_type, nested_list, read_numbers
 from ._repository import ServedVersion
 from .errors import BadRequest
 
@@ -69,7 +69,7 @@ def _json_tensor(data: object, dtype: DType, shape: Sequence[int], *, tensor: st
     array: np.ndarray | None = None
     if isinstance(data, msgspec.Raw):
         if dtype is not DType.STRING:
-            array = _raw_numbers(data, NUMPY_OF[DATATYPE_OF[dtype]])
+            array = read_numbers(memoryview(data), NUMPY_OF[DATATYPE_OF[dtype]], count)
         if array is None:
             try:
                 data = orjson.loads(memoryview(data))
@@ -118,6 +118,10 @@ def _json_tensor(data: object, dtype: DType, shape: Sequence[int], *, tensor: st
 _CHUNK = 1 << 18
 
 
+#: Nesting deeper than this is left to the element-by-element path (the conversion type is built recursively).
+_MAX_TYPED_DEPTH = 32
+
+
 def _json_numbers(data: object, numpy_dtype: np.dtype[Any]) -> np.ndarray | None:
     """`data` (a flat or evenly nested JSON list of numbers) as an array of `numpy_dtype`, in C, or None when it
     is anything else (the caller's element-by-element path then names the fault).
@@ -129,10 +133,10 @@ def _json_numbers(data: object, numpy_dtype: np.dtype[Any]) -> np.ndarray | None
     while isinstance(probe, list):
         depth += 1
         probe = probe[0] if probe else None
-    if depth == 0:
+    if depth == 0 or depth > _MAX_TYPED_DEPTH:
         return None
     try:
-        checked = msgspec.convert(data, _nested_list(_element_type(numpy_dtype), depth))
+        checked = msgspec.convert(data, nested_list(element_type(numpy_dtype), depth))
         if depth > 1:
             return np.array(checked, dtype=numpy_dtype)
         array = np.empty(len(checked), dtype=numpy_dtype)
@@ -146,9 +150,6 @@ def _json_numbers(data: object, numpy_dtype: np.dtype[Any]) -> np.ndarray | None
 
 #: A JSON header at least this large is decoded with its tensors' ``data`` left as raw text (`_decode_header`).
 _LIFT_BYTES = 1 << 20
-#: Bytes of a raw ``data`` array parsed per call (`_raw_numbers`): each call holds the GIL, so a piece bounds how
-#: long other requests wait.
-_PIECE_BYTES = 1 << 18
 
 
 class _LiftedInput(msgspec.Struct):
@@ -171,7 +172,7 @@ _LIFTED = msgspec.json.Decoder(_LiftedHeader)
 
 def _decode_header(text: memoryview) -> Any:
     """The request's JSON header. A large one is decoded with each input's ``data`` kept as raw JSON text (parsed
-    later piece by piece, `_raw_numbers`): one parse of millions of numbers into Python objects would hold the GIL,
+    later off the GIL, `read_numbers`): one parse of millions of numbers into Python objects would hold the GIL,
     and so stall the event loop, for its whole length. Any header that shape does not fit is decoded in full, which
     also gives the error messages."""
     if len(text) >= _LIFT_BYTES:
@@ -204,7 +205,7 @@ _CUT_BYTES = 1 << 16
 def _decode_without_large_arrays(text: memoryview) -> dict[str, Any] | None:
     """A large header decoded without reading its large flat arrays: each is found by numpy scans of the text (which
     release the GIL), cut out and replaced by a placeholder string, the rest is decoded, and each input whose ``data``
-    is a placeholder gets its array's text as `msgspec.Raw` (parsed piece by piece later, `_raw_numbers`). None when
+    is a placeholder gets its array's text as `msgspec.Raw` (read later off the GIL, `read_numbers`). None when
     the header does not have that plain shape (escapes, an array elsewhere than an input's ``data``): the caller
     decodes it another way."""
     codes = np.frombuffer(text, dtype=np.uint8)
@@ -246,80 +247,6 @@ def _decode_without_large_arrays(text: memoryview) -> dict[str, Any] | None:
             entry["data"] = msgspec.Raw(text[start:end])
             placed += 1
     return document if placed == len(spans) else None
-
-
-def _raw_numbers(raw: msgspec.Raw, numpy_dtype: np.dtype[Any]) -> np.ndarray | None:
-    """A flat JSON array of numbers, given as its text, parsed a piece at a time (the GIL is free between pieces);
-    None for anything else, which the caller decodes in full.
-
-    The whole-text scans (brackets, quotes, commas) are numpy comparisons over a view of the text, which release the
-    GIL, instead of `bytes` methods, which hold it for the whole text; the text is never copied whole."""
-    data = memoryview(raw).cast("B")
-    first, last = _strip(data)
-    if last - first < 2 or data[first] != ord("[") or data[last - 1] != ord("]"):
-        return None
-    inner = data[first + 1 : last - 1]
-    codes = np.frombuffer(inner, dtype=np.uint8)
-    if np.count_nonzero(codes == ord("[")) or np.count_nonzero(codes == ord('"')):
-        return None  # nested, or holding strings: commas do not separate elements
-    commas = int(np.count_nonzero(codes == ord(",")))
-    count = commas + 1 if commas or bytes(inner).strip() else 0
-    array = np.empty(count, dtype=numpy_dtype)
-    element_list = _nested_list(_element_type(numpy_dtype), 1)
-    # The pieces' Python numbers are freed together at the end: freed piece by piece, the allocator would hand their
-    # memory back to the system and fault fresh pages in for the next piece, which costs more than the parse.
-    pieces = []
-    filled = start = 0
-    try:
-        while start < len(inner):
-            end = _next_comma(inner, start + _PIECE_BYTES)
-            piece = msgspec.convert(orjson.loads(b"[" + inner[start:end] + b"]"), element_list)
-            pieces.append(piece)
-            array[filled : filled + len(piece)] = np.fromiter(piece, numpy_dtype, len(piece))
-            filled += len(piece)
-            start = end + 1
-    except (orjson.JSONDecodeError, msgspec.ValidationError, OverflowError, ValueError, TypeError):
-        return None
-    finally:
-        while pieces:  # one piece's numbers at a time: freeing all of them at once would hold the GIL as long
-            pieces.pop()
-    return array if filled == count else None
-
-
-_JSON_SPACE = frozenset(b" \t\n\r")
-
-
-def _strip(data: memoryview) -> tuple[int, int]:
-    """Where `data` starts and ends without JSON whitespace around it."""
-    first, last = 0, len(data)
-    while first < last and data[first] in _JSON_SPACE:
-        first += 1
-    while last > first and data[last - 1] in _JSON_SPACE:
-        last -= 1
-    return first, last
-
-
-def _next_comma(data: memoryview, start: int) -> int:
-    """The offset of the first comma of `data` at or after `start`, or ``len(data)``: searched a window at a time,
-    so that no call holds the GIL over the whole text."""
-    window = 4096
-    while start < len(data):
-        found = bytes(data[start : start + window]).find(b",")
-        if found >= 0:
-            return start + found
-        start += window
-    return len(data)
-
-
-def _element_type(numpy_dtype: np.dtype[Any]) -> type:
-    """The JSON number type a `numpy_dtype` element must be: integers only for integer types (as the element-by-element
-    path checks)."""
-    return int if numpy_dtype.kind in "iu" else float
-
-
-@functools.cache
-def _nested_list(element: type, depth: int) -> Any:
-    return element if depth == 0 else list[_nested_list(element, depth - 1)]  # type: ignore[misc]
 
 
 def _raw_request(served: ServedVersion, body: memoryview) -> InferBody:
@@ -501,19 +428,38 @@ def _parse_infer_request(
     )
 
 
+#: JSON outputs with at least this many elements are written apart, a slice at a time (`array_text`).
+_WRITE_APART_ELEMENTS = 1 << 16
+
+
 def encode_infer_response(
     served: ServedVersion, request: InferBody, selected: list[tuple[str, Tensor]]
 ) -> tuple[bytes, list[bytes | memoryview]]:
     """The response's JSON header and the binary parts that follow it (empty when every output is JSON)."""
+    encoded = _encode_response(served, request, selected, apart=True)
+    if encoded is None:  # the request's id or an output's name held a placeholder's text
+        encoded = _encode_response(served, request, selected, apart=False)
+        assert encoded is not None  # nothing was written apart
+    return encoded
+
+
+def _encode_response(
+    served: ServedVersion, request: InferBody, selected: list[tuple[str, Tensor]], *, apart: bool
+) -> tuple[bytes, list[bytes | memoryview]] | None:
     binary_of = dict(request.outputs) if request.outputs is not None else {}
     described: list[dict[str, Any]] = []
     parts: list[bytes | memoryview] = []
+    # Large arrays are written apart (`array_text`) and spliced into the document where their placeholders are.
+    texts: list[list[bytes]] = []
     for name, tensor in selected:
         datatype, array, data = output_tensor(name, tensor)
         entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(array.shape)}
         if binary_of.get(name, request.binary_default):
             entry["parameters"] = {"binary_data_size": len(data)}
             parts.append(data)
+        elif apart and array.size >= _WRITE_APART_ELEMENTS and array.dtype.kind in WRITTEN_KINDS:
+            entry["data"] = f"\x00carton:{len(texts)}"
+            texts.append(array_text(array))
         else:
             entry["data"] = json_elements(array)
         described.append(entry)
@@ -523,4 +469,14 @@ def encode_infer_response(
     document["model_name"] = served.model
     document["model_version"] = served.version_str
     document["outputs"] = described
-    return orjson.dumps(document), parts
+    header = orjson.dumps(document)
+    if texts:
+        pieces = []
+        for number, text in enumerate(texts):
+            placeholder = b'"\\u0000carton:%d"' % number
+            before, found, header = header.partition(placeholder)
+            if not found or placeholder in header:
+                return None
+            pieces += [before, *text]
+        header = b"".join([*pieces, header])  # one copy, with the GIL released (a join of this size lets it go)
+    return header, parts

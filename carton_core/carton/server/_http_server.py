@@ -42,6 +42,10 @@ _log = logging.getLogger("carton.server")
 _MAX_PIPELINED = 16
 #: Body bytes buffered for requests waiting behind the one being answered before the connection stops reading.
 _MAX_PIPELINED_BYTES = 1 << 20
+#: Bytes a connection reads before it lets the event loop's other callbacks run: a large body arriving all at once
+#: would otherwise be read in one long turn of the loop (many socket reads back to back) while other connections'
+#: requests and the runners' replies wait.
+_READ_TURN_BYTES = 1 << 20
 #: A response whose parts together are at most this size is written with one ``write`` (one system call).
 _JOIN_LIMIT = 1 << 16
 #: How long a connection refusing a body (413) keeps dropping what the client still sends before closing.
@@ -113,6 +117,9 @@ class _Connection(asyncio.Protocol):
         self.queued_bytes = 0
         self.task: asyncio.Task[None] | None = None
         self.reading_paused = False
+        #: Reading is paused until the loop's next turn (`_READ_TURN_BYTES`), and what was read since the last pause.
+        self.turn_paused = False
+        self.turn_bytes = 0
         self.writable = True
         self.drained: asyncio.Future[None] | None = None
         self.closed = False
@@ -191,6 +198,12 @@ class _Connection(asyncio.Protocol):
             self._start_next()
         elif self.queue and (len(self.queue) > _MAX_PIPELINED or self.queued_bytes > _MAX_PIPELINED_BYTES):
             self._pause_reading()
+        self.turn_bytes += len(data)
+        if self.turn_bytes >= _READ_TURN_BYTES and not self.turn_paused and not self.reading_paused and not self.closed:
+            self.turn_paused = True
+            assert self.transport is not None
+            self.transport.pause_reading()
+            self.loop.call_soon(self._next_turn)
 
     # ---- httptools callbacks -------------------------------------------------------------------------------------
     def on_message_begin(self) -> None:
@@ -434,6 +447,12 @@ class _Connection(asyncio.Protocol):
             % (_status_line(status), len(body), _CLOSE_TAIL, body)
         )
         self._shut()
+
+    def _next_turn(self) -> None:
+        self.turn_paused = False
+        self.turn_bytes = 0
+        if not self.reading_paused and not self.closed and self.transport is not None:
+            self.transport.resume_reading()
 
     def _pause_reading(self) -> None:
         if not self.reading_paused:
