@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import random
 import struct
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import msgspec
@@ -22,10 +24,9 @@ from carton_protocol import DType
 def reader(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     if request.param == "compiled":
         pytest.importorskip("numba")
-        assert _json_numbers._kernel() is not None
-        monkeypatch.delenv(_json_numbers.READER_ENV, raising=False)
+        assert _json_numbers.load_compiled_reader()
     else:
-        monkeypatch.setenv(_json_numbers.READER_ENV, "pieces")
+        monkeypatch.setattr(_json_numbers, "_compiled_reader", lambda: None)
     yield request.param
 
 
@@ -217,7 +218,7 @@ def test_random_numbers_are_rounded_as_orjson_and_float_round_them(reader: str, 
 
 def test_many_literals_left_to_float_still_read_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("numba")
-    monkeypatch.delenv(_json_numbers.READER_ENV, raising=False)
+    assert _json_numbers.load_compiled_reader()
     text = ("[" + ",".join(["0.12345678901234567890123"] * 50 + ["5e-324"] * 50) + "]").encode()
     expected = _general(text, DType.FLOAT64, [100])
     assert _same(_read(text, DType.FLOAT64, [100]), expected)
@@ -228,10 +229,10 @@ def test_many_literals_left_to_float_still_read_the_same(monkeypatch: pytest.Mon
 def test_only_the_compiled_reader_takes_nested_arrays(monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("numba")
     nested = memoryview(b"[[1, 2], [3, 4]]")
-    monkeypatch.delenv(_json_numbers.READER_ENV, raising=False)
+    assert _json_numbers.load_compiled_reader()
     array = _json_numbers.read_numbers(nested, np.dtype(np.float32), 4)
     assert array is not None and array.tolist() == [1.0, 2.0, 3.0, 4.0]
-    monkeypatch.setenv(_json_numbers.READER_ENV, "pieces")
+    monkeypatch.setattr(_json_numbers, "_compiled_reader", lambda: None)
     assert _json_numbers.read_numbers(nested, np.dtype(np.float32), 4) is None
 
 
@@ -253,3 +254,23 @@ def test_output_text_is_what_one_orjson_call_over_the_list_gives(array: np.ndarr
     expected = orjson.dumps(array.ravel().tolist())
     assert b"".join(_json_numbers.array_text(array)) == expected
     assert b"".join(_json_numbers.array_text(np.asfortranarray(array.reshape(-1, 1)))) == expected
+
+
+def test_the_compiled_reader_is_loaded_by_the_first_tensor_read_and_not_before() -> None:
+    pytest.importorskip("numba")
+    script = """
+import sys, threading
+import numpy as np
+from carton.server import _json_numbers
+import carton.server
+assert "numba" not in sys.modules, "importing the server loaded numba"
+first = _json_numbers.read_numbers(memoryview(b"[1, 2]"), np.dtype(np.float32), 2)
+assert first is not None and first.tolist() == [1.0, 2.0]
+for thread in threading.enumerate():
+    if thread.name == "carton-json-reader":
+        thread.join()
+assert _json_numbers._compiled_reader() is not None
+assert _json_numbers.read_numbers(memoryview(b"[[1], [2]]"), np.dtype(np.float32), 2) is not None
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr

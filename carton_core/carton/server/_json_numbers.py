@@ -5,7 +5,8 @@ With numba installed (``carton[mcf]``), the compiled reader (`_json_kernel`) par
 with the GIL released; without it, a flat array is parsed a piece at a time by orjson and msgspec, the GIL free
 between pieces. Both give the array the general decoding (orjson, then msgspec's checks) gives, bit for bit, and
 both decline (None) whatever is not plainly such an array, for the caller to decode the general way, which names
-the fault. ``CARTON_JSON_READER=pieces`` chooses the piecewise reader even when numba is there.
+the fault. The compiled reader is loaded on a thread when the first tensor is read (numba and the compiled code take
+memory a server that gets no large JSON tensors can keep); the piecewise reader serves until it is ready.
 
 An output is written by orjson a slice at a time, the GIL free between slices, as the same text one orjson call
 over the whole list of Python numbers would give.
@@ -15,8 +16,9 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
 import math
-import os
+import threading
 from types import ModuleType
 from typing import Any
 
@@ -24,9 +26,9 @@ import msgspec
 import numpy as np
 import orjson
 
-__all__ = ["READER_ENV", "WRITTEN_KINDS", "array_text", "element_type", "nested_list", "read_numbers", "warm_up"]
+__all__ = ["WRITTEN_KINDS", "array_text", "element_type", "load_compiled_reader", "nested_list", "read_numbers"]
 
-READER_ENV = "CARTON_JSON_READER"
+_log = logging.getLogger("carton.server")
 
 #: Element types the compiled reader fills (through float64 or int64).
 _COMPILED_KINDS = frozenset({"f4", "f8", "i1", "i2", "i4", "i8", "u1", "u2", "u4", "u8"})
@@ -42,22 +44,45 @@ _WRITE_ELEMENTS = 1 << 13
 WRITTEN_KINDS = frozenset("biuf")
 
 
-@functools.cache
-def _kernel() -> ModuleType | None:
+#: The compiled reader once loaded (`load_compiled_reader`), and whether its loading has been started.
+_compiled_module: ModuleType | None = None
+_loading_started = False
+
+
+def load_compiled_reader() -> bool:
+    """Load the compiled reader now (import numba, then load or compile the kernel, holding the GIL in long
+    stretches); False when numba is not installed. `read_numbers` starts this on a thread by itself."""
+    global _compiled_module
+    if _compiled_module is None:
+        try:
+            module = importlib.import_module("carton.server._json_kernel")
+        except ImportError:
+            return False
+        _compiled(module, memoryview(b"[0]"), np.dtype(np.float64), 1)
+        _compiled_module = module
+    return True
+
+
+def _load_in_background() -> None:
     try:
-        return importlib.import_module("carton.server._json_kernel")
-    except ImportError:
-        return None
+        load_compiled_reader()
+    except Exception as exc:  # a broken numba install: the piecewise reader keeps serving
+        _log.warning("JSON tensors are read piece by piece: the compiled reader did not load (%s)", type(exc).__name__)
 
 
-def _chosen_kernel() -> ModuleType | None:
-    return None if os.environ.get(READER_ENV) == "pieces" else _kernel()
+def _compiled_reader() -> ModuleType | None:
+    """The compiled reader if it is loaded; else None, after starting its loading on a thread the first time."""
+    global _loading_started
+    if _compiled_module is None and not _loading_started:
+        _loading_started = True
+        threading.Thread(target=_load_in_background, name="carton-json-reader", daemon=True).start()
+    return _compiled_module
 
 
 def read_numbers(text: memoryview, numpy_dtype: np.dtype[Any], count: int) -> np.ndarray | None:
     """`text` (a JSON array of numbers, or one number) as a flat array of `numpy_dtype`; None for anything else,
     including another number of elements than `count` when the compiled reader is used."""
-    module = _chosen_kernel()
+    module = _compiled_reader()
     if module is None or numpy_dtype.str[1:] not in _COMPILED_KINDS:
         return _pieces(text, numpy_dtype)
     return _compiled(module, text, numpy_dtype, count)
@@ -160,16 +185,6 @@ def element_type(numpy_dtype: np.dtype[Any]) -> type:
 def nested_list(element: type, depth: int) -> Any:
     """``list[list[...element]]``, `depth` lists deep (a msgspec conversion type)."""
     return element if depth == 0 else list[nested_list(element, depth - 1)]  # type: ignore[misc]
-
-
-def warm_up() -> None:
-    """Load the compiled reader now, when there is one (importing numba and loading or compiling the reader take a
-    moment, with the GIL held in long stretches): the server calls this on a thread as it starts, so that its first
-    JSON tensor does not wait for it. Nothing is loaded when ``CARTON_JSON_READER=pieces``: numba and the compiled
-    code take memory in the server process, which a server that gets no large JSON tensors can keep."""
-    module = _chosen_kernel()
-    if module is not None:
-        _compiled(module, memoryview(b"[0]"), np.dtype(np.float64), 1)
 
 
 def array_text(array: np.ndarray) -> list[bytes]:

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING
 from ._handle import ModelLoader, load_carton
 from ._http import HttpApp
 from ._http_server import HttpServer, serve_http
-from ._json_numbers import warm_up
 from ._layout import list_models, make_upload_root, sweep_stale_upload_roots
 from ._repository import ModelRepository, RepositoryOptions
 from ._stats import ServerMetrics
@@ -244,10 +243,8 @@ def run_server(options: ServerOptions, *, on_started: Callable[[Server], None] |
     """Serve until SIGINT/SIGTERM (what `carton serve` runs); `on_started` is called once the server listens.
 
     The process's GIL switch interval is shortened: while a worker thread decodes a large JSON body, the event loop
-    waits up to one interval for the GIL at each step of every other request, and a request takes several steps.
-    The compiled JSON tensor reader is loaded on a thread meanwhile (`warm_up`)."""
+    waits up to one interval for the GIL at each step of every other request, and a request takes several steps."""
     sys.setswitchinterval(_SWITCH_INTERVAL)
-    threading.Thread(target=warm_up, name="carton-json-reader", daemon=True).start()
     server = Server(options)
     _run(_serve_until_signalled(server, on_started))
 
