@@ -6,6 +6,11 @@ buffers we built, so the checks buy nothing. Small ``bytes`` and array parts are
 `zmq.Frame` a zero-copy send needs: 0.56 against 0.72 us for 64 bytes); larger ones and frames go out with
 ``copy=False``, straight from their buffer.
 
+Each part goes through pyzmq's compiled `send` and `recv` (the methods of `zmq.backend.Socket`, the base class of
+every `zmq.Socket`), called with positional arguments: `zmq.Socket.send` is a Python method in front of the
+compiled one, there for the routing ids and groups of draft socket types we never use, and keyword arguments take
+the compiled methods' slower argument parsing (docs/performance.md, "the runner's side of the hop").
+
 `new_context` makes the ZeroMQ context both ends use: its I/O threads run under ``SCHED_BATCH`` on Linux.
 """
 
@@ -21,12 +26,16 @@ import zmq
 
 __all__ = ["new_context", "recv_message", "send_message"]
 
-_SNDMORE = zmq.SNDMORE
+_SNDMORE = int(zmq.SNDMORE)
+_send = zmq.backend.Socket.send
+_recv = zmq.backend.Socket.recv
 _SCHED_BATCH = 3  # Linux's SCHED_BATCH (os.SCHED_BATCH where Python exposes it)
 _COPY_BELOW = 1 << 16
 
 
 def send_message(sock: zmq.Socket[Any], parts: Sequence[Any]) -> None:
+    """Send `parts` as one message on `sock`, a plain (blocking) `zmq.Socket`: not a `zmq.asyncio` one, whose
+    awaitable methods this bypasses."""
     last = len(parts) - 1
     for index, part in enumerate(parts):
         kind = type(part)
@@ -36,14 +45,15 @@ def send_message(sock: zmq.Socket[Any], parts: Sequence[Any]) -> None:
             copy = part.nbytes < _COPY_BELOW
         else:
             copy = False
-        sock.send(part, _SNDMORE if index < last else 0, copy=copy)
+        _send(sock, part, _SNDMORE if index < last else 0, copy)
 
 
 def recv_message(sock: zmq.Socket[Any]) -> list[zmq.Frame]:
-    frame = sock.recv(copy=False)
+    """Receive one message from `sock` (a plain `zmq.Socket`, as for `send_message`) as frames, without copies."""
+    frame: zmq.Frame = _recv(sock, 0, False)
     frames = [frame]
     while frame.more:
-        frame = sock.recv(copy=False)
+        frame = _recv(sock, 0, False)
         frames.append(frame)
     return frames
 
