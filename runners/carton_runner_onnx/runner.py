@@ -39,12 +39,11 @@ class OnnxRunner(Runner):
         self._graph_inputs = dict(self._binding.inputs)
         self._graph_outputs = [graph_name for _, graph_name in self._binding.outputs]
         self._output_names = tuple(name for name, _ in self._binding.outputs)
-        self._run = _direct_run(self._session)
 
     def infer(self, inputs: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
         feeds = self._feeds(inputs)
         try:
-            results = self._run(self._graph_outputs, feeds, None)
+            results = self._session.run(self._graph_outputs, feeds)
         except InvalidArgument as exc:  # a dtype, rank or dimension the graph does not take: the caller's inputs
             raise InvalidInput(f"onnxruntime refused the inputs: {exc}") from exc
         except Exception as exc:  # onnxruntime's other pybind errors (Fail, ...) share no public base
@@ -123,23 +122,6 @@ def _open_session(model_dir: Path, options: OnnxOptions, warn: Callable[[str], N
         )
     except Exception as exc:  # onnxruntime's pybind errors (InvalidProtobuf, Fail, ...) share no public base
         raise OnnxRunnerError(f"onnxruntime {ort.__version__} could not load {model_path.name!r}: {exc}") from exc
-
-
-def _direct_run(session: Any) -> Callable[[list[str], dict[str, Any], Any], list[Any]]:
-    """The ``run(output_names, feeds, run_options)`` an infer calls: the C session's own for a CPU-only session.
-
-    `InferenceSession.run` is a Python wrapper over the C session's ``run``. Before calling it, the wrapper checks
-    that every graph input is fed (`OnnxRunner._feeds` has), that no WebGPU graph capture is on and that no fed
-    `OrtValue` belongs to another device (neither can happen with CPU only and numpy feeds), and after a failure
-    of a provider other than CPU it retries on CPU (there is none). Those checks cost as much as a small graph's
-    whole run, on every call. With any other provider, or an onnxruntime whose session no longer has the C
-    session where this looks for it, the public ``run`` does the work as usual.
-    """
-    inner = getattr(session, "_sess", None)
-    direct = getattr(inner, "run", None)
-    if session.get_providers() != ["CPUExecutionProvider"] or not callable(direct):
-        return session.run  # type: ignore[no-any-return]
-    return direct  # type: ignore[no-any-return]
 
 
 def _providers(requested: tuple[str, ...], warn: Callable[[str], None]) -> list[str]:

@@ -24,7 +24,7 @@ from carton_protocol import (
     UnsupportedModel,
 )
 from carton_runner_onnx import InvalidRunnerOption, OnnxRunnerError, UnsafeModelPath, UnsupportedTensorType
-from carton_runner_onnx.runner import OnnxRunner, _direct_run
+from carton_runner_onnx.runner import OnnxRunner
 from onnx import TensorProto, helper
 from runner_models import (
     DTYPES,
@@ -431,17 +431,6 @@ def test_unavailable_execution_providers_fall_back_to_cpu_with_a_warning(tmp_pat
     assert runner._session.get_providers() == ["CPUExecutionProvider"]
     x = np.ones((1, 16), dtype=np.float32)
     assert np.array_equal(runner.infer({"x": x})["probs"], _reference(path, {"x": x})[0])
-
-
-def test_a_cpu_session_runs_without_the_python_wrapper(tmp_path: Path) -> None:
-    # Infers call the C session's `run` under `InferenceSession.run` (the refusal tests below go through it too):
-    # the same arrays as the public call, and still what an onnxruntime without it falls back to if it goes away.
-    path = write_mlp(tmp_path)
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    run = _direct_run(session)
-    assert run != session.run
-    x = np.random.default_rng(3).standard_normal((4, 16)).astype(np.float32)
-    assert np.array_equal(run(["probs"], {"x": x}, None)[0], session.run(["probs"], {"x": x})[0])
 
 
 # --- infer refusals ----------------------------------------------------------------------------------------------
