@@ -42,9 +42,7 @@ __all__ = [
     "barrier",
     "control_size",
     "depart",
-    "done",
     "take",
-    "wait_count",
     "wait_departures",
 ]
 
@@ -213,19 +211,6 @@ def barrier(control, passed, team):  # type: ignore[no-untyped-def]
 def take(control, counter):  # type: ignore[no-untyped-def]
     """The next unit of work of counter ``counter`` (0, 1, 2, ... across all threads, each handed out once)."""
     return atomic_add(control, COUNTERS + SLOT * counter, 1)
-
-
-@numba.njit(**JIT)
-def done(control, counter):  # type: ignore[no-untyped-def]
-    """One more unit of the work that counter ``counter`` counts is finished (its stores are visible to a thread
-    whose `wait_count` sees the count)."""
-    atomic_add(control, COUNTERS + SLOT * counter, 1)
-
-
-@numba.njit(**JIT)
-def wait_count(control, counter, target):  # type: ignore[no-untyped-def]
-    """Wait until ``target`` units of counter ``counter`` are `done`: True, or False when the run was aborted."""
-    return _wait(control, COUNTERS + SLOT * counter, target)
 
 
 @numba.njit(**JIT)

@@ -1,20 +1,15 @@
 """A whole single-token decode step as one compiled function that every thread of a `_team.Team` runs at once.
 
-Per layer, five phases; in each, units of work are handed out by an atomic counter (`_atomics.take`), so a
-thread that starts late or is descheduled only does fewer units:
+Per layer, five phases separated by barriers (`_atomics.barrier`); in each, units of work are handed out by an
+atomic counter (`_atomics.take`), so a thread that starts late or is descheduled only does fewer units:
 
-1. q, k, v rows, kv head by kv head (its k rows, its v rows, then its query heads' q rows; units of at most `ROWS`
-   rows of one matrix), each unit counted done for its kv head (`_atomics.done`);
-2. attention, one unit per (row of the batch, query head), started as soon as its kv head's q, k, v units are all
-   done (`_atomics.wait_count`: no barrier before it, so a thread that finishes the rows early starts on the first
-   heads): rotary embedding of its query and of its kv head's new key, scores over the cache and the new slot,
-   softmax, the weighted values; the first query head of a kv head also stores the new key and value in the cache;
+1. q, k, v rows (units of `ROWS` rows of one of the three matrices);
+2. attention, one unit per (row of the batch, query head): rotary embedding of its query and of its kv head's new
+   key, scores over the cache and the new slot, softmax, the weighted values; the first query head of a kv head
+   also stores the new key and value in the cache;
 3. o rows;
 4. gate and up rows together, each unit finishing its rows' SwiGLU;
 5. down rows.
-
-Phases 2 to 5 and the next layer's first start after a barrier (`_atomics.barrier`): each needs the whole output
-of the one before.
 
 What every thread needs whole and is cheap (the residual adds, the RMSNorms, rounding a product's input to int16)
 each thread computes for itself into its own buffers, in the same order, so no barrier is spent on it and every
@@ -32,7 +27,7 @@ import math
 import numba
 import numpy as np
 
-from ._atomics import barrier, depart, done, take, wait_count, wait_departures
+from ._atomics import barrier, depart, take, wait_departures
 from ._blocks import JIT
 from ._compiled import _decode_rows, _matmul_rows, quantize
 from ._fused import _rotate, rms_norm, softmax_weights
@@ -175,38 +170,6 @@ def _rows_by_counter(control, counter, unit_rows, tables, first_matrix, count, x
 
 
 @numba.njit(**JIT)
-def _qkv_by_kv_head(control, counter, finished, kv_heads, unit_rows, tables, base, x, xq, xs, xe, xoff, q, k, v):  # type: ignore[no-untyped-def]
-    """Phase 1 (module docstring) until the counter runs out: unit ``u`` is part ``u % per_head`` of kv head ``u //
-    per_head`` (k rows, then v rows, then q rows), and counter ``finished + kv head`` counts its done units."""
-    payloads, metas, widths = tables
-    d = k.shape[1] // kv_heads
-    q_span = q.shape[1] // kv_heads
-    kv_units = (d + unit_rows - 1) // unit_rows
-    q_units = (q_span + unit_rows - 1) // unit_rows
-    per_head = 2 * kv_units + q_units
-    rounded = -1
-    while True:
-        unit = take(control, counter)
-        if unit >= kv_heads * per_head:
-            return
-        g, part = unit // per_head, unit % per_head
-        if part < kv_units:
-            which, y, start, end = 1, k, g * d, (g + 1) * d
-        elif part < 2 * kv_units:
-            which, y, start, end, part = 2, v, g * d, (g + 1) * d, part - kv_units
-        else:
-            which, y, start, end, part = 0, q, g * q_span, (g + 1) * q_span, part - 2 * kv_units
-        index = base + which
-        width = widths[index]
-        if width != rounded:
-            quantize(x, width, xq, xs, xe, xoff)
-            rounded = width
-        first = start + part * unit_rows
-        rows_of(payloads[index], metas[index], width, xq, xs, xe, xoff, y, first, min(end, first + unit_rows))
-        done(control, finished + g)
-
-
-@numba.njit(**JIT)
 def decode_step(  # type: ignore[no-untyped-def]
     payloads, metas, widths, norms, final_norm, eps, embedding, ids, hidden_in, cos, sin, keys, values, key_mask,
     slot, scale, q, k, v, attended, projected, gate, up, activated, out, head_table, logits, own, control, worker, team,
@@ -236,26 +199,18 @@ def decode_step(  # type: ignore[no-untyped-def]
     passed = 0
     tables = (payloads, metas, widths)
     unit_rows = ROWS if team > 1 else 1 << 30  # one thread: a product is one unit, as in the serial kernels
-    layers = norms.shape[0]
-    kv_heads = heads // groups
-    d = query.size
-    per_kv_head = 2 * ((d + ROWS - 1) // ROWS) + (groups * d + ROWS - 1) // ROWS
-    for layer in range(layers):
+    for layer in range(norms.shape[0]):
         base, counter = layer * MATRICES, layer * _PHASES
         rms_norm(hidden, norms[layer, 0], eps, normed)
-        finished = layers * _PHASES + 1 + layer * kv_heads
-        if team > 1:
-            _qkv_by_kv_head(control, counter, finished, kv_heads, ROWS, tables, base, normed, xq, xs, xe, xoff, q, k,
-                            v)  # fmt: skip
-        else:
-            _rows_by_counter(control, counter, unit_rows, tables, base, 3, normed, xq, xs, xe, xoff, q, k, v)
+        _rows_by_counter(control, counter, unit_rows, tables, base, 3, normed, xq, xs, xe, xoff, q, k, v)
+        passed = barrier(control, passed, team)
+        if passed < 0:
+            return ABORTED
         while True:
             unit = take(control, counter + 1)
             if unit >= m * heads:
                 break
             b, head = unit // heads, unit % heads
-            if team > 1 and not wait_count(control, finished + head // groups, per_kv_head):
-                return ABORTED
             _attend(layer, b, head, groups, q, k, v, cos, sin, keys, values, key_mask, slot, scale, query, key, scores,
                     attended)  # fmt: skip
         passed = barrier(control, passed, team)
@@ -311,7 +266,6 @@ def decode_step(  # type: ignore[no-untyped-def]
     return 0
 
 
-def step_counters(layers: int, kv_heads: int) -> int:
-    """Work counters a `decode_step` over ``layers`` layers of ``kv_heads`` kv heads uses: five per layer, the output
-    head's, then one per layer and kv head counting its q, k, v units done."""
-    return layers * _PHASES + 1 + layers * kv_heads
+def step_counters(layers: int) -> int:
+    """Work counters a `decode_step` over ``layers`` layers uses (the output head's last)."""
+    return layers * _PHASES + 1
