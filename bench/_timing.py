@@ -64,3 +64,21 @@ def run_in_checkout(
         raise SystemExit(f"the child for {tree} ({' '.join(arguments)}) failed:\n{done.stderr[-3000:]}")
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return result
+
+
+def mcf_runner_env(tree: Path, environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables the mcf runner plugin of checkout `tree` adds to a runner process's environment (its
+    ``RunnerSpec.env`` when the host's environment is `environ`): a benchmark that runs the runner in a child process
+    of its own gives the child these, so the child's BLAS and kernels are set up as `carton.load` sets up a runner
+    process."""
+    paths = [str(tree / part) for part in ("carton_core", "protocol", "runners")]
+    script = (
+        "import json; from carton_runner_mcf import plugin; (spec,) = plugin.carton_runners(); "
+        "print(json.dumps(dict(spec.env)))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], env={**environ, "PYTHONPATH": os.pathsep.join(paths)},
+        capture_output=True, text=True, check=True, cwd=tree,
+    )  # fmt: skip
+    found: dict[str, str] = json.loads(done.stdout)
+    return found

@@ -7,14 +7,17 @@ another, in alternating rounds.
 
 Every round starts one child process per (side, thread count), in alternating order (the baseline first in even
 rounds). A child has that side's ``carton_core``, ``protocol`` and ``runners`` first on ``PYTHONPATH``, loads the
-MCF that ``bench/bench_llm.py`` converted (its ``--work`` folder) with runner option ``threads``, prefills a prompt
-of ``--prompt-tokens`` random tokens and decodes ``--new-tokens`` greedily (the loop of the runner's generate:
-step, output head, argmax), ``--repeats`` times; it reports the best time per token and the process's CPU time per
-token (every thread, from /proc).
+MCF that ``bench/bench_llm.py`` converted (its ``--work`` folder) with runner option ``threads``, in the environment
+carton gives that checkout's runner process (its plugin's ``RunnerSpec.env``) with ``OPENBLAS_NUM_THREADS`` set to
+``threads`` as ``bench_llm.py`` sets it, prefills a prompt of ``--prompt-tokens`` random tokens and decodes
+``--new-tokens`` greedily (the loop of the runner's generate: step, output head, argmax), ``--repeats`` times; it
+reports the best time per token and the process's CPU time per token (every thread, from /proc).
 
 ``--bandwidth`` first measures what bounds a step from below: the time to read the model file's bytes once (a
 compiled XOR over them as 64-bit words, the file already in the page cache) by one thread and by two (each half),
-best of 5, alternated over ``--rounds``: a decode step reads every weight once.
+best of 5, alternated over ``--rounds``: a decode step reads every weight once; and what a second thread gives to
+work that touches no memory at all (eight multiply-add chains in registers, each thread the whole count): whether
+the machine's two CPUs compute independently.
 
 The table gives, per side and thread count, the median over rounds of the best time per token, and the scaling
 from one thread to two as the median of the per-round ratios (each round's two children ran back to back, so a
@@ -89,35 +92,81 @@ def _bandwidth(model: Path, rounds: int) -> None:
             total ^= words[i]
         return int(total)
 
+    @numba.njit(nogil=True, cache=False)
+    def compute(steps: int) -> float:
+        # Eight independent multiply-add chains on registers: no memory traffic at all.
+        a0, a1, a2, a3, a4, a5, a6, a7 = 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8
+        for _ in range(steps):
+            a0, a1, a2, a3 = a0 * 0.999 + 0.001, a1 * 0.999 + 0.001, a2 * 0.999 + 0.001, a3 * 0.999 + 0.001
+            a4, a5, a6, a7 = a4 * 0.999 + 0.001, a5 * 0.999 + 0.001, a6 * 0.999 + 0.001, a7 * 0.999 + 0.001
+        return a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7
+
     raw = np.fromfile(model / "model.mcf", dtype=np.uint8)
     words = raw[: raw.size // 8 * 8].view(np.uint64)
     n = words.size
+    steps = 20_000_000
     fold(words, 0, 8)
+    compute(8)
 
-    def one() -> float:
+    def run(calls: list[tuple[Any, tuple[Any, ...]]]) -> tuple[float, float]:
+        """Wall time of ``calls`` run at once (the first on this thread, each other on a thread of its own), and
+        the mean of their threads' CPU times: unlike the wall time, that one does not count what other processes
+        take of the cores, only how fast a thread runs while it has one."""
+        cpu = [0.0] * len(calls)
+
+        def call(index: int) -> None:
+            function, arguments = calls[index]
+            begun = time.thread_time()
+            function(*arguments)
+            cpu[index] = time.thread_time() - begun
+
+        helpers = [threading.Thread(target=call, args=(index,)) for index in range(1, len(calls))]
         started = time.perf_counter()
-        fold(words, 0, n)
-        return time.perf_counter() - started
+        for helper in helpers:
+            helper.start()
+        call(0)
+        for helper in helpers:
+            helper.join()
+        return time.perf_counter() - started, sum(cpu) / len(cpu)
 
-    def two() -> float:
-        helper = threading.Thread(target=fold, args=(words, n // 2, n))
-        started = time.perf_counter()
-        helper.start()
-        fold(words, 0, n // 2)
-        helper.join()
-        return time.perf_counter() - started
+    def best(calls: list[tuple[Any, tuple[Any, ...]]]) -> tuple[float, float]:
+        runs = [run(calls) for _ in range(5)]
+        return min(wall for wall, _ in runs), min(cpu for _, cpu in runs)
 
-    results = []
+    read, computed = [], []
     for _ in range(rounds):
-        results.append((min(one() for _ in range(5)), min(two() for _ in range(5))))
+        read.append((best([(fold, (words, 0, n))]), best([(fold, (words, 0, n // 2)), (fold, (words, n // 2, n))])))
+        # Both threads do the whole count: twice the work in the same wall time is a speed-up of 2.
+        computed.append((best([(compute, (steps,))]), best([(compute, (steps,)), (compute, (steps,))])))
     mb = raw.size / 1e6
-    print(f"# reading the {mb:.0f} MB model file once, best of 5 per round, {rounds} rounds; load average "
-          f"{os.getloadavg()[0]:.2f}")  # fmt: skip
-    print("| round | 1 thread ms | GB/s | 2 threads ms | GB/s | 2 threads / 1 |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for index, (a, b) in enumerate(results):
-        rates = f"{a * 1e3:.2f} | {mb / a / 1e3:.1f} | {b * 1e3:.2f} | {mb / b / 1e3:.1f}"
-        print(f"| {index + 1} | {rates} | {a / b:.2f}x |")
+    print(f"# what a second thread gives, best of 5 per round, {rounds} rounds; load average {os.getloadavg()[0]:.2f}. "
+          "'by wall' counts what other processes take of the cores; 'by CPU time' compares each thread's own CPU "
+          "time for its share of the work (2.00x: two CPUs that do not slow each other)")  # fmt: skip
+    print("| work | round | 1 thread ms | CPU ms | 2 threads ms | CPU ms per thread | 2 threads / 1 by wall "
+          "| by CPU time |")  # fmt: skip
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for label, results, scale in ((f"read the {mb:.0f} MB file", read, 1), ("registers only", computed, 2)):
+        for index, ((one_wall, one_cpu), (two_wall, two_cpu)) in enumerate(results):
+            # Reading: each thread reads half, so its CPU time against one thread's whole read is the speed-up.
+            # Registers: each thread does the whole count, twice the work.
+            wall_ratio = scale * one_wall / two_wall
+            cpu_ratio = (2 * one_cpu / two_cpu) if scale == 2 else one_cpu / two_cpu
+            print(f"| {label} | {index + 1} | {one_wall * 1e3:.1f} | {one_cpu * 1e3:.1f} | {two_wall * 1e3:.1f} | "
+                  f"{two_cpu * 1e3:.1f} | {wall_ratio:.2f}x | {cpu_ratio:.2f}x |")  # fmt: skip
+
+
+_RUNNER_ENVS: dict[tuple[Path, int], dict[str, str]] = {}
+
+
+def _child_env(tree: Path, threads: int) -> dict[str, str]:
+    """BLAS gets the step's thread count, as in bench_llm.py (and as a runner process on a machine of that many CPUs
+    gets by default), plus what carton gives a runner process of checkout ``tree``."""
+    from _timing import mcf_runner_env
+
+    if (tree, threads) not in _RUNNER_ENVS:
+        env = dict.fromkeys(("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"), str(threads))
+        _RUNNER_ENVS[(tree, threads)] = env | mcf_runner_env(tree, {**os.environ, **env})
+    return _RUNNER_ENVS[(tree, threads)]
 
 
 def _run_child(tree: Path, threads: int, model: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -126,7 +175,7 @@ def _run_child(tree: Path, threads: int, model: Path, args: argparse.Namespace) 
     arguments = ["--child", "--threads", str(threads), "--model", str(model),
                  "--prompt-tokens", str(args.prompt_tokens), "--new-tokens", str(args.new_tokens),
                  "--repeats", str(args.repeats)]  # fmt: skip
-    return run_in_checkout(__file__, tree, arguments, env={"OPENBLAS_NUM_THREADS": "1"})
+    return run_in_checkout(__file__, tree, arguments, env=_child_env(tree, threads))
 
 
 def main() -> None:

@@ -47,6 +47,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _timing import mcf_runner_env
+
 ROOT = Path(__file__).resolve().parent.parent
 METHODS = ("q8", "k6", "k4", "q4")
 THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
@@ -176,6 +178,9 @@ def _run_child(engine: str, model: Path, args: argparse.Namespace, threads: int,
     env = dict(os.environ)
     # Every BLAS (and the kernels) one thread per process when the model is split across processes.
     env.update(dict.fromkeys(THREAD_VARS, str(threads if engine == "transformers" or args.processes == 1 else 1)))
+    if engine == "mcf":
+        # What carton gives a runner process on top (OpenBLAS's threads stop polling soon after a prompt's products).
+        env.update(mcf_runner_env(ROOT, env))
     command = [
         sys.executable, __file__, "--child", engine, "--model", str(model), "--prompt-tokens", str(args.prompt_tokens),
         "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats), "--threads", str(threads),

@@ -355,8 +355,22 @@ def test_the_plugin_passes_kernel_settings_to_the_runner_process(monkeypatch: py
 
     monkeypatch.setenv("CARTON_MCF_KERNELS", "numpy")
     monkeypatch.setenv("NUMBA_NUM_THREADS", "2")
-    monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
+    for name in ("NUMBA_CACHE_DIR", "OPENBLAS_NUM_THREADS", "OPENBLAS_THREAD_TIMEOUT"):
+        monkeypatch.delenv(name, raising=False)
     (spec,) = plugin.carton_runners()
-    assert dict(spec.env) == {"CARTON_MCF_KERNELS": "numpy", "NUMBA_NUM_THREADS": "2"} | (
-        {"NUMBA_THREADING_LAYER": os.environ["NUMBA_THREADING_LAYER"]} if "NUMBA_THREADING_LAYER" in os.environ else {}
+    layer = {name: os.environ[name] for name in ("NUMBA_THREADING_LAYER",) if name in os.environ}
+    assert (
+        dict(spec.env)
+        == {
+            "CARTON_MCF_KERNELS": "numpy",
+            "NUMBA_NUM_THREADS": "2",
+            "OPENBLAS_THREAD_TIMEOUT": plugin.BLAS_THREAD_TIMEOUT,
+        }
+        | layer
     )
+    # The host's own BLAS settings win.
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")
+    monkeypatch.setenv("OPENBLAS_THREAD_TIMEOUT", "28")
+    (spec,) = plugin.carton_runners()
+    assert dict(spec.env)["OPENBLAS_NUM_THREADS"] == "1"
+    assert dict(spec.env)["OPENBLAS_THREAD_TIMEOUT"] == "28"
