@@ -11,15 +11,10 @@ threads between two BLAS calls cost more than it saved (docs/performance.md, iss
 
 from __future__ import annotations
 
-from typing import Any
-
 import numba
 import numpy as np
-from llvmlite import ir
-from numba import types
-from numba.extending import intrinsic
 
-from ._simd import Codegen
+from ._simd import float_of_bits
 
 __all__ = ["exp", "softmax", "swiglu"]
 
@@ -34,16 +29,6 @@ _LN2_LO = np.float32(-2.12194440e-4)
 # Beyond these the result is below float32's smallest normal or above its largest: clamping keeps 2**n a normal.
 _LOWEST = np.float32(-87.0)
 _HIGHEST = np.float32(88.0)
-
-
-@intrinsic
-def _float_of_bits(typingctx: Any, bits: Any) -> tuple[Any, Codegen]:
-    """The float32 whose bits are the int32 ``bits``."""
-
-    def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: list[Any]) -> Any:
-        return builder.bitcast(context.cast(builder, args[0], sig.args[0], types.int32), ir.FloatType())
-
-    return types.float32(bits), codegen
 
 
 @numba.njit(inline="always", **_JIT)
@@ -61,7 +46,7 @@ def exp(x):  # type: ignore[no-untyped-def]
     p = p * r + np.float32(5.0000001201e-1)
     p = p * r * r + r + np.float32(1.0)
     # times 2**n, built from its exponent bits
-    return p * _float_of_bits((np.int32(n) + np.int32(127)) << np.int32(23))
+    return p * float_of_bits((np.int32(n) + np.int32(127)) << np.int32(23))
 
 
 @numba.njit(**_JIT)
