@@ -10,7 +10,7 @@ memory.
 llama.cpp runs its own benchmark tool (``llama-bench -t T -p PROMPT -n NEW``) on the very GGUF the package ships
 (Q4_1, a 4-bit type); it is skipped, with a note, when ``bench/setup_llamacpp.sh`` has not built it (set
 ``LLAMA_BENCH`` to use another build). Its prefill and decode are timed by llama-bench itself (best of its
-repetitions), its memory is not measured.
+repetitions), its memory is not measured; ``--no-llama-cpp`` leaves it out.
 
 The GGUF is dequantized once into a Hugging Face folder (examples/smollm2_convert.py); transformers loads that
 folder in fp32, and each MCF is converted from the same folder, so both sides start from the same weights.
@@ -285,6 +285,7 @@ def main() -> None:
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated MCF methods")
     parser.add_argument("--int8-cache", action="store_true",
                         help="also run q4 with weight_cache='int8' (the numpy path's cache)")  # fmt: skip
+    parser.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp out (rows and ratios)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--cache", help=argparse.SUPPRESS)
@@ -299,9 +300,9 @@ def main() -> None:
     thread_counts = [int(t) for t in str(args.threads).split(",") if t]
     methods = tuple(m for m in args.methods.split(",") if m)
     hf_dir, folders = _prepare(args.work, methods)
-    tool = _llama_bench()
+    tool = None if args.no_llama_cpp else _llama_bench()
     gguf = _convert_module().find_gguf()
-    if tool is None:
+    if tool is None and not args.no_llama_cpp:
         print("note: llama.cpp rows skipped: run bench/setup_llamacpp.sh (or set LLAMA_BENCH)", file=sys.stderr)
     best: dict[str, dict[str, Any]] = {}
     for _ in range(args.rounds):

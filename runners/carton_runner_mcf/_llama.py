@@ -128,6 +128,16 @@ def _fused_ops() -> ModuleType | None:
     return _fused
 
 
+def _prefill_ops() -> ModuleType | None:
+    """The compiled element-wise operations of a chunk (`_prefill`) when the compiled kernels are in use, else
+    None."""
+    if compiled_kernels() is None:
+        return None
+    from . import _prefill
+
+    return _prefill
+
+
 class LlamaModel:
     """Forward pass of a llama-family decoder; ``forward`` fills a `KVCache` and returns final hidden states.
 
@@ -162,6 +172,7 @@ class LlamaModel:
             self._inv_freq = (self._inv_freq / np.float32(config.rope_scaling_factor)).astype(np.float32)
         self._scale = np.float32(1.0 / np.sqrt(config.head_dim))
         self._fused = _fused_ops()
+        self._prefill = _prefill_ops()
         self._region: DecodeRegion | bool | None = self._fused is not None  # True: not built yet
         self._stepped: tuple[F32, F32] | None = None  # the last region step's output and logits
 
@@ -214,13 +225,10 @@ class LlamaModel:
                 hidden_one = self._step_one(input_ids, positions, cache, self._fused)
             cache.length = end
             return hidden_one
-        # allowed[b, t, s]: query t (slot start + t) sees real slot s <= start + t, and always itself, so that a
-        # padding query (whose output nobody reads) is still well defined and independent of chunking.
-        slots = np.arange(end)
-        query_slots = (start + np.arange(seq))[:, None]
-        allowed = (slots[None, :] <= query_slots)[None, :, :] & cache.key_mask[:, None, :end]
-        allowed |= (slots[None, :] == query_slots)[None, :, :]
-        bias = np.where(allowed, np.float32(0.0), np.float32(np.finfo(np.float32).min))[:, None, None, :, :]
+        # Query t (slot start + t) attends to the real slots s <= start + t and always to itself: the causal bias of
+        # the numpy path, or the compiled softmax's own masking.
+        compiled = self._prefill
+        bias = None if compiled is not None else self._causal_bias(cache.key_mask, start, seq)
         cos, sin = self._rotary(positions)
         groups = config.num_heads // config.num_kv_heads
         heads, kv_heads, head_dim, reduce = self.heads, self.kv_heads, config.head_dim, self.reduce
@@ -245,10 +253,15 @@ class LlamaModel:
             # Grouped-query attention: the `groups` query heads sharing a kv head are one batched matmul.
             grouped = q.reshape(batch, kv_heads, groups * seq, head_dim) * self._scale
             scores = np.matmul(grouped, keys[:, :, :end].transpose(0, 1, 3, 2))
-            scores = scores.reshape(batch, kv_heads, groups, seq, end) + bias
-            scores -= scores.max(axis=-1, keepdims=True)
-            np.exp(scores, out=scores)
-            scores /= scores.sum(axis=-1, keepdims=True)
+            if compiled is not None:
+                weights = np.empty_like(scores)
+                compiled.softmax(scores, cache.key_mask, start, weights)
+                scores = weights
+            else:
+                scores = scores.reshape(batch, kv_heads, groups, seq, end) + bias
+                scores -= scores.max(axis=-1, keepdims=True)
+                np.exp(scores, out=scores)
+                scores /= scores.sum(axis=-1, keepdims=True)
             attended = np.matmul(scores.reshape(batch, kv_heads, groups * seq, end), values[:, :, :end])
             attended = attended.reshape(batch, heads, seq, head_dim).transpose(0, 2, 1, 3)
             attention = reduce(layer.o_proj(attended.reshape(batch, seq, heads * head_dim)))
@@ -258,19 +271,36 @@ class LlamaModel:
 
             normed = self._norm(hidden, layer.post_attention_norm)
             gate = layer.gate_proj(normed)
-            # SiLU(gate) * up, with the sigmoid computed in place to spare temporaries (numpy's exp is vectorized,
-            # the compiled swiglu's is not: that one serves single tokens)
-            activated = np.negative(gate)
-            np.exp(activated, out=activated)
-            activated += np.float32(1.0)
-            np.divide(gate, activated, out=activated)
-            activated *= layer.up_proj(normed)
+            if compiled is not None:
+                activated = np.empty_like(gate)
+                rows = (-1, gate.shape[-1])
+                compiled.swiglu(gate.reshape(rows), layer.up_proj(normed).reshape(rows), activated.reshape(rows))
+            else:
+                # SiLU(gate) * up, with the sigmoid computed in place to spare temporaries
+                activated = np.negative(gate)
+                np.exp(activated, out=activated)
+                activated += np.float32(1.0)
+                np.divide(gate, activated, out=activated)
+                activated *= layer.up_proj(normed)
             mlp = reduce(layer.down_proj(activated))
             if layer.down_bias is not None:
                 mlp += layer.down_bias
             hidden = hidden + mlp
         cache.length = end
         return self._norm(hidden, self.final_norm)
+
+    @staticmethod
+    def _causal_bias(key_mask: NDArray[np.bool_], start: int, seq: int) -> F32:
+        """``[batch, 1, 1, seq, start + seq]``: 0 where query ``t`` (slot ``start + t``) sees a real slot ``s <=
+        start + t``, and always itself (so that a padding query, whose output nobody reads, is still well defined
+        and independent of chunking); float32's lowest elsewhere."""
+        end = start + seq
+        slots = np.arange(end)
+        query_slots = (start + np.arange(seq))[:, None]
+        allowed = (slots[None, :] <= query_slots)[None, :, :] & key_mask[:, None, :end]
+        allowed |= (slots[None, :] == query_slots)[None, :, :]
+        bias: F32 = np.where(allowed, np.float32(0.0), np.float32(np.finfo(np.float32).min))[:, None, None, :, :]
+        return bias
 
     def _decode_region(self) -> DecodeRegion | None:
         """The whole-step region (`_region`), built on first use; None when the model does not qualify."""

@@ -33,6 +33,7 @@ __all__ = [
     "VectorType",
     "broadcast",
     "first_lanes",
+    "float_of_bits",
     "fma",
     "hsum",
     "iadd",
@@ -223,6 +224,16 @@ def hsum(typingctx: Any, vector: Any) -> tuple[Any, Codegen]:
         )
 
     return types.float32(F32x8), codegen
+
+
+@intrinsic
+def float_of_bits(typingctx: Any, bits: Any) -> tuple[Any, Codegen]:
+    """The float32 whose bits are the integer ``bits`` (taken as int32)."""
+
+    def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: list[Any]) -> Any:
+        return builder.bitcast(context.cast(builder, args[0], sig.args[0], types.int32), _F32)
+
+    return types.float32(bits), codegen
 
 
 @intrinsic
