@@ -27,7 +27,9 @@ logits only, as the mcf runner's generate does). The mcf runner is loaded with a
 ``threads``, the compiled kernels splitting each product's rows; llama.cpp: ``-t``), alternating engines round by
 round, and reports the mcf runner's scaling from the first count to the others. ``--processes N`` (default 1)
 runs the mcf engines with runner option ``processes = N`` instead: the model split across the runner process and
-N - 1 forked helpers (each one BLAS thread and one kernel thread). Memory sums every process
+N - 1 forked helpers (each one BLAS thread and one kernel thread). The mcf children get ``OPENBLAS_NUM_THREADS``
+(and OpenMP's, MKL's) set to the thread count, unless ``--runner-blas``: then none, as under a host that sets none,
+and BLAS runs as the runner sets it. Memory sums every process
 of an engine: "peak RSS" adds each process's VmHWM (pages a helper shares with its parent since the fork count in
 both, so this overstates a split model), "PSS" adds the proportional set sizes at the end of the run (each shared
 page divided among the processes that map it: what the engine costs the machine). Imports included. Read the
@@ -177,7 +179,10 @@ def _prepare(work: Path, methods: tuple[str, ...]) -> tuple[Path, dict[str, Path
 def _run_child(engine: str, model: Path, args: argparse.Namespace, threads: int, cache: str | None) -> dict[str, Any]:
     env = dict(os.environ)
     # Every BLAS (and the kernels) one thread per process when the model is split across processes.
-    env.update(dict.fromkeys(THREAD_VARS, str(threads if engine == "transformers" or args.processes == 1 else 1)))
+    if engine == "transformers" or not args.runner_blas:
+        env.update(dict.fromkeys(THREAD_VARS, str(threads if engine == "transformers" or args.processes == 1 else 1)))
+    else:  # as a runner process under a host that sets none: BLAS follows the runner's `threads` option
+        env = {name: value for name, value in env.items() if name not in THREAD_VARS}
     if engine == "mcf":
         # What carton gives a runner process on top (OpenBLAS's threads stop polling soon after a prompt's products).
         env.update(mcf_runner_env(ROOT, env))
@@ -286,6 +291,8 @@ def main() -> None:
     parser.add_argument("--int8-cache", action="store_true",
                         help="also run q4 with weight_cache='int8' (the numpy path's cache)")  # fmt: skip
     parser.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp out (rows and ratios)")
+    parser.add_argument("--runner-blas", action="store_true",
+                        help="mcf children get no *_NUM_THREADS: BLAS runs as the runner sets it")  # fmt: skip
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--cache", help=argparse.SUPPRESS)

@@ -20,6 +20,7 @@ from carton_protocol import (
     TensorSpec,
 )
 
+from ._blas import limit_blas_threads
 from ._generate import SamplingParams, generate
 from ._interface import (
     INPUT_DTYPES,
@@ -109,6 +110,10 @@ class MCFRunner(Runner):
         check_declared_mode(self._options.mode, context.inputs, context.outputs)
         path = find_model_file(context.model_dir, self._options.model_file)
         check_processes_supported(self._options.processes)
+        if "threads" in context.opts:  # before `processes` forks helpers, which inherit BLAS's setting
+            blas_warning = limit_blas_threads(self._options.threads)
+            if blas_warning is not None:
+                context.warn(blas_warning)
         self._mcf = MCFFile.open(path)
         try:
             self._loaded = self._load_decoder()
