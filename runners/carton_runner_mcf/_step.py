@@ -3,7 +3,7 @@
 Per layer, five phases separated by barriers (`_atomics.barrier`); in each, units of work are handed out by an
 atomic counter (`_atomics.take`), so a thread that starts late or is descheduled only does fewer units:
 
-1. q, k, v rows (units of `ROWS` rows of one of the three matrices);
+1. q, k, v rows (units of one of the three matrices: `PARTS` per thread, each a contiguous share of its rows);
 2. attention, one unit per (row of the batch, query head): rotary embedding of its query and of its kv head's new
    key, scores over the cache and the new slot, softmax, the weighted values; the first query head of a kv head
    also stores the new key and value in the cache;
@@ -33,11 +33,14 @@ from ._compiled import _decode_rows, _matmul_rows, quantize
 from ._fused import _rotate, rms_norm, softmax_weights
 from ._nibble import nibble_rows
 
-__all__ = ["ABORTED", "HEAD_ROWS", "MATRICES", "ROWS", "decode_step", "rows_of", "step_counters"]
+__all__ = ["ABORTED", "MATRICES", "PARTS", "ROWS", "decode_step", "rows_of", "step_counters"]
 
-#: Rows of a matrix per unit of work in a layer's products, and in the output head's.
+#: A unit of work of a product is a whole number of groups of ``ROWS`` rows.
 ROWS = 32
-HEAD_ROWS = 128
+#: Units per thread of each product (a layer's matrices, the output head): each unit is one contiguous share of the
+#: matrix's rows, so a thread streams its rows' codes in one run rather than a short stretch between the other
+#: thread's (the hardware prefetcher restarts at every jump), and takes the shared counter a few times a phase.
+PARTS = 1
 #: Matrices of a layer, in the order of the step's tables: q, k, v, o, gate, up, down.
 MATRICES = 7
 #: What a team function returns when a barrier was aborted.
@@ -140,16 +143,24 @@ def _swiglu_rows(gate, up, out, first, last):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(**JIT)
-def _rows_by_counter(control, counter, unit_rows, tables, first_matrix, count, x, xq, xs, xe, xoff, y0, y1, y2):  # type: ignore[no-untyped-def]
-    """Units of ``unit_rows`` rows of matrices ``first_matrix ..`` (``count`` of them, outputs ``y0``, ``y1``,
-    ``y2``) until the counter runs out; ``x`` is rounded again only when the code width changes. ``tables``:
-    payloads, metas, widths."""
+def _unit_rows(rows, parts):  # type: ignore[no-untyped-def]
+    """Rows per unit when a matrix of ``rows`` rows is cut into at most ``parts`` units of whole `ROWS` groups."""
+    groups = (rows + ROWS - 1) // ROWS
+    return (groups + parts - 1) // parts * ROWS
+
+
+@numba.njit(**JIT)
+def _rows_by_counter(control, counter, parts, tables, first_matrix, count, x, xq, xs, xe, xoff, y0, y1, y2):  # type: ignore[no-untyped-def]
+    """Units of matrices ``first_matrix ..`` (``count`` of them, outputs ``y0``, ``y1``, ``y2``), each cut into
+    ``parts`` units of contiguous rows, until the counter runs out; ``x`` is rounded again only when the code width
+    changes. ``tables``: payloads, metas, widths."""
     payloads, metas, widths = tables
     rounded = -1
     sizes = (y0.shape[1], y1.shape[1], y2.shape[1])
-    units0 = (sizes[0] + unit_rows - 1) // unit_rows
-    units1 = (sizes[1] + unit_rows - 1) // unit_rows if count > 1 else 0
-    units2 = (sizes[2] + unit_rows - 1) // unit_rows if count > 2 else 0
+    rows = (_unit_rows(sizes[0], parts), _unit_rows(sizes[1], parts), _unit_rows(sizes[2], parts))
+    units0 = (sizes[0] + rows[0] - 1) // rows[0]
+    units1 = (sizes[1] + rows[1] - 1) // rows[1] if count > 1 else 0
+    units2 = (sizes[2] + rows[2] - 1) // rows[2] if count > 2 else 0
     while True:
         unit = take(control, counter)
         if unit >= units0 + units1 + units2:
@@ -165,8 +176,9 @@ def _rows_by_counter(control, counter, unit_rows, tables, first_matrix, count, x
         if width != rounded:
             quantize(x, width, xq, xs, xe, xoff)
             rounded = width
-        first = unit * unit_rows
-        rows_of(payloads[index], metas[index], width, xq, xs, xe, xoff, y, first, min(sizes[which], first + unit_rows))
+        first = unit * rows[which]
+        last = min(sizes[which], first + rows[which])
+        rows_of(payloads[index], metas[index], width, xq, xs, xe, xoff, y, first, last)
 
 
 @numba.njit(**JIT)
@@ -198,11 +210,11 @@ def decode_step(  # type: ignore[no-untyped-def]
         hidden[:, :] = hidden_in
     passed = 0
     tables = (payloads, metas, widths)
-    unit_rows = ROWS if team > 1 else 1 << 30  # one thread: a product is one unit, as in the serial kernels
+    parts = team * PARTS
     for layer in range(norms.shape[0]):
         base, counter = layer * MATRICES, layer * _PHASES
         rms_norm(hidden, norms[layer, 0], eps, normed)
-        _rows_by_counter(control, counter, unit_rows, tables, base, 3, normed, xq, xs, xe, xoff, q, k, v)
+        _rows_by_counter(control, counter, parts, tables, base, 3, normed, xq, xs, xe, xoff, q, k, v)
         passed = barrier(control, passed, team)
         if passed < 0:
             return ABORTED
@@ -216,7 +228,7 @@ def decode_step(  # type: ignore[no-untyped-def]
         passed = barrier(control, passed, team)
         if passed < 0:
             return ABORTED
-        _rows_by_counter(control, counter + 2, unit_rows, tables, base + 3, 1, attended, xq, xs, xe, xoff,
+        _rows_by_counter(control, counter + 2, parts, tables, base + 3, 1, attended, xq, xs, xe, xoff,
                          projected, projected, projected)  # fmt: skip
         passed = barrier(control, passed, team)
         if passed < 0:
@@ -224,6 +236,7 @@ def decode_step(  # type: ignore[no-untyped-def]
         _add(hidden, projected)
         rms_norm(hidden, norms[layer, 1], eps, normed)
         rounded = -1
+        unit_rows = _unit_rows(gate.shape[1], parts)
         units = (gate.shape[1] + unit_rows - 1) // unit_rows
         while True:
             unit = take(control, counter + 3)
@@ -241,7 +254,7 @@ def decode_step(  # type: ignore[no-untyped-def]
         passed = barrier(control, passed, team)
         if passed < 0:
             return ABORTED
-        _rows_by_counter(control, counter + 4, unit_rows, tables, base + 6, 1, activated, xq, xs, xe, xoff,
+        _rows_by_counter(control, counter + 4, parts, tables, base + 6, 1, activated, xq, xs, xe, xoff,
                          projected, projected, projected)  # fmt: skip
         passed = barrier(control, passed, team)
         if passed < 0:
@@ -254,7 +267,7 @@ def decode_step(  # type: ignore[no-untyped-def]
         width = head_meta[9]
         quantize(out if worker == 0 else normed, width, xq, xs, xe, xoff)
         rows = logits.shape[1]
-        head_rows = HEAD_ROWS if team > 1 else rows
+        head_rows = _unit_rows(rows, parts)
         while True:
             first = take(control, norms.shape[0] * _PHASES) * head_rows
             if first >= rows:
