@@ -48,22 +48,13 @@ def test_health_answers_while_a_json_tensor_decodes(repository: Path, monkeypatc
             decodes.append((started, time.perf_counter()))
 
     monkeypatch.setattr(_http, "parse_infer_request", timed_decode)
-    options = ServerOptions(
-        repository=repository,
-        http_port=0,
-        grpc_port=None,
-        model_control_mode=ModelControlMode.EXPLICIT,
-        load_models=("identity",),
-        max_body_size=64 * 1024 * 1024,
-        upload_sandbox=None,
-    )
     count = 4_000_000
     body = (
         b'{"inputs": [{"name": "INPUT0", "shape": [1, %d], "datatype": "FP32", "data": [' % count
         + b"1," * (count - 1)
         + b'1]}], "outputs": [{"name": "OUTPUT0", "parameters": {"binary_data": true}}]}'
     )
-    with serve_in_thread(options) as server:
+    with _serve(repository) as server:
         answer: list[tuple[int, bytes]] = []
         sender = threading.Thread(
             target=lambda: answer.append(_post(server.http_port, "/v2/models/identity/infer", body))
