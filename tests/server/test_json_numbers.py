@@ -114,8 +114,17 @@ def test_whitespace_and_nesting(reader: str, text: bytes, expected: list[float])
 
 
 def test_deep_nesting(reader: str) -> None:
-    for depth in (40, 1100):  # past the typed conversion's depth, and past the compiled reader's
-        assert _read(b"[" * depth + b"1, 2" + b"]" * depth, DType.FLOAT32, [2]).tolist() == [1.0, 2.0]
+    # Past the typed conversion's depth: read all the same.
+    assert _read(b"[" * 40 + b"1, 2" + b"]" * 40, DType.FLOAT32, [2]).tolist() == [1.0, 2.0]
+    # Past the compiled reader's depth: what the general decoding gives (newer orjson releases refuse such depth).
+    deep = b"[" * 1100 + b"1, 2" + b"]" * 1100
+    try:
+        orjson.loads(deep)
+    except orjson.JSONDecodeError:
+        with pytest.raises(BadRequest, match="not valid JSON"):
+            _read(deep, DType.FLOAT32, [2])
+    else:
+        assert _read(deep, DType.FLOAT32, [2]).tolist() == [1.0, 2.0]
 
 
 def test_an_empty_array_and_a_single_number(reader: str) -> None:
