@@ -127,6 +127,28 @@ def _space(text, i, n):  # type: ignore[no-untyped-def]
     return i
 
 
+@numba.njit(inline="always", **_JIT)
+def _digit_run(text, i, n, w, digits):  # type: ignore[no-untyped-def]
+    """Read the run of digits at ``i`` into the mantissa ``w`` (of ``digits`` significant digits so far; zeros before
+    the first significant digit are not counted, digits past `_SIGNIFICANT` are counted but not kept). Returns the
+    run's end, ``w``, ``digits`` and how many of the run's digits were leading zeros or kept (a fraction's
+    decimal places in ``w``)."""
+    placed = 0
+    while i < n:
+        c = text[i]
+        if c < 48 or c > 57:
+            break
+        if digits or c != 48:
+            if digits < _SIGNIFICANT:
+                w = w * _TEN + np.uint64(c - 48)
+                placed += 1
+            digits += 1
+        else:
+            placed += 1
+        i += 1
+    return i, w, digits, placed
+
+
 @numba.njit(**_JIT)
 def read(text, integral, low, high, floats, integers, slow):  # type: ignore[no-untyped-def]
     """Parse `text` (a JSON value: nested arrays of numbers, or one number) into `floats` (float64) or, when
@@ -175,32 +197,14 @@ def read(text, integral, low, high, floats, integers, slow):  # type: ignore[no-
             if c == 48:
                 i += 1
             else:
-                while i < n:
-                    c = text[i]
-                    if c < 48 or c > 57:
-                        break
-                    if digits < _SIGNIFICANT:
-                        w = w * _TEN + np.uint64(c - 48)
-                    digits += 1
-                    i += 1
+                i, w, digits, _ = _digit_run(text, i, n, w, digits)
             point = 0
             fraction = False
             if i < n and text[i] == 46:  # .
                 fraction = True
                 i += 1
                 first = i
-                while i < n:
-                    c = text[i]
-                    if c < 48 or c > 57:
-                        break
-                    if digits or c != 48:
-                        if digits < _SIGNIFICANT:
-                            w = w * _TEN + np.uint64(c - 48)
-                            point += 1
-                        digits += 1
-                    else:
-                        point += 1  # a leading zero of the fraction
-                    i += 1
+                i, w, digits, point = _digit_run(text, i, n, w, digits)
                 if i == first:
                     return DECLINED, 0
             exponent = 0
