@@ -246,16 +246,10 @@ def read(text, integral, low, high, floats, integers, slow):  # type: ignore[no-
                 if count < capacity:
                     integers[count] = value
             elif count < capacity:
-                if digits > _SIGNIFICANT:
-                    if listed == len(slow):
-                        return DECLINED, 0
-                    slow[listed, 0] = count
-                    slow[listed, 1] = start
-                    slow[listed, 2] = i
-                    listed += 1
-                elif w == _U0:
+                settled = digits <= _SIGNIFICANT  # more digits than the mantissa keeps: left to float()
+                if settled and w == _U0:
                     floats[count] = -0.0 if negative and (fraction or scaled) else 0.0
-                else:
+                elif settled:
                     q = exponent - point
                     if w <= _TWO53 and -22 <= q <= 22:
                         value_f = np.float64(w)
@@ -263,15 +257,16 @@ def read(text, integral, low, high, floats, integers, slow):  # type: ignore[no-
                         floats[count] = -value_f if negative else value_f
                     else:
                         found = _eisel_lemire(w, q)
-                        if found == _U0:
-                            if listed == len(slow):
-                                return DECLINED, 0
-                            slow[listed, 0] = count
-                            slow[listed, 1] = start
-                            slow[listed, 2] = i
-                            listed += 1
-                        else:
+                        settled = found != _U0
+                        if settled:
                             bits[count] = found | (np.uint64(1) << np.uint64(63)) if negative else found
+                if not settled:  # left to the caller's float()
+                    if listed == len(slow):
+                        return DECLINED, 0
+                    slow[listed, 0] = count
+                    slow[listed, 1] = start
+                    slow[listed, 2] = i
+                    listed += 1
             count += 1
         # A value ended at i: a comma, closing brackets, or the end.
         i = _space(text, i, n)
