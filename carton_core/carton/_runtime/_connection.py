@@ -44,10 +44,6 @@ __all__ = ["AsyncChannel", "CallTimeout", "Connection", "PeerGone"]
 _LIVENESS_SLICE_MS = 100
 # A reply sent just before the runner died may still be in flight inside ZeroMQ when the pidfd fires.
 _LAST_WORDS_MS = 20
-# As plain ints: `&` on pyzmq's enum members runs enum's Python-level operator, and `_drain` reads EVENTS several
-# times per call on the event loop.
-_EVENTS = int(zmq.EVENTS)
-_POLLIN = int(zmq.POLLIN)
 
 
 class PeerGone(Exception):
@@ -216,12 +212,12 @@ class AsyncChannel:
     """The wire to one runner for one asyncio event loop; used only from that loop's thread.
 
     ZeroMQ's descriptor is edge-triggered: it signals that the socket's state may have changed, not that a message
-    is waiting. So every wake-up, and every send, ends with reading ``EVENTS`` until no message is left; a message
-    that arrived while we were sending would otherwise never wake the loop. The read after a send is needed even
-    when no other reply is due: a new ZeroMQ pipe starts with its reader counted as awake, so the first reply into
-    it sends no signal at all; the read that finds the pipe empty is what makes the next reply signal. (Skipping
-    it when nothing else was due left a call waiting for good; reading once per loop step instead of once per send
-    cost more than it saved: docs/performance.md.)
+    is waiting. So every wake-up, and every send, ends with asking the socket (``EVENTS``, through ``zmq_poll``)
+    until no message is left; a message that arrived while we were sending would otherwise never wake the loop. The
+    read after a send is needed even when no other reply is due: a new ZeroMQ pipe starts with its reader counted as
+    awake, so the first reply into it sends no signal at all; the read that finds the pipe empty is what makes the
+    next reply signal. (Skipping it when nothing else was due left a call waiting for good; reading once per loop
+    step instead of once per send cost more than it saved: docs/performance.md.)
     """
 
     def __init__(self, connection: Connection, loop: asyncio.AbstractEventLoop) -> None:
@@ -238,6 +234,9 @@ class AsyncChannel:
         sock.sndhwm = 0  # as many requests in flight as the callers make: never block the loop on a send
         sock.connect(connection.endpoint)
         self._sock = sock
+        # `_drain` asks whether a message is waiting with zmq_poll on this prepared list, not `sock.get(zmq.EVENTS)`:
+        # the same check inside libzmq, without pyzmq turning the option into its enum on every call.
+        self._readable: list[tuple[Any, int]] = [(sock, zmq.POLLIN)]
         self._fd: int = sock.get(zmq.FD)
         self._pidfd = os.dup(connection.pidfd)
         try:
@@ -283,8 +282,9 @@ class AsyncChannel:
 
     def _drain(self) -> None:
         sock = self._sock
+        readable = self._readable
         try:
-            while sock.get(_EVENTS) & _POLLIN:
+            while zmq_poll(readable, 0):
                 self._dispatch(recv_message(sock))
         except zmq.ZMQError:
             if not self.closed:
