@@ -28,7 +28,16 @@ from ._config import ModelConfig
 from ._datatypes import DATATYPE_OF
 from ._handle import metadata_shape
 from ._http_codec import InferBody, encode_infer_response, parse_infer_request
-from ._http_messages import AsgiAdapter, HttpRequest, HttpResponse, Receive, Scope, Send, collect_body
+from ._http_messages import (
+    AsgiAdapter,
+    HttpRequest,
+    HttpResponse,
+    Receive,
+    Scope,
+    Send,
+    collect_body,
+    whole_body,
+)
 from ._inference import request_failed, request_succeeded, select_outputs
 from ._repository import ModelRepository, ServedVersion
 from ._stats import ServerMetrics
@@ -183,8 +192,25 @@ def split_path(raw_path: bytes) -> list[str]:
 
 
 _EMPTY_JSON = [(b"content-type", b"application/json")]
+_BINARY_CONTENT_TYPE = (b"content-type", b"application/octet-stream")
 #: How many request targets' segments an app remembers.
 _SEGMENTS_KEPT = 1024
+
+
+class _Target:
+    """A request target's segments, and the model and version when it is an inference endpoint."""
+
+    __slots__ = ("infer", "segments")
+
+    def __init__(self, segments: list[str]) -> None:
+        self.segments = segments
+        self.infer: tuple[str, str] | None = None
+        # What `_route` and `_models` take to `_infer`: /v2/models/<name>[/versions/<version>]/infer.
+        if len(segments) in (4, 6) and segments[:2] == ["v2", "models"] and segments[-1] == "infer":
+            if len(segments) == 4:
+                self.infer = (segments[2], "")
+            elif segments[3] == "versions":
+                self.infer = (segments[2], segments[4])
 
 
 class HttpApp:
@@ -221,8 +247,8 @@ class HttpApp:
         self.max_body_size = max_body_size
         self.server_version = server_version
         self._asgi = AsgiAdapter(self.handle)
-        #: `split_path` of the request targets seen last (clients repeat theirs); never mutated by the routing.
-        self._segments: dict[bytes, list[str]] = {}
+        #: The request targets seen last, split (clients repeat theirs); never mutated by the routing.
+        self._targets: dict[bytes, _Target] = {}
 
     @classmethod
     def front(cls, control: ServerControl, forward: Forward, *, max_body_size: int, server_version: str) -> HttpApp:
@@ -237,13 +263,22 @@ class HttpApp:
 
     async def handle(self, request: HttpRequest) -> HttpResponse:
         """Answer one request; never raises for anything a client can send."""
-        segments = self._segments.get(request.raw_path)
-        if segments is None:
-            if len(self._segments) >= _SEGMENTS_KEPT:
-                self._segments.clear()
-            segments = self._segments[request.raw_path] = split_path(request.raw_path)
+        target = self._targets.get(request.raw_path)
+        if target is None:
+            if len(self._targets) >= _SEGMENTS_KEPT:
+                self._targets.clear()
+            target = self._targets[request.raw_path] = _Target(split_path(request.raw_path))
         try:
-            return await self._route(request, segments)
+            # An inference goes straight to `_infer`, the way `_route` would take it there.
+            repository = self.repository
+            if (
+                target.infer is not None
+                and request.method == "POST"
+                and repository is not None
+                and self.forward is None
+            ):
+                return await self._infer(repository, request, *target.infer)
+            return await self._route(request, target.segments)
         except _HttpError as exc:
             return self._reject(exc.status, str(exc))
         except ServerError as exc:
@@ -358,8 +393,13 @@ class HttpApp:
         started = time.perf_counter_ns()
         served = repository.acquire(name, version)
         try:
-            body = await self.read_body(request)
-            header_length = request.headers.get(b"inference-header-content-length")
+            headers = request.headers
+            body = request.body
+            if callable(body) or b"content-encoding" in headers:
+                body = await self.read_body(request)
+            else:  # the usual small request: its body arrived with its head, as it was sent
+                body = whole_body(body, declared=headers.get(b"content-length"), limit=self.max_body_size)
+            header_length = headers.get(b"inference-header-content-length")
             if _json_bytes(body, header_length) < _OFF_LOOP_BYTES:
                 decoded = parse_infer_request(served, body, header_length)
             else:  # JSON tensors: decoded on a thread, so that other requests and health probes keep answering
@@ -377,11 +417,8 @@ class HttpApp:
             raise request_failed(served, exc, repository.scrub, started_ns=started) from exc
         request_succeeded(served, started_ns=started, decoded_ns=decoded_at, inferred_ns=inferred_at)
         if parts:
-            headers = [
-                (b"content-type", b"application/octet-stream"),
-                (b"inference-header-content-length", str(len(header)).encode()),
-            ]
-            return HttpResponse(200, headers, [header, *parts])
+            length = (b"inference-header-content-length", b"%d" % len(header))
+            return HttpResponse(200, [_BINARY_CONTENT_TYPE, length], [header, *parts])
         return HttpResponse(200, _EMPTY_JSON, [header])
 
     # ---- bodies --------------------------------------------------------------------------------------------------

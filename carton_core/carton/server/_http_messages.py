@@ -35,6 +35,7 @@ __all__ = [
     "Scope",
     "Send",
     "collect_body",
+    "whole_body",
 ]
 
 Scope = MutableMapping[str, Any]
@@ -71,7 +72,10 @@ class HttpResponse:
     parts: list[Any] = field(default_factory=list)
 
     def content_length(self) -> int:
-        return sum(part.nbytes if type(part) is memoryview else len(part) for part in self.parts)
+        parts = self.parts
+        if len(parts) == 1 and type(parts[0]) is bytes:
+            return len(parts[0])
+        return sum(part.nbytes if type(part) is memoryview else len(part) for part in parts)
 
     def body(self) -> bytes:
         """The parts joined (what a transport that cannot send buffers one by one sends)."""
@@ -84,20 +88,30 @@ HttpHandler = Callable[[HttpRequest], Awaitable[HttpResponse]]
 JOIN_ON_A_THREAD_BYTES = 1 << 20
 
 
-async def collect_body(
-    body: bytes | bytearray | BodyReader, *, declared: bytes | None, limit: int
-) -> bytes | bytearray:
-    """The whole body, refused with 413 over `limit` bytes: before reading when ``Content-Length`` (`declared`) says
-    so, and while reading otherwise (chunked bodies). Not decompressed."""
+def _check_declared(declared: bytes | None, limit: int) -> None:
     if declared is not None:
         if not declared.strip().isdigit():
             raise BadRequest("Content-Length is not a number")
         if int(declared) > limit:
             raise RequestTooLarge(f"request body of {int(declared)} bytes is over the {limit}-byte limit")
+
+
+def whole_body(body: bytes | bytearray, *, declared: bytes | None, limit: int) -> bytes | bytearray:
+    """`collect_body` of a body that arrived whole, without an await."""
+    _check_declared(declared, limit)
+    if len(body) > limit:
+        raise RequestTooLarge(f"request body is over the {limit}-byte limit")
+    return body
+
+
+async def collect_body(
+    body: bytes | bytearray | BodyReader, *, declared: bytes | None, limit: int
+) -> bytes | bytearray:
+    """The whole body, refused with 413 over `limit` bytes: before reading when ``Content-Length`` (`declared`) says
+    so, and while reading otherwise (chunked bodies). Not decompressed."""
     if not callable(body):
-        if len(body) > limit:
-            raise RequestTooLarge(f"request body is over the {limit}-byte limit")
-        return body
+        return whole_body(body, declared=declared, limit=limit)
+    _check_declared(declared, limit)
     chunks: list[bytes] = []
     size = 0
     while True:
