@@ -436,11 +436,43 @@ def encode_infer_response(
     served: ServedVersion, request: InferBody, selected: list[tuple[str, Tensor]]
 ) -> tuple[bytes, list[bytes | memoryview]]:
     """The response's JSON header and the binary parts that follow it (empty when every output is JSON)."""
+    binary_of = dict(request.outputs) if request.outputs is not None else {}
+    default = request.binary_default
+    if all(binary_of.get(name, default) for name, _ in selected):
+        # Every output binary (what tritonclient asks for): the header depends only on the request's id and the
+        # outputs' names, datatypes, shapes and sizes, which repeat from request to request.
+        laid_out = [(name, *output_tensor(name, tensor)) for name, tensor in selected]
+        parts = [data for _, _, _, data in laid_out]
+        key = (request.id, *((name, datatype, array.shape, len(data)) for name, datatype, array, data in laid_out))
+        header = served.response_heads.get(key)
+        if header is None:
+            header = _binary_header(served, request, laid_out)
+            heads = served.response_heads
+            if len(heads) >= _PLANS:
+                heads.clear()
+            heads[key] = header
+        return header, parts
     encoded = _encode_response(served, request, selected, apart=True)
     if encoded is None:  # the request's id or an output's name held a placeholder's text
         encoded = _encode_response(served, request, selected, apart=False)
         assert encoded is not None  # nothing was written apart
     return encoded
+
+
+def _binary_header(
+    served: ServedVersion, request: InferBody, laid_out: list[tuple[str, str, np.ndarray, bytes | memoryview]]
+) -> bytes:
+    described = [
+        {"name": name, "datatype": datatype, "shape": list(array.shape), "parameters": {"binary_data_size": len(data)}}
+        for name, datatype, array, data in laid_out
+    ]
+    document: dict[str, Any] = {}
+    if request.id:
+        document["id"] = request.id
+    document["model_name"] = served.model
+    document["model_version"] = served.version_str
+    document["outputs"] = described
+    return orjson.dumps(document)
 
 
 def _encode_response(

@@ -77,7 +77,7 @@ class ServedVersion:
 
     __slots__ = (
         "_idle", "batcher", "config", "handle", "in_flight", "input_specs", "model", "output_specs", "request_plans",
-        "state", "stats", "version", "version_str",
+        "response_heads", "state", "stats", "version", "version_str",
     )  # fmt: skip
 
     def __init__(self, *, model: str, version: int, handle: ModelHandle, config: ModelConfig, stats: VersionStats):
@@ -96,6 +96,8 @@ class ServedVersion:
         self.batcher: DynamicBatcher | None = None
         #: Binary inference headers already checked against this version, by their bytes (see ``_http_codec``).
         self.request_plans: dict[bytes, Any] = {}
+        #: JSON headers of all-binary inference responses, by the request's id and the outputs' layouts.
+        self.response_heads: dict[tuple[Any, ...], bytes] = {}
         batching = config.dynamic_batching
         if batching is not None:
             self.batcher = DynamicBatcher(
