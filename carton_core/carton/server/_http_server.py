@@ -332,14 +332,14 @@ class _Connection(asyncio.Protocol):
         parts = response.parts
         length = response.content_length()
         head = [_status_line(response.status)]
-        for name, value in response.headers:
-            head.append(b"%s: %s\r\n" % (name, value))
+        head += [b"%s: %s\r\n" % header for header in response.headers]
         head.append(b"content-length: %d\r\n" % length)
         head.append(_KEEP_ALIVE_TAIL if exchange.keep_alive else _CLOSE_TAIL)
         if exchange.method == "HEAD" or not length:
             transport.write(b"".join(head))
         elif length <= _JOIN_LIMIT:
-            transport.write(b"".join([*head, *parts]))
+            head += parts
+            transport.write(b"".join(head))
         else:
             transport.write(b"".join(head))
             for part in parts:

@@ -194,10 +194,9 @@ def request_failed(
 def request_succeeded(served: ServedVersion, *, started_ns: int, decoded_ns: int, inferred_ns: int) -> None:
     """End a successful inference of `served`: record its timings and release the version."""
     try:
+        now = time.perf_counter_ns()
         served.stats.record_success(
-            total_ns=time.perf_counter_ns() - started_ns,
-            input_ns=decoded_ns - started_ns,
-            output_ns=time.perf_counter_ns() - inferred_ns,
+            total_ns=now - started_ns, input_ns=decoded_ns - started_ns, output_ns=now - inferred_ns
         )
     finally:
         served.exit()
