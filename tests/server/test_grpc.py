@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 from carton.server import Server
+from carton.server._proto import message_class
 from tritonclient.utils import InferenceServerException
 
 from .conftest import arange
@@ -68,6 +69,35 @@ def test_infer_errors(client: grpcclient.InferenceServerClient) -> None:
     with pytest.raises(InferenceServerException, match="unexpected inference output 'NOPE'"):
         client.infer("identity", [_input("INPUT0", arange((1, 2)), "FP32")],
                      outputs=[grpcclient.InferRequestedOutput("NOPE")])  # fmt: skip
+
+
+def test_raw_inputs_of_a_layout_seen_before_are_checked_again(server: Server) -> None:
+    request_class = message_class("ModelInferRequest")
+
+    def request(raw: bytes) -> object:
+        message = request_class(model_name="identity")
+        message.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 2])
+        message.raw_input_contents.append(raw)
+        return message
+
+    x = arange((1, 2))
+    with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+        infer = channel.unary_unary(
+            "/inference.GRPCInferenceService/ModelInfer",
+            request_serializer=lambda message: message.SerializeToString(),
+            response_deserializer=message_class("ModelInferResponse").FromString,
+        )
+        for round_ in range(3):
+            response = infer(request((x + round_).tobytes()))
+            output = np.frombuffer(response.raw_output_contents[0], np.float32).reshape(1, 2)
+            np.testing.assert_array_equal(output, (x + round_) * 2)
+        with pytest.raises(grpc.RpcError) as caught:
+            infer(request(x.tobytes()[:4]))
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "4 bytes of data, but shape [1, 2] of FP32 needs 8" in caught.value.details()
+        np.testing.assert_array_equal(
+            np.frombuffer(infer(request(x.tobytes())).raw_output_contents[0], np.float32), x.ravel() * 2
+        )
 
 
 def test_stream_infer(client: grpcclient.InferenceServerClient) -> None:

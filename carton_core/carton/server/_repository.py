@@ -76,8 +76,8 @@ class ServedVersion:
     """One loaded model version: the handle, its config, its counters and its in-flight requests."""
 
     __slots__ = (
-        "_idle", "batcher", "config", "handle", "in_flight", "input_specs", "model", "output_specs", "request_plans",
-        "response_heads", "state", "stats", "version", "version_str",
+        "_idle", "batcher", "config", "handle", "in_flight", "input_plans", "input_specs", "model", "output_specs",
+        "request_plans", "response_heads", "state", "stats", "version", "version_str",
     )  # fmt: skip
 
     def __init__(self, *, model: str, version: int, handle: ModelHandle, config: ModelConfig, stats: VersionStats):
@@ -96,6 +96,8 @@ class ServedVersion:
         self.batcher: DynamicBatcher | None = None
         #: Binary inference headers already checked against this version, by their bytes (see ``_http_codec``).
         self.request_plans: dict[bytes, Any] = {}
+        #: gRPC raw inputs already checked against this version, by their names, datatypes and shapes (see ``_grpc``).
+        self.input_plans: dict[tuple[Any, ...], Any] = {}
         #: JSON headers of all-binary inference responses, by the request's id and the outputs' layouts.
         self.response_heads: dict[tuple[Any, ...], bytes] = {}
         batching = config.dynamic_batching
