@@ -158,3 +158,22 @@ def test_remembered_headers_are_bounded(app: tuple[HttpApp, asyncio.AbstractEven
     for index in range(600):
         assert _infer(app, *_binary(x, request_id=str(index))).status == 200
     assert 0 < len(served.request_plans) <= 256
+    assert 0 < len(served.response_heads) <= 256
+
+
+def test_remembered_response_headers_follow_each_outputs_shape_and_the_id(
+    app: tuple[HttpApp, asyncio.AbstractEventLoop, ModelRepository],
+) -> None:
+    served = app[2].get("echo")
+    for shape, request_id in (((1, 16), None), ((2, 8), None), ((1, 16), "x"), ((2, 8), None), ((1, 16), None)):
+        x = np.arange(16, dtype=np.float32).reshape(shape)
+        document, values = _output(_infer(app, *_binary(x, request_id=request_id)))
+        expected: dict[str, object] = {"id": request_id} if request_id is not None else {}
+        expected |= {
+            "model_name": "echo", "model_version": "1",
+            "outputs": [{"name": "OUTPUT0", "datatype": "FP32", "shape": list(shape),
+                         "parameters": {"binary_data_size": 64}}],
+        }  # fmt: skip
+        assert document == expected
+        assert values.tolist() == x.ravel().tolist()
+    assert len(served.response_heads) == 3
