@@ -33,7 +33,9 @@ and BLAS runs as the runner sets it. Memory sums every process
 of an engine: "peak RSS" adds each process's VmHWM (pages a helper shares with its parent since the fork count in
 both, so this overstates a split model), "PSS" adds the proportional set sizes at the end of the run (each shared
 page divided among the processes that map it: what the engine costs the machine). Imports included. Read the
-ratios: the machine is shared and noisy.
+ratios: the machine is shared and noisy. ``--breakdown`` also prints, per mcf engine (its first round), where the
+runner process's resident memory is after load, after the warm-up and at the end: the model file's pages, LLVM's
+library (numba's compiler), other file pages, the malloc heap, and other anonymous memory (from /proc/self/smaps).
 """
 
 from __future__ import annotations
@@ -77,6 +79,34 @@ def _memory(pids: tuple[int, ...] = ()) -> dict[str, float]:
     return total
 
 
+def _breakdown() -> dict[str, float]:
+    """Where this process's resident memory is (MB): peak, the model file's pages, LLVM's library, other file pages,
+    the malloc heap, other anonymous memory (the libraries' written pages included)."""
+    status = Path("/proc/self/status").read_text()
+
+    def field(name: str) -> float:
+        return int(status.split(f"{name}:")[1].split()[0]) / 1024
+
+    by_kind = {"model": 0.0, "llvm": 0.0, "heap": 0.0}
+    kind = None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        parts = line.split()
+        if "-" in parts[0] and len(parts[0]) > 8 and ":" not in parts[0]:  # a mapping's header line
+            name = parts[5] if len(parts) > 5 else ""
+            kind = "model" if name.endswith(".mcf") else "llvm" if "libllvmlite" in name else None
+            kind = "heap" if name == "[heap]" else kind
+        elif parts[0] == "Rss:" and kind is not None:
+            by_kind[kind] += int(parts[1]) / 1024
+    return {
+        "peak": field("VmHWM"),
+        "model file": by_kind["model"],
+        "libllvmlite": by_kind["llvm"],
+        "other file": field("RssFile") - by_kind["model"] - by_kind["llvm"],
+        "heap": by_kind["heap"],
+        "other anonymous": field("RssAnon") - by_kind["heap"],
+    }
+
+
 # --- children ------------------------------------------------------------------------------------------------------
 def _child_mcf(args: argparse.Namespace) -> dict[str, Any]:
     import numpy as np
@@ -115,7 +145,10 @@ def _child_mcf(args: argparse.Namespace) -> dict[str, Any]:
             token = model.logits(hidden[:, 0]).argmax(-1)
         return prefilled - started, time.perf_counter() - prefilled
 
-    result = _measure(run, args, helpers) | {"load_s": load_s, "after_load_mb": after_load["rss_mb"]}
+    stages = {"after load": _breakdown()} if args.breakdown else {}
+    result = _measure(run, args, helpers, stages) | {"load_s": load_s, "after_load_mb": after_load["rss_mb"]}
+    if args.breakdown:
+        result["breakdown"] = stages | {"end": _breakdown()}
     runner.close()
     return result
 
@@ -146,8 +179,12 @@ def _child_transformers(args: argparse.Namespace) -> dict[str, Any]:
     return _measure(run, args) | {"load_s": load_s, "after_load_mb": after_load["rss_mb"]}
 
 
-def _measure(run: Any, args: argparse.Namespace, pids: tuple[int, ...] = ()) -> dict[str, Any]:
+def _measure(
+    run: Any, args: argparse.Namespace, pids: tuple[int, ...] = (), stages: dict[str, Any] | None = None
+) -> dict[str, Any]:
     run(2)  # warm up buffers and caches
+    if stages:
+        stages["after warm-up"] = _breakdown()
     prefill_s, decode_s = [], []
     for _ in range(args.repeats):
         prefill, decode = run(args.new_tokens)
@@ -193,6 +230,8 @@ def _run_child(engine: str, model: Path, args: argparse.Namespace, threads: int,
     ]  # fmt: skip
     if cache:
         command += ["--cache", cache]
+    if args.breakdown and engine == "mcf":
+        command.append("--breakdown")
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise SystemExit(f"{engine} child failed:\n{done.stderr}")
@@ -277,6 +316,20 @@ def _report(best: dict[str, dict[str, Any]], args: argparse.Namespace, threads: 
     print()
 
 
+def _report_breakdown(best: dict[str, dict[str, Any]]) -> None:
+    """Per mcf engine, the runner process's memory by kind (MB) at each stage, from its first round."""
+    for label, result in best.items():
+        stages: dict[str, dict[str, float]] = result.get("breakdown", {})
+        if not stages:
+            continue
+        kinds = list(next(iter(stages.values())))
+        print(f"\n{label}, runner process, MB\n")
+        print("| stage | " + " | ".join(kinds) + " |")
+        print("|---|" + "---:|" * len(kinds))
+        for stage, values in stages.items():
+            print(f"| {stage} | " + " | ".join(f"{values[kind]:.1f}" for kind in kinds) + " |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "carton-bench-llm",
@@ -293,6 +346,8 @@ def main() -> None:
     parser.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp out (rows and ratios)")
     parser.add_argument("--runner-blas", action="store_true",
                         help="mcf children get no *_NUM_THREADS: BLAS runs as the runner sets it")  # fmt: skip
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also print where the mcf runner process's memory is, by stage")  # fmt: skip
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--cache", help=argparse.SUPPRESS)
@@ -328,6 +383,8 @@ def main() -> None:
           f"{os.getloadavg()[0]:.2f}")  # fmt: skip
     for threads in thread_counts:
         _report(best, args, threads)
+    if args.breakdown:
+        _report_breakdown(best)
     first = thread_counts[0]
     for threads in thread_counts[1:]:
         for method in methods:

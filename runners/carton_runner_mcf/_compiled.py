@@ -178,26 +178,31 @@ class BlockKernels:
 def block_kernels(width: int) -> BlockKernels:
     """Kernels specialised for ``width``-bit codes. They are separate dispatchers closing over the width, so that a
     call from Python goes straight to compiled code (a literal-typed argument would be re-resolved by numba's
-    dispatcher on every call) and each is compiled, or loaded from numba's cache, only when a model uses it."""
+    dispatcher on every call) and each is compiled, or loaded from numba's cache, only when a model uses it.
 
-    def rows(payload, meta, xq, xs, xe, xoff, y, first, last):  # type: ignore[no-untyped-def]
-        if width == 4:
-            nibble_rows(payload, meta, xq, xs, xe, xoff, y, first, last)
-        else:
-            _matmul_rows(payload, meta, xq, xs, y, first, last, width)
-
-    rows_jit = numba.njit(**JIT)(rows)
+    The closures capture ``width`` and nothing else (the product kernels call the row kernels by their global
+    names): numba's cache keys a closure by the pickle of what it captures, and a captured dispatcher pickles with
+    an id drawn anew in every process, so a kernel closing over one missed the cache and was compiled again in every
+    process, at the model's first products (LLVM's memory staying in the runner's heap, one more cache file each
+    time)."""
 
     def matmul(payload, meta, x, xq, xs, xe, xoff, y):  # type: ignore[no-untyped-def]
         quantize(x, width, xq, xs, xe, xoff)
-        rows_jit(payload, meta, xq, xs, xe, xoff, y, 0, y.shape[1])
+        if width == 4:
+            nibble_rows(payload, meta, xq, xs, xe, xoff, y, 0, y.shape[1])
+        else:
+            _matmul_rows(payload, meta, xq, xs, y, 0, y.shape[1], width)
 
     def matmul_parallel(payload, meta, x, xq, xs, xe, xoff, y, parts):  # type: ignore[no-untyped-def]
         quantize(x, width, xq, xs, xe, xoff)
         rows = y.shape[1]
         step = (rows + parts - 1) // parts
         for part in prange(parts):
-            rows_jit(payload, meta, xq, xs, xe, xoff, y, min(rows, part * step), min(rows, (part + 1) * step))
+            first, last = min(rows, part * step), min(rows, (part + 1) * step)
+            if width == 4:
+                nibble_rows(payload, meta, xq, xs, xe, xoff, y, first, last)
+            else:
+                _matmul_rows(payload, meta, xq, xs, y, first, last, width)
 
     def decode(payload, meta, out, first, last):  # type: ignore[no-untyped-def]
         _decode_rows(payload, meta, out, first, last, width)
