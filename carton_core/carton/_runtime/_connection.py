@@ -1,7 +1,11 @@
-"""The host end of the wire to one runner: a DEALER socket per calling thread, watched together with the pidfd.
+"""The host end of the wire to one runner: a DEALER socket per calling thread, and a watch on the runner's pidfd.
 
-A call is one send and one blocking poll on the caller's own thread, with no relay thread in between. The poll
-includes the runner's pidfd, so a runner that dies fails the call at once instead of leaving it waiting.
+A call without a deadline is one send and one blocking receive on the caller's own thread, with no relay thread in
+between: the fewest system calls and Python steps a round trip can take. A runner that dies must not leave it
+waiting, so a watcher thread per connection waits on the runner's pidfd and, once it fires (and the runner's last
+replies had time to arrive), sends an empty message to every thread's socket over an inproc address each one also
+binds: a receive still blocked on one of them returns it, and the call raises `PeerGone`. A call with a deadline (or
+without a pidfd) polls its socket together with the pidfd (or checks the process every slice) instead.
 
 asyncio callers get an `AsyncChannel` per event loop instead: one DEALER whose file descriptor, and a duplicate of
 the runner's pidfd, are readers of the loop. Calls in flight on it are told apart by request id.
@@ -16,6 +20,7 @@ import asyncio
 import contextlib
 import itertools
 import os
+import select
 import threading
 import time
 import weakref
@@ -44,6 +49,8 @@ __all__ = ["AsyncChannel", "CallTimeout", "Connection", "PeerGone"]
 _LIVENESS_SLICE_MS = 100
 # A reply sent just before the runner died may still be in flight inside ZeroMQ when the pidfd fires.
 _LAST_WORDS_MS = 20
+# Names of the inproc addresses thread sockets bind (unique in the process: a closed socket's may linger a moment).
+_wake_ids = itertools.count()
 
 
 class PeerGone(Exception):
@@ -80,8 +87,15 @@ class Connection:
         self._context = new_context()
         self._local = threading.local()
         self._sockets_lock = threading.Lock()
-        self._sockets: set[zmq.Socket[Any]] = set()
+        # Every thread's socket, with the inproc address it also binds: where the exit watch wakes it from.
+        self._sockets: dict[zmq.Socket[Any], str] = {}
         self._ids = itertools.count(1)
+        # Both set under `_sockets_lock`: the runner exited (and every socket was woken), the connection closed.
+        self._exited = False
+        self._closed = False
+        self._stop_watch: Callable[[], None] | None = None
+        if pidfd is not None:
+            self._stop_watch = _start_exit_watch(self, pidfd)
 
     def _thread_socket(self) -> _ThreadSocket:
         state: _ThreadSocket | None = getattr(self._local, "state", None)
@@ -90,24 +104,28 @@ class Connection:
         sock = self._context.socket(zmq.DEALER)
         sock.linger = 0
         sock.setsockopt(zmq.RECONNECT_IVL, 10)
+        wake = f"inproc://carton-exit-{next(_wake_ids)}"
+        sock.bind(wake)
         sock.connect(self.endpoint)
+        with self._sockets_lock:
+            if self._exited:
+                _close_socket(sock)
+                raise PeerGone
+            self._sockets[sock] = wake
         # zmq_poll on a prepared list: half the cost of zmq.Poller.poll, which rebuilds it on every call.
         poll_items: list[tuple[Any, int]] = [(sock, zmq.POLLIN)]
         if self._pidfd is not None:
             poll_items.append((self._pidfd, zmq.POLLIN))
         state = _ThreadSocket(sock, poll_items)
         self._local.state = state
-        with self._sockets_lock:
-            self._sockets.add(sock)
         # When the thread ends its socket goes too, without waiting for the connection to close.
         weakref.finalize(threading.current_thread(), self._forget, sock)
         return state
 
     def _forget(self, sock: zmq.Socket[Any]) -> None:
         with self._sockets_lock:
-            if sock not in self._sockets:
+            if self._sockets.pop(sock, None) is None:
                 return
-            self._sockets.discard(sock)
         _close_socket(sock)
 
     def call(self, request: Request, *, timeout: float | None) -> Reply:
@@ -123,21 +141,32 @@ class Connection:
 
     def exchange(self, parts: Sequence[Any], request_id: int, *, timeout: float | None) -> Received:
         """Send a ready message (header bytes with `request_id`, then data frames) and wait for its reply."""
-        state: _ThreadSocket | None = getattr(self._local, "state", None)
-        if state is None:
-            state = self._thread_socket()
+        if self._exited:
+            raise PeerGone
+        try:
+            state: _ThreadSocket | None = getattr(self._local, "state", None)
+            if state is None:
+                state = self._thread_socket()
+            sock = state.socket
+            send_message(sock, parts)
+            if timeout is None and self._pidfd is not None:
+                # The common case, kept short: a blocking receive, which the exit watch ends if the runner dies.
+                while True:
+                    reply = self._receive(sock, request_id)
+                    if reply is not None:
+                        return reply
+            return self._wait(state, request_id, timeout)
+        except (ProtocolError, zmq.ZMQError):
+            # After the runner's exit, what a socket reads is the watch's empty wake-up message (or the half of a
+            # reply it left), and a socket may already be closed under a caller: the runner is gone, say so.
+            if self._exited:
+                raise PeerGone from None
+            raise
+
+    def _wait(self, state: _ThreadSocket, request_id: int, timeout: float | None) -> Received:
+        """Wait for the reply with a deadline, or without a pidfd: polls the socket with the pidfd, or checks the
+        process every slice."""
         sock = state.socket
-        send_message(sock, parts)
-        if timeout is None and self._pidfd is not None:
-            # The common case, kept short: wait on the socket and the pidfd together, without a deadline.
-            poll_items = state.poll_items
-            while True:
-                events = zmq_poll(poll_items, -1)
-                if events[0][0] is not sock:
-                    break
-                reply = self._receive(sock, request_id)
-                if reply is not None:
-                    return reply
         deadline = None if timeout is None else time.monotonic() + timeout
         slice_ms = -1 if self._pidfd is not None else _LIVENESS_SLICE_MS
         poll_items = state.poll_items
@@ -182,16 +211,65 @@ class Connection:
         """Tell the runner that the shared memory a reply used is free again (nothing to say for most replies)."""
         data = self.codec.release(received, self.next_id)
         if data is not None:
-            with contextlib.suppress(zmq.ZMQError):
+            with contextlib.suppress(zmq.ZMQError, PeerGone):
                 (sock if sock is not None else self._thread_socket().socket).send(data)
+
+    def _runner_exited(self) -> None:
+        """Called by the exit watch: wake every thread still waiting for a reply (each finds an empty message on its
+        socket and raises `PeerGone`); calls made from now on raise it at once."""
+        with self._sockets_lock:
+            # Under the lock: `close` destroys the context only after this is done with it.
+            if self._closed:
+                return
+            self._exited = True
+            for wake in self._sockets.values():
+                # Left open: `close` (destroying the context) closes it, once the message surely arrived.
+                waker = self._context.socket(zmq.DEALER)
+                waker.connect(wake)
+                waker.send(b"", zmq.NOBLOCK)
 
     def close(self) -> None:
         with self._sockets_lock:
-            sockets, self._sockets = self._sockets, set()
+            self._closed = True
+            sockets, self._sockets = self._sockets, {}
+        if self._stop_watch is not None:
+            self._stop_watch()
         for sock in sockets:
             _close_socket(sock)
         self._context.destroy(linger=0)
         self.codec.close()
+
+
+def _start_exit_watch(connection: Connection, pidfd: int) -> Callable[[], None]:
+    """Start the thread that tells `connection` when the process behind `pidfd` exits; returns what stops it. The
+    thread holds a duplicate of the pidfd, so the caller may close its own at any time, and only a weak reference to
+    the connection: a connection nobody closed still goes, and its finalizer stops the thread."""
+    watched = os.dup(pidfd)
+    # Closing the write end (stopping the watch) makes the read end readable.
+    stop_read, stop_write = os.pipe()
+    target = weakref.ref(connection)
+
+    def watch() -> None:
+        try:
+            poller = select.poll()
+            poller.register(watched, select.POLLIN)
+            poller.register(stop_read, select.POLLIN)
+            events = poller.poll()
+            if any(fd == stop_read for fd, _ in events):
+                return
+            poller.unregister(watched)
+            # A reply sent just before the runner died may still be in flight inside ZeroMQ: let it arrive.
+            if poller.poll(_LAST_WORDS_MS):
+                return
+            alive = target()
+            if alive is not None:
+                alive._runner_exited()
+        finally:
+            os.close(watched)
+            os.close(stop_read)
+
+    threading.Thread(target=watch, name="carton-runner-exit", daemon=True).start()
+    return weakref.finalize(connection, os.close, stop_write)
 
 
 _async_context: tuple[int, zmq.Context[Any]] | None = None
