@@ -5,7 +5,7 @@ The loop binds a ROUTER socket at the endpoint (each host thread talks to it ove
 listening socket the host bound there when it passes one (``--listen-fd``), imports the entry, answers ``hello``,
 then serves ``load``/``pack``/``infer``/``release``/``close``. A ``concurrent`` runner's infers run on a thread
 pool, their replies coming back to the socket-owning thread over an inproc socket, except short calls while the pool
-is idle, which run on the socket thread itself (`_Server._run_infer`).
+is idle, which run on the socket thread itself (`_Server._to_pool`).
 
 It also guards against orphans: a parent-death signal (SIGTERM; the parent is the supervisor that forked it, see
 `carton_protocol._supervisor`) and a pidfd watch on the host both end the process, and as a child subreaper it
@@ -36,7 +36,7 @@ from typing import Any
 import zmq
 from zmq.backend import zmq_poll
 
-from ._codec import Outgoing, Received, RunnerCodec
+from ._codec import Received, RunnerCodec
 from ._limits import DEFAULT_LIMITS, WireLimits
 from ._messages import (
     PROTOCOL_VERSION,
@@ -63,6 +63,7 @@ from .errors import ErrorCode, FrameError, InvalidOutput, ProtocolError, RunnerF
 __all__ = ["DEFAULT_INLINE_MAX_SECONDS", "INLINE_MAX_ENV", "error_code", "error_reply", "import_entry", "main"]
 
 _TRACEBACK_CHARS = 8000
+_perf_counter = time.perf_counter
 _EXIT_IMPORT_FAILED = 2
 _EXIT_VERSION_MISMATCH = 3
 #: A concurrent runner's call runs on the socket thread (no pool hand-off) only while calls take less than this: the
@@ -233,21 +234,19 @@ class _Server:
                     send_message(router, recv_message(results))
         return self.exit_code
 
-    def _run_infer(self, ident: Any, received: Received) -> None:
-        """Run one infer: on this thread when the runner is not concurrent, or when it is but the last call was short
-        and none is running on the pool; on the pool otherwise.
+    def _to_pool(self, ident: Any, received: Received) -> None:
+        """Run one infer on the pool; its reply comes back to this thread over the inproc socket.
 
-        The pool costs two thread hand-offs per call (to a pool thread, and the reply back over the inproc socket),
-        a large share of a small round trip on two cores (docs/protocol.md, "Concurrent runners"). Requests that
-        arrive while an inline call runs wait for it, as every request does with a non-concurrent runner: short calls
-        are served one after another on this thread, and once a call takes long the next ones go to the pool.
+        An infer runs on this thread when the runner is not concurrent, or when it is but the last call was short
+        and none is running on the pool (`_handle`); on the pool otherwise. The pool costs two thread hand-offs per
+        call (to a pool thread, and the reply back over the inproc socket), a large share of a small round trip on
+        two cores (docs/protocol.md, "Concurrent runners"). Requests that arrive while an inline call runs wait for
+        it, as every request does with a non-concurrent runner: short calls are served one after another on this
+        thread, and once a call takes long the next ones go to the pool.
         """
-        executor = self.executor
-        if executor is None or (self.last_infer_seconds < self.inline_max_seconds and self.pooled == 0):
-            send_message(self.router, [ident, *self._infer(received)])
-            return
+        assert self.executor is not None
         self.pooled += 1
-        executor.submit(self._pooled_infer, ident, received)
+        self.executor.submit(self._pooled_infer, ident, received)
 
     def _send(self, ident: Any, reply: Reply) -> None:
         """Send `reply` on the router (from the socket thread: pool threads send theirs in `_pooled_infer`)."""
@@ -265,7 +264,12 @@ class _Server:
         request = received.message
         match request:
             case Infer() if self.runner is not None:
-                self._run_infer(ident, received)
+                # Here unless the runner is concurrent and its pool is busy or its last call was long (`_to_pool`):
+                # every call's path, so written out here rather than in a method of its own.
+                if self.executor is None or (self.last_infer_seconds < self.inline_max_seconds and self.pooled == 0):
+                    send_message(self.router, [ident, *self._infer(received)])
+                else:
+                    self._to_pool(ident, received)
             case Infer():
                 self._send(
                     ident, error_reply(request.id, ProtocolError("infer before load: the host must send 'load' first"))
@@ -389,22 +393,19 @@ class _Server:
             runner = self.runner
             if runner is None:
                 raise ProtocolError("the model was closed")
-            start = time.perf_counter()
+            start = _perf_counter()
             outputs = runner.infer(inputs)
-            self.last_infer_seconds = time.perf_counter() - start
-            return self._encode_outputs(request_id, outputs).parts
+            self.last_infer_seconds = _perf_counter() - start
+            if type(outputs) is not dict:
+                if not isinstance(outputs, Mapping):
+                    raise InvalidOutput(f"infer returned a {type(outputs).__name__}, expected a mapping")
+                outputs = dict(outputs)
+            try:
+                return self.codec.encode_tensors(request_id, outputs).parts
+            except FrameError as exc:
+                raise InvalidOutput(f"infer returned an output the wire cannot carry: {exc}") from exc
         except Exception as exc:
             return [self.codec.encode(error_reply(request_id, exc))]
-
-    def _encode_outputs(self, request_id: int, outputs: object) -> Outgoing:
-        if type(outputs) is not dict:
-            if not isinstance(outputs, Mapping):
-                raise InvalidOutput(f"infer returned a {type(outputs).__name__}, expected a mapping")
-            outputs = dict(outputs)
-        try:
-            return self.codec.encode_tensors(request_id, outputs)
-        except FrameError as exc:
-            raise InvalidOutput(f"infer returned an output the wire cannot carry: {exc}") from exc
 
     def shutdown(self) -> None:
         if self.runner is not None:
