@@ -202,6 +202,9 @@ class Connection:
     def outputs(self, received: Received) -> dict[str, Tensor]:
         """The tensors of an infer reply (ordinary arrays the caller owns); the runner may then reuse whatever
         held them. `carton_protocol.ProtocolError` when they break a rule of the wire."""
+        plan = received.plan
+        if plan is not None:
+            return plan.decode(received.frames)  # a header template's reply: in frames, nothing to release
         try:
             return self.codec.tensors(received)
         finally:

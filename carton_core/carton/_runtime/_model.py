@@ -298,7 +298,9 @@ class Model:
         tensors, bindings = self._signature.prepare_inputs(inputs)
         worker = self._acquire()
         try:
-            process = self._process_for(worker)
+            process = worker.process
+            if process is None or not process.alive:
+                process = self._process_for(worker)
             outputs = process.infer(tensors, timeout=self._settings.request_timeout if timeout is None else timeout)
         finally:
             self._release(worker)

@@ -385,7 +385,8 @@ class RunnerProcess:
             try:
                 received = connection.exchange(outgoing.parts, outgoing.id, timeout=timeout)
             finally:
-                outgoing.done()
+                if outgoing.segment is not None:
+                    outgoing.done()
             return self._outputs(connection, received)
         except _FOREIGN as exc:
             raise self._failure(exc, Operation.INFER, timeout, "infer timeout") from _cause(exc)
