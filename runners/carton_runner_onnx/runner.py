@@ -41,28 +41,34 @@ class OnnxRunner(Runner):
         self._output_names = tuple(name for name, _ in self._binding.outputs)
 
     def infer(self, inputs: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
-        feeds = self._feeds(inputs)
+        # The usual call, written out here (every request's path): exactly the model's inputs, checked in one pass.
+        graph_inputs = self._graph_inputs
+        feeds: dict[str, Any] = {}
+        if len(inputs) == len(graph_inputs):
+            for name, value in inputs.items():
+                graph_name = graph_inputs.get(name)
+                if graph_name is None or type(value) is not np.ndarray:
+                    feeds = self._feeds(inputs)
+                    break
+                feeds[graph_name] = value
+        else:
+            feeds = self._feeds(inputs)
         try:
             results = self._session.run(self._graph_outputs, feeds)
         except InvalidArgument as exc:  # a dtype, rank or dimension the graph does not take: the caller's inputs
             raise InvalidInput(f"onnxruntime refused the inputs: {exc}") from exc
         except Exception as exc:  # onnxruntime's other pybind errors (Fail, ...) share no public base
             raise OnnxRunnerError(f"onnxruntime failed to run the model: {exc}") from exc
-        return dict(zip(self._output_names, map(_from_ort, results), strict=True))
+        outputs = {}
+        for name, value in zip(self._output_names, results, strict=True):
+            # What onnxruntime returns for every numeric tensor goes out as it is.
+            outputs[name] = value if type(value) is np.ndarray and value.dtype.kind != "O" else _from_ort(value)
+        return outputs
 
     def _feeds(self, inputs: Mapping[str, Tensor]) -> dict[str, Any]:
-        """onnxruntime's feeds (graph name -> array) for `inputs`; `InvalidInput` naming a tensor it lacks or does not
-        take, or a nested one."""
+        """onnxruntime's feeds (graph name -> array) for `inputs` other than exactly the model's inputs as arrays;
+        `InvalidInput` naming a tensor it lacks or does not take, or a nested one."""
         graph_inputs = self._graph_inputs
-        if len(inputs) == len(graph_inputs):  # the usual call: exactly the model's inputs, checked in one pass
-            feeds: dict[str, Any] = {}
-            for name, value in inputs.items():
-                graph_name = graph_inputs.get(name)
-                if graph_name is None or type(value) is not np.ndarray:
-                    break
-                feeds[graph_name] = value
-            else:
-                return feeds
         unexpected = sorted(set(inputs) - set(graph_inputs))
         if unexpected:
             raise InvalidInput(
@@ -70,7 +76,7 @@ class OnnxRunner(Runner):
                 f"the model takes {', '.join(map(repr, graph_inputs))}",
                 tensor=unexpected[0],
             )
-        feeds = {}
+        feeds: dict[str, Any] = {}
         for name, graph_name in graph_inputs.items():
             if name not in inputs:
                 raise InvalidInput(f"missing input {name!r}", tensor=name)
@@ -138,8 +144,6 @@ def _providers(requested: tuple[str, ...], warn: Callable[[str], None]) -> list[
 
 
 def _from_ort(value: Any) -> np.ndarray:
-    if type(value) is np.ndarray and value.dtype.kind != "O":  # what onnxruntime returns for every numeric tensor
-        return value
     array = np.asarray(value)
     if array.dtype == np.object_:  # onnxruntime returns string tensors as object arrays of str
         return array.astype(np.str_) if array.size else np.empty(array.shape, dtype=np.str_)
