@@ -255,3 +255,52 @@ def test_the_counter_hands_out_every_unit_once(threads: int) -> None:
         team.run(hand_out, ())
         taken = np.sort(seen[seen > 0]) - 1
         np.testing.assert_array_equal(taken, np.arange(4000))
+
+
+@numba.njit(nogil=True)
+def _take_shares(control, chunks, into, worker, team, idle):  # type: ignore[no-untyped-def]
+    """Chunks of a product of ``chunks`` chunks by shares, recorded (plus one) in this worker's ``into``, with the
+    share it came from; worker ``idle`` takes none (it stands for a thread descheduled for the whole phase)."""
+    count, share = 0, 0
+    while worker != idle:
+        chunk, share = _atomics.take_share(control, 0, chunks, team, worker, share)
+        if chunk < 0:
+            break
+        into[count, 0] = chunk + 1
+        into[count, 1] = share
+        count += 1
+    if worker == 0:
+        return 0 if _atomics.wait_departures(control, team) else 1
+    _atomics.depart(control)
+    return 0
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("idle", [-1, 1])
+def test_shares_hand_out_every_chunk_once(threads: int, idle: int) -> None:
+    """Each chunk once, a worker's own share from its front in order, and a worker that takes nothing leaves its
+    share to the others (taken from its back)."""
+    chunks = 1000
+    team = _team.Team(threads, threads)
+    seen = np.zeros((threads, chunks, 2), dtype=np.int64)
+
+    def hand_out(control: np.ndarray, worker: int, size: int) -> int:
+        return int(_take_shares(control, chunks, seen[worker], worker, size, idle))
+
+    for _ in range(3):  # the control array is reset between runs
+        seen[:] = 0
+        team.run(hand_out, ())
+        taken = seen[:, :, 0]
+        np.testing.assert_array_equal(np.sort(taken[taken > 0]) - 1, np.arange(chunks))
+        for worker in range(threads):
+            own = seen[worker][(seen[worker, :, 0] > 0) & (seen[worker, :, 1] == 0), 0] - 1
+            first = chunks * worker // threads
+            np.testing.assert_array_equal(own, np.arange(first, first + own.size))
+            stolen = seen[worker][seen[worker, :, 1] > 0, 0] - 1
+            for owner in range(threads):
+                begin, end = chunks * owner // threads, chunks * (owner + 1) // threads
+                from_owner = stolen[(stolen >= begin) & (stolen < end)]
+                assert owner != worker or from_owner.size == 0
+                assert np.all(np.diff(from_owner) < 0)  # from the back, towards the front
+        if 0 < idle < threads:
+            assert not seen[idle].any()
