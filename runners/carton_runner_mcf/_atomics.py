@@ -227,22 +227,26 @@ _FRONT = _BACK - 1
 
 
 @numba.njit(**JIT)
-def take_share(control, counter, chunks, team, worker, share):  # type: ignore[no-untyped-def]
-    """The next chunk (0 .. ``chunks - 1``) of a product whose chunks are cut into ``team`` contiguous shares, share
-    ``s`` counted by counter ``counter + s``: ``worker`` takes its own share (``share`` 0) from the front, then
-    those of the following workers (``share`` 1, 2, ...) from their back. Returns ``(chunk, share)``: pass
-    ``share`` back in the next call (start at 0); chunk -1 when every share is spent."""
+def take_share(control, counter, units, most, team, worker, share):  # type: ignore[no-untyped-def]
+    """The next chunk of a phase's ``units`` units of work (0 .. ``units - 1``), cut into ``team`` contiguous shares
+    of as equal sizes as can be, each cut into at most ``most`` chunks of as equal sizes as can be, none smaller
+    than ``most`` allows (a share of fewer units than ``most`` is one unit a chunk). Share ``s`` is counted by
+    counter ``counter + s``: ``worker`` takes its own share (``share`` 0) from the front, then those of the
+    following workers (``share`` 1, 2, ...) from their back. Returns ``(first, last, share)``, the chunk's units
+    ``first .. last - 1``: pass ``share`` back in the next call (start at 0); first is -1 when every share is
+    spent."""
     while share < team:
         owner = (worker + share) % team
-        first = chunks * owner // team
-        size = chunks * (owner + 1) // team - first
-        index = COUNTERS + SLOT * (counter + owner)
-        taken = atomic_add(control, index, 1 if share == 0 else _BACK)
+        begin = units * owner // team
+        size = units * (owner + 1) // team - begin
+        chunks = min(most, size)
+        taken = atomic_add(control, COUNTERS + SLOT * (counter + owner), 1 if share == 0 else _BACK)
         front, back = taken & _FRONT, taken >> 32
-        if front + back < size:
-            return (first + front if share == 0 else first + size - 1 - back), share
+        if front + back < chunks:
+            chunk = front if share == 0 else chunks - 1 - back
+            return begin + size * chunk // chunks, begin + size * (chunk + 1) // chunks, share
         share += 1
-    return -1, share
+    return -1, -1, share
 
 
 @numba.njit(**JIT)

@@ -3,10 +3,10 @@
 Per layer, five phases separated by barriers (`_atomics.barrier`); in each, work is handed out by atomic counters,
 so a thread that starts late or is descheduled only does less of it:
 
-1. q, k, v rows: the phase's rows (the three matrices' chunks of whole `ROWS` groups, one after the other) are cut
-   into one contiguous share per thread, which the thread takes a chunk at a time from the front; a thread done
-   with its share takes the others' chunks from their back (`_atomics.take_share`), so each thread streams its own
-   rows' codes in one run, and one descheduled mid-phase holds up only its current chunk;
+1. q, k, v rows: the phase's rows (the three matrices' groups of `ROWS` rows, one after the other) are cut into
+   one contiguous share per thread, which the thread takes a chunk at a time from the front; a thread done with its
+   share takes the others' chunks from their back (`_atomics.take_share`), so each thread streams its own rows'
+   codes in one run, and one descheduled mid-phase holds up only its current chunk;
 2. attention, one unit per (row of the batch, query head): rotary embedding of its query and of its kv head's new
    key, scores over the cache and the new slot, softmax, the weighted values; the first query head of a kv head
    also stores the new key and value in the cache;
@@ -36,15 +36,16 @@ from ._compiled import _decode_rows, _matmul_rows, quantize
 from ._fused import _rotate, rms_norm, softmax_weights
 from ._nibble import nibble_rows
 
-__all__ = ["ABORTED", "CHUNKS", "MATRICES", "ROWS", "decode_step", "rows_of", "step_counters"]
+__all__ = ["ABORTED", "CHUNKS", "CHUNK_ROWS", "MATRICES", "ROWS", "decode_step", "rows_of", "step_counters"]
 
 #: A chunk of a product is a whole number of groups of ``ROWS`` rows.
 ROWS = 32
-#: Chunks per thread of each product (a layer's matrices, the output head) when the team has two threads or more:
-#: few enough that a thread streams long runs of its rows' codes (the hardware prefetcher restarts at every jump)
-#: and takes a counter rarely, enough that a thread descheduled mid-phase leaves most of its share to the others.
-#: One thread takes each matrix whole.
+#: Chunks of each thread's share of a phase's rows (a layer's products, the output head) when the team has two
+#: threads or more, at most: enough that a thread descheduled mid-phase leaves most of its share to the others.
 CHUNKS = 16
+#: Rows of a chunk, at least: a call of the row kernels over fewer rows of a layer's matrix costs noticeably more
+#: per row than one over the whole matrix (docs/performance.md, "decode threads, third pass").
+CHUNK_ROWS = 128
 #: Matrices of a layer, in the order of the step's tables: q, k, v, o, gate, up, down.
 MATRICES = 7
 #: What a team function returns when a barrier was aborted.
@@ -147,45 +148,52 @@ def _swiglu_rows(gate, up, out, first, last):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(**JIT)
-def _chunk_rows(rows, parts):  # type: ignore[no-untyped-def]
-    """Rows per chunk when a matrix of ``rows`` rows is cut into at most ``parts`` chunks of whole `ROWS` groups."""
-    groups = (rows + ROWS - 1) // ROWS
-    return (groups + parts - 1) // parts * ROWS
+def _groups(rows):  # type: ignore[no-untyped-def]
+    return (rows + ROWS - 1) // ROWS
+
+
+@numba.njit(**JIT)
+def _most(groups, team):  # type: ignore[no-untyped-def]
+    """Chunks of a thread's share of ``groups`` groups of `ROWS` rows, at most (`CHUNKS`, `CHUNK_ROWS`); a thread
+    alone takes all at once."""
+    if team == 1:
+        return 1
+    return max(1, min(CHUNKS, groups // team // (CHUNK_ROWS // ROWS)))
 
 
 @numba.njit(**JIT)
 def _rows_by_share(  # type: ignore[no-untyped-def]
-    control, counter, parts, tables, first_matrix, count, x, xq, xs, xe, xoff, y0, y1, y2, worker, team
+    control, counter, tables, first_matrix, count, x, xq, xs, xe, xoff, y0, y1, y2, worker, team
 ):
-    """The rows of matrices ``first_matrix ..`` (``count`` of them, outputs ``y0``, ``y1``, ``y2``), each cut into
-    ``parts`` chunks of contiguous rows, by shares (`_atomics.take_share`) until every chunk is taken; ``x`` is
-    rounded again only when the code width changes. ``tables``: payloads, metas, widths."""
+    """The rows of matrices ``first_matrix ..`` (``count`` of them, outputs ``y0``, ``y1``, ``y2``; their groups of
+    `ROWS` rows one after the other are the phase's units), by shares (`_atomics.take_share`) until every chunk is
+    taken; ``x`` is rounded again only when the code width changes. ``tables``: payloads, metas, widths."""
     payloads, metas, widths = tables
     rounded = -1
     sizes = (y0.shape[1], y1.shape[1], y2.shape[1])
-    rows = (_chunk_rows(sizes[0], parts), _chunk_rows(sizes[1], parts), _chunk_rows(sizes[2], parts))
-    chunks0 = (sizes[0] + rows[0] - 1) // rows[0]
-    chunks1 = (sizes[1] + rows[1] - 1) // rows[1] if count > 1 else 0
-    chunks2 = (sizes[2] + rows[2] - 1) // rows[2] if count > 2 else 0
+    ends = np.zeros(3, np.int64)  # a matrix's last group + 1 among the phase's units
+    ends[0] = _groups(sizes[0])
+    ends[1] = ends[0] + (_groups(sizes[1]) if count > 1 else 0)
+    ends[2] = ends[1] + (_groups(sizes[2]) if count > 2 else 0)
+    most = _most(ends[2], team)
     share = 0
     while True:
-        chunk, share = take_share(control, counter, chunks0 + chunks1 + chunks2, team, worker, share)
-        if chunk < 0:
+        first, last, share = take_share(control, counter, ends[2], most, team, worker, share)
+        if first < 0:
             return
-        if chunk < chunks0:
-            which, y = 0, y0
-        elif chunk < chunks0 + chunks1:
-            which, y, chunk = 1, y1, chunk - chunks0
-        else:
-            which, y, chunk = 2, y2, chunk - chunks0 - chunks1
-        index = first_matrix + which
-        width = widths[index]
-        if width != rounded:
-            quantize(x, width, xq, xs, xe, xoff)
-            rounded = width
-        first = chunk * rows[which]
-        last = min(sizes[which], first + rows[which])
-        rows_of(payloads[index], metas[index], width, xq, xs, xe, xoff, y, first, last)
+        for which in range(count):
+            start = ends[which - 1] if which else 0
+            low, high = max(first, start), min(last, ends[which])
+            if low >= high:
+                continue
+            index = first_matrix + which
+            width = widths[index]
+            if width != rounded:
+                quantize(x, width, xq, xs, xe, xoff)
+                rounded = width
+            y = y0 if which == 0 else (y1 if which == 1 else y2)
+            rows_of(payloads[index], metas[index], width, xq, xs, xe, xoff, y, (low - start) * ROWS,
+                    min(sizes[which], (high - start) * ROWS))  # fmt: skip
 
 
 @numba.njit(**JIT)
@@ -217,11 +225,10 @@ def decode_step(  # type: ignore[no-untyped-def]
         hidden[:, :] = hidden_in
     passed = 0
     tables = (payloads, metas, widths)
-    parts = team * CHUNKS if team > 1 else 1
     for layer in range(norms.shape[0]):
         base, counter = layer * MATRICES, layer * _PHASES * team
         rms_norm(hidden, norms[layer, 0], eps, normed)
-        _rows_by_share(control, counter, parts, tables, base, 3, normed, xq, xs, xe, xoff, q, k, v, worker, team)
+        _rows_by_share(control, counter, tables, base, 3, normed, xq, xs, xe, xoff, q, k, v, worker, team)
         passed = barrier(control, passed, team)
         if passed < 0:
             return ABORTED
@@ -235,22 +242,22 @@ def decode_step(  # type: ignore[no-untyped-def]
         passed = barrier(control, passed, team)
         if passed < 0:
             return ABORTED
-        _rows_by_share(control, counter + 2 * team, parts, tables, base + 3, 1, attended, xq, xs, xe, xoff,
-                       projected, projected, projected, worker, team)  # fmt: skip
+        _rows_by_share(control, counter + 2 * team, tables, base + 3, 1, attended, xq, xs, xe, xoff, projected,
+                       projected, projected, worker, team)  # fmt: skip
         passed = barrier(control, passed, team)
         if passed < 0:
             return ABORTED
         _add(hidden, projected)
         rms_norm(hidden, norms[layer, 1], eps, normed)
         rounded = -1
-        chunk_rows = _chunk_rows(gate.shape[1], parts)
-        chunks = (gate.shape[1] + chunk_rows - 1) // chunk_rows
+        units = _groups(gate.shape[1])
+        most = _most(units, team)
         share = 0
         while True:
-            chunk, share = take_share(control, counter + 3 * team, chunks, team, worker, share)
-            if chunk < 0:
+            first, last, share = take_share(control, counter + 3 * team, units, most, team, worker, share)
+            if first < 0:
                 break
-            first, last = chunk * chunk_rows, min(gate.shape[1], chunk * chunk_rows + chunk_rows)
+            first, last = first * ROWS, min(gate.shape[1], last * ROWS)
             for which in range(2):
                 index = base + 4 + which
                 if widths[index] != rounded:
@@ -262,8 +269,8 @@ def decode_step(  # type: ignore[no-untyped-def]
         passed = barrier(control, passed, team)
         if passed < 0:
             return ABORTED
-        _rows_by_share(control, counter + 4 * team, parts, tables, base + 6, 1, activated, xq, xs, xe, xoff,
-                       projected, projected, projected, worker, team)  # fmt: skip
+        _rows_by_share(control, counter + 4 * team, tables, base + 6, 1, activated, xq, xs, xe, xoff, projected,
+                       projected, projected, worker, team)  # fmt: skip
         passed = barrier(control, passed, team)
         if passed < 0:
             return ABORTED
@@ -275,15 +282,14 @@ def decode_step(  # type: ignore[no-untyped-def]
         width = head_meta[9]
         quantize(out if worker == 0 else normed, width, xq, xs, xe, xoff)
         rows = logits.shape[1]
-        head_rows = _chunk_rows(rows, parts)
-        chunks = (rows + head_rows - 1) // head_rows
+        units = _groups(rows)
+        most = _most(units, team)
         share = 0
         while True:
-            chunk, share = take_share(control, norms.shape[0] * _PHASES * team, chunks, team, worker, share)
-            if chunk < 0:
+            first, last, share = take_share(control, norms.shape[0] * _PHASES * team, units, most, team, worker, share)
+            if first < 0:
                 break
-            first = chunk * head_rows
-            rows_of(head_payload, head_meta, width, xq, xs, xe, xoff, logits, first, min(rows, first + head_rows))
+            rows_of(head_payload, head_meta, width, xq, xs, xe, xoff, logits, first * ROWS, min(rows, last * ROWS))
     if worker == 0:
         return 0 if wait_departures(control, team) else ABORTED
     depart(control)
