@@ -9,6 +9,11 @@ another wrote before a barrier.
 A waiting thread spins on an atomic load with the CPU's pause hint, yields its core after a while, then sleeps in
 short naps; it stops waiting when another thread raised the abort flag (a thread failed or never started) or after
 `WAIT_LIMIT_S` in naps, so a wait can never outlive the thread it waits for.
+
+Work is handed out two ways: `take` gives units of one counter in turn to whichever thread asks; `take_share` cuts a
+product's chunks into one contiguous share per thread, which its owner takes from the front, and a thread done
+with its own share takes the others' chunks from their back, so a thread descheduled mid-phase holds up only the
+chunk it is working on.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ __all__ = [
     "control_size",
     "depart",
     "take",
+    "take_share",
     "wait_departures",
 ]
 
@@ -211,6 +217,36 @@ def barrier(control, passed, team):  # type: ignore[no-untyped-def]
 def take(control, counter):  # type: ignore[no-untyped-def]
     """The next unit of work of counter ``counter`` (0, 1, 2, ... across all threads, each handed out once)."""
     return atomic_add(control, COUNTERS + SLOT * counter, 1)
+
+
+# A share's counter holds two counts in one word: the chunks its owner took from the front (the low half) and those
+# other threads took from the back (the high half), so one atomic add decides who gets a chunk and no chunk is
+# taken twice or left.
+_BACK = 1 << 32
+_FRONT = _BACK - 1
+
+
+@numba.njit(**JIT)
+def take_share(control, counter, units, most, team, worker, share):  # type: ignore[no-untyped-def]
+    """The next chunk of a phase's ``units`` units of work (0 .. ``units - 1``), cut into ``team`` contiguous shares
+    of as equal sizes as can be, each cut into at most ``most`` chunks of as equal sizes as can be, none smaller
+    than ``most`` allows (a share of fewer units than ``most`` is one unit a chunk). Share ``s`` is counted by
+    counter ``counter + s``: ``worker`` takes its own share (``share`` 0) from the front, then those of the
+    following workers (``share`` 1, 2, ...) from their back. Returns ``(first, last, share)``, the chunk's units
+    ``first .. last - 1``: pass ``share`` back in the next call (start at 0); first is -1 when every share is
+    spent."""
+    while share < team:
+        owner = (worker + share) % team
+        begin = units * owner // team
+        size = units * (owner + 1) // team - begin
+        chunks = min(most, size)
+        taken = atomic_add(control, COUNTERS + SLOT * (counter + owner), 1 if share == 0 else _BACK)
+        front, back = taken & _FRONT, taken >> 32
+        if front + back < chunks:
+            chunk = front if share == 0 else chunks - 1 - back
+            return begin + size * chunk // chunks, begin + size * (chunk + 1) // chunks, share
+        share += 1
+    return -1, -1, share
 
 
 @numba.njit(**JIT)

@@ -71,7 +71,7 @@ class DecodeRegion:
         )
         self.final_norm = np.ascontiguousarray(model.final_norm, dtype=np.float32)
         self.layers = len(model.layers)
-        self.team = Team(threads, _step.step_counters(self.layers))
+        self.team = Team(threads, _step.step_counters(self.layers, threads))
         self.head = _payload(model.lm_head)
         self.vocab = self.head.rows if self.head is not None else 0
         no_table = (_readonly(np.zeros(0, np.uint8)), np.zeros(10, np.int64))

@@ -1,15 +1,18 @@
 """A whole single-token decode step as one compiled function that every thread of a `_team.Team` runs at once.
 
-Per layer, five phases separated by barriers (`_atomics.barrier`); in each, units of work are handed out by an
-atomic counter (`_atomics.take`), so a thread that starts late or is descheduled only does fewer units:
+Per layer, five phases separated by barriers (`_atomics.barrier`); in each, work is handed out by atomic counters,
+so a thread that starts late or is descheduled only does less of it:
 
-1. q, k, v rows (units of one of the three matrices: `PARTS` per thread, each a contiguous share of its rows);
+1. q, k, v rows: the phase's rows (the three matrices' groups of `ROWS` rows, one after the other) are cut into
+   one contiguous share per thread, which the thread takes a chunk at a time from the front; a thread done with its
+   share takes the others' chunks from their back (`_atomics.take_share`), so each thread streams its own rows'
+   codes in one run, and one descheduled mid-phase holds up only its current chunk;
 2. attention, one unit per (row of the batch, query head): rotary embedding of its query and of its kv head's new
    key, scores over the cache and the new slot, softmax, the weighted values; the first query head of a kv head
    also stores the new key and value in the cache;
-3. o rows;
-4. gate and up rows together, each unit finishing its rows' SwiGLU;
-5. down rows.
+3. o rows, the same way;
+4. gate and up rows together, the same way, each chunk finishing its rows' SwiGLU;
+5. down rows, the same way.
 
 What every thread needs whole and is cheap (the residual adds, the RMSNorms, rounding a product's input to int16)
 each thread computes for itself into its own buffers, in the same order, so no barrier is spent on it and every
@@ -17,7 +20,7 @@ thread holds the same bits. A row of a product is always computed whole by the s
 (`_compiled`), so results do not depend on the number of threads.
 
 Before the first layer each thread decodes the new tokens' embedding rows from a quantized table itself; after the
-last, each computes the final RMSNorm and the output head's rows are handed out by counter like a layer's.
+last, each computes the final RMSNorm and the output head's rows are handed out by shares like a layer's.
 """
 
 from __future__ import annotations
@@ -27,25 +30,27 @@ import math
 import numba
 import numpy as np
 
-from ._atomics import barrier, depart, take, wait_departures
+from ._atomics import barrier, depart, take, take_share, wait_departures
 from ._blocks import JIT
 from ._compiled import _decode_rows, _matmul_rows, quantize
 from ._fused import _rotate, rms_norm, softmax_weights
 from ._nibble import nibble_rows
 
-__all__ = ["ABORTED", "MATRICES", "PARTS", "ROWS", "decode_step", "rows_of", "step_counters"]
+__all__ = ["ABORTED", "CHUNKS", "CHUNK_ROWS", "MATRICES", "ROWS", "decode_step", "rows_of", "step_counters"]
 
-#: A unit of work of a product is a whole number of groups of ``ROWS`` rows.
+#: A chunk of a product is a whole number of groups of ``ROWS`` rows.
 ROWS = 32
-#: Units per thread of each product (a layer's matrices, the output head): each unit is one contiguous share of the
-#: matrix's rows, so a thread streams its rows' codes in one run rather than a short stretch between the other
-#: thread's (the hardware prefetcher restarts at every jump), and takes the shared counter a few times a phase.
-PARTS = 1
+#: Chunks of each thread's share of a phase's rows (a layer's products, the output head) when the team has two
+#: threads or more, at most: enough that a thread descheduled mid-phase leaves most of its share to the others.
+CHUNKS = 16
+#: Rows of a chunk, at least: a call of the row kernels over fewer rows of a layer's matrix costs noticeably more
+#: per row than one over the whole matrix (docs/performance.md, "decode threads, third pass").
+CHUNK_ROWS = 128
 #: Matrices of a layer, in the order of the step's tables: q, k, v, o, gate, up, down.
 MATRICES = 7
 #: What a team function returns when a barrier was aborted.
 ABORTED = 1
-_PHASES = 5  # work counters per layer
+_PHASES = 5  # phases per layer, each with one work counter per thread
 
 _FAST = {**JIT, "fastmath": {"reassoc", "contract"}}
 
@@ -143,42 +148,52 @@ def _swiglu_rows(gate, up, out, first, last):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(**JIT)
-def _unit_rows(rows, parts):  # type: ignore[no-untyped-def]
-    """Rows per unit when a matrix of ``rows`` rows is cut into at most ``parts`` units of whole `ROWS` groups."""
-    groups = (rows + ROWS - 1) // ROWS
-    return (groups + parts - 1) // parts * ROWS
+def _groups(rows):  # type: ignore[no-untyped-def]
+    return (rows + ROWS - 1) // ROWS
 
 
 @numba.njit(**JIT)
-def _rows_by_counter(control, counter, parts, tables, first_matrix, count, x, xq, xs, xe, xoff, y0, y1, y2):  # type: ignore[no-untyped-def]
-    """Units of matrices ``first_matrix ..`` (``count`` of them, outputs ``y0``, ``y1``, ``y2``), each cut into
-    ``parts`` units of contiguous rows, until the counter runs out; ``x`` is rounded again only when the code width
-    changes. ``tables``: payloads, metas, widths."""
+def _most(groups, team):  # type: ignore[no-untyped-def]
+    """Chunks of a thread's share of ``groups`` groups of `ROWS` rows, at most (`CHUNKS`, `CHUNK_ROWS`); a thread
+    alone takes all at once."""
+    if team == 1:
+        return 1
+    return max(1, min(CHUNKS, groups // team // (CHUNK_ROWS // ROWS)))
+
+
+@numba.njit(**JIT)
+def _rows_by_share(  # type: ignore[no-untyped-def]
+    control, counter, tables, first_matrix, count, x, xq, xs, xe, xoff, y0, y1, y2, worker, team
+):
+    """The rows of matrices ``first_matrix ..`` (``count`` of them, outputs ``y0``, ``y1``, ``y2``; their groups of
+    `ROWS` rows one after the other are the phase's units), by shares (`_atomics.take_share`) until every chunk is
+    taken; ``x`` is rounded again only when the code width changes. ``tables``: payloads, metas, widths."""
     payloads, metas, widths = tables
     rounded = -1
     sizes = (y0.shape[1], y1.shape[1], y2.shape[1])
-    rows = (_unit_rows(sizes[0], parts), _unit_rows(sizes[1], parts), _unit_rows(sizes[2], parts))
-    units0 = (sizes[0] + rows[0] - 1) // rows[0]
-    units1 = (sizes[1] + rows[1] - 1) // rows[1] if count > 1 else 0
-    units2 = (sizes[2] + rows[2] - 1) // rows[2] if count > 2 else 0
+    ends = np.zeros(3, np.int64)  # a matrix's last group + 1 among the phase's units
+    ends[0] = _groups(sizes[0])
+    ends[1] = ends[0] + (_groups(sizes[1]) if count > 1 else 0)
+    ends[2] = ends[1] + (_groups(sizes[2]) if count > 2 else 0)
+    most = _most(ends[2], team)
+    share = 0
     while True:
-        unit = take(control, counter)
-        if unit >= units0 + units1 + units2:
+        first, last, share = take_share(control, counter, ends[2], most, team, worker, share)
+        if first < 0:
             return
-        if unit < units0:
-            which, y = 0, y0
-        elif unit < units0 + units1:
-            which, y, unit = 1, y1, unit - units0
-        else:
-            which, y, unit = 2, y2, unit - units0 - units1
-        index = first_matrix + which
-        width = widths[index]
-        if width != rounded:
-            quantize(x, width, xq, xs, xe, xoff)
-            rounded = width
-        first = unit * rows[which]
-        last = min(sizes[which], first + rows[which])
-        rows_of(payloads[index], metas[index], width, xq, xs, xe, xoff, y, first, last)
+        for which in range(count):
+            start = ends[which - 1] if which else 0
+            low, high = max(first, start), min(last, ends[which])
+            if low >= high:
+                continue
+            index = first_matrix + which
+            width = widths[index]
+            if width != rounded:
+                quantize(x, width, xq, xs, xe, xoff)
+                rounded = width
+            y = y0 if which == 0 else (y1 if which == 1 else y2)
+            rows_of(payloads[index], metas[index], width, xq, xs, xe, xoff, y, (low - start) * ROWS,
+                    min(sizes[which], (high - start) * ROWS))  # fmt: skip
 
 
 @numba.njit(**JIT)
@@ -210,16 +225,15 @@ def decode_step(  # type: ignore[no-untyped-def]
         hidden[:, :] = hidden_in
     passed = 0
     tables = (payloads, metas, widths)
-    parts = team * PARTS
     for layer in range(norms.shape[0]):
-        base, counter = layer * MATRICES, layer * _PHASES
+        base, counter = layer * MATRICES, layer * _PHASES * team
         rms_norm(hidden, norms[layer, 0], eps, normed)
-        _rows_by_counter(control, counter, parts, tables, base, 3, normed, xq, xs, xe, xoff, q, k, v)
+        _rows_by_share(control, counter, tables, base, 3, normed, xq, xs, xe, xoff, q, k, v, worker, team)
         passed = barrier(control, passed, team)
         if passed < 0:
             return ABORTED
         while True:
-            unit = take(control, counter + 1)
+            unit = take(control, counter + team)
             if unit >= m * heads:
                 break
             b, head = unit // heads, unit % heads
@@ -228,21 +242,22 @@ def decode_step(  # type: ignore[no-untyped-def]
         passed = barrier(control, passed, team)
         if passed < 0:
             return ABORTED
-        _rows_by_counter(control, counter + 2, parts, tables, base + 3, 1, attended, xq, xs, xe, xoff,
-                         projected, projected, projected)  # fmt: skip
+        _rows_by_share(control, counter + 2 * team, tables, base + 3, 1, attended, xq, xs, xe, xoff, projected,
+                       projected, projected, worker, team)  # fmt: skip
         passed = barrier(control, passed, team)
         if passed < 0:
             return ABORTED
         _add(hidden, projected)
         rms_norm(hidden, norms[layer, 1], eps, normed)
         rounded = -1
-        unit_rows = _unit_rows(gate.shape[1], parts)
-        units = (gate.shape[1] + unit_rows - 1) // unit_rows
+        units = _groups(gate.shape[1])
+        most = _most(units, team)
+        share = 0
         while True:
-            unit = take(control, counter + 3)
-            if unit >= units:
+            first, last, share = take_share(control, counter + 3 * team, units, most, team, worker, share)
+            if first < 0:
                 break
-            first, last = unit * unit_rows, min(gate.shape[1], unit * unit_rows + unit_rows)
+            first, last = first * ROWS, min(gate.shape[1], last * ROWS)
             for which in range(2):
                 index = base + 4 + which
                 if widths[index] != rounded:
@@ -254,8 +269,8 @@ def decode_step(  # type: ignore[no-untyped-def]
         passed = barrier(control, passed, team)
         if passed < 0:
             return ABORTED
-        _rows_by_counter(control, counter + 4, parts, tables, base + 6, 1, activated, xq, xs, xe, xoff,
-                         projected, projected, projected)  # fmt: skip
+        _rows_by_share(control, counter + 4 * team, tables, base + 6, 1, activated, xq, xs, xe, xoff, projected,
+                       projected, projected, worker, team)  # fmt: skip
         passed = barrier(control, passed, team)
         if passed < 0:
             return ABORTED
@@ -267,18 +282,20 @@ def decode_step(  # type: ignore[no-untyped-def]
         width = head_meta[9]
         quantize(out if worker == 0 else normed, width, xq, xs, xe, xoff)
         rows = logits.shape[1]
-        head_rows = _unit_rows(rows, parts)
+        units = _groups(rows)
+        most = _most(units, team)
+        share = 0
         while True:
-            first = take(control, norms.shape[0] * _PHASES) * head_rows
-            if first >= rows:
+            first, last, share = take_share(control, norms.shape[0] * _PHASES * team, units, most, team, worker, share)
+            if first < 0:
                 break
-            rows_of(head_payload, head_meta, width, xq, xs, xe, xoff, logits, first, min(rows, first + head_rows))
+            rows_of(head_payload, head_meta, width, xq, xs, xe, xoff, logits, first * ROWS, min(rows, last * ROWS))
     if worker == 0:
         return 0 if wait_departures(control, team) else ABORTED
     depart(control)
     return 0
 
 
-def step_counters(layers: int) -> int:
-    """Work counters a `decode_step` over ``layers`` layers uses (the output head's last)."""
-    return layers * _PHASES + 1
+def step_counters(layers: int, team: int) -> int:
+    """Work counters a `decode_step` over ``layers`` layers uses at ``team`` threads (the output head's last)."""
+    return (layers * _PHASES + 1) * team

@@ -255,3 +255,59 @@ def test_the_counter_hands_out_every_unit_once(threads: int) -> None:
         team.run(hand_out, ())
         taken = np.sort(seen[seen > 0]) - 1
         np.testing.assert_array_equal(taken, np.arange(4000))
+
+
+@numba.njit(nogil=True)
+def _take_shares(control, units, most, into, worker, team, idle):  # type: ignore[no-untyped-def]
+    """Chunks of ``units`` units by shares of at most ``most`` chunks, recorded in this worker's ``into`` (first unit
+    + 1, last unit, the share it came from); worker ``idle`` takes none (it stands for a thread descheduled for the
+    whole phase)."""
+    count, share = 0, 0
+    while worker != idle:
+        first, last, share = _atomics.take_share(control, 0, units, most, team, worker, share)
+        if first < 0:
+            break
+        into[count, 0] = first + 1
+        into[count, 1] = last
+        into[count, 2] = share
+        count += 1
+    if worker == 0:
+        return 0 if _atomics.wait_departures(control, team) else 1
+    _atomics.depart(control)
+    return 0
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("idle", [-1, 1])
+@pytest.mark.parametrize(("units", "most"), [(1000, 16), (30, 3), (5, 4)])
+def test_shares_hand_out_every_unit_once(threads: int, idle: int, units: int, most: int) -> None:
+    """Each unit once, in chunks of a worker's own share from its front in order, and a worker that takes nothing
+    leaves its share to the others (taken from its back)."""
+    team = _team.Team(threads, threads)
+    seen = np.zeros((threads, units + 1, 3), dtype=np.int64)
+
+    def hand_out(control: np.ndarray, worker: int, size: int) -> int:
+        return int(_take_shares(control, units, most, seen[worker], worker, size, idle))
+
+    for _ in range(3):  # the control array is reset between runs
+        seen[:] = 0
+        team.run(hand_out, ())
+        chunks = seen[seen[:, :, 0] > 0]
+        assert np.all(chunks[:, 1] > chunks[:, 0] - 1)  # no empty chunk
+        covered = np.concatenate([np.arange(first - 1, last) for first, last, _ in chunks])
+        np.testing.assert_array_equal(np.sort(covered), np.arange(units))
+        for worker in range(threads):
+            mine = seen[worker][seen[worker, :, 0] > 0]
+            own = mine[mine[:, 2] == 0]
+            begin, end = units * worker // threads, units * (worker + 1) // threads
+            assert own.size == 0 or own[0, 0] - 1 == begin
+            np.testing.assert_array_equal(own[1:, 0] - 1, own[:-1, 1])  # front to back, no gap
+            assert len(own) <= most
+            stolen = mine[mine[:, 2] > 0]
+            assert not np.any((stolen[:, 0] - 1 >= begin) & (stolen[:, 0] - 1 < end))
+            for owner in range(threads):
+                begin, end = units * owner // threads, units * (owner + 1) // threads
+                from_owner = stolen[(stolen[:, 0] - 1 >= begin) & (stolen[:, 0] - 1 < end)]
+                np.testing.assert_array_equal(from_owner[1:, 1], from_owner[:-1, 0] - 1)  # back to front, no gap
+        if 0 < idle < threads:
+            assert not seen[idle].any()
