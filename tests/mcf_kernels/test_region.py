@@ -227,6 +227,15 @@ def test_a_failed_team_falls_back_with_a_warning() -> None:
 
 
 @numba.njit(nogil=True)
+def _leave(control, worker, team):  # type: ignore[no-untyped-def]
+    """A worker's end of the region: the first waits for the others' departures (1 if it gave up), they depart."""
+    if worker == 0:
+        return 0 if _atomics.wait_departures(control, team) else 1
+    _atomics.depart(control)
+    return 0
+
+
+@numba.njit(nogil=True)
 def _take_all(control, into, worker, team):  # type: ignore[no-untyped-def]
     """Units of counter 0 until ``into.size``, recorded (plus one) in this worker's ``into``."""
     count = 0
@@ -236,10 +245,7 @@ def _take_all(control, into, worker, team):  # type: ignore[no-untyped-def]
             break
         into[count] = unit + 1
         count += 1
-    if worker == 0:
-        return 0 if _atomics.wait_departures(control, team) else 1
-    _atomics.depart(control)
-    return 0
+    return _leave(control, worker, team)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
@@ -271,10 +277,7 @@ def _take_shares(control, units, most, into, worker, team, idle):  # type: ignor
         into[count, 1] = last
         into[count, 2] = share
         count += 1
-    if worker == 0:
-        return 0 if _atomics.wait_departures(control, team) else 1
-    _atomics.depart(control)
-    return 0
+    return _leave(control, worker, team)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])

@@ -466,6 +466,11 @@ def _binary_header(
         {"name": name, "datatype": datatype, "shape": list(array.shape), "parameters": {"binary_data_size": len(data)}}
         for name, datatype, array, data in laid_out
     ]
+    return _response_document(served, request, described)
+
+
+def _response_document(served: ServedVersion, request: InferBody, described: list[dict[str, Any]]) -> bytes:
+    """The response's JSON header: the request's id (when it has one), the model, its version and `described`."""
     document: dict[str, Any] = {}
     if request.id:
         document["id"] = request.id
@@ -495,13 +500,7 @@ def _encode_response(
         else:
             entry["data"] = json_elements(array)
         described.append(entry)
-    document: dict[str, Any] = {}
-    if request.id:
-        document["id"] = request.id
-    document["model_name"] = served.model
-    document["model_version"] = served.version_str
-    document["outputs"] = described
-    header = orjson.dumps(document)
+    header = _response_document(served, request, described)
     if texts:
         pieces = []
         for number, text in enumerate(texts):
