@@ -184,44 +184,27 @@ class VersionStats:
 
     def record_execution(self, *, batch_size: int, infer_ns: int, queue_ns: int = 0, requests: int = 1) -> None:
         """One model execution over `batch_size` elements gathered from `requests` requests."""
-        # The `_Duration` and `_Histogram` updates are written out: this runs once per request.
         self.execution_count += 1
         self.inference_count += batch_size
-        duration = self.compute_infer
-        duration.count += requests
-        duration.ns += infer_ns
-        series = self.series
+        self.compute_infer.add(infer_ns, requests)
         if queue_ns:
             self.queue.add(queue_ns, requests)
-            series.queue.observe(queue_ns)
+            self.series.queue.observe(queue_ns)
         batch = self.batches.get(batch_size)
         if batch is None:
             batch = self.batches[batch_size] = _BatchStats()
-        duration = batch.compute_infer
-        duration.count += 1
-        duration.ns += infer_ns
-        series.executions += 1
-        histogram = series.compute
-        histogram.buckets[bisect_left(_BOUNDS_NS, infer_ns)] += 1
-        histogram.sum_ns += infer_ns
+        batch.compute_infer.add(infer_ns)
+        self.series.executions += 1
+        self.series.compute.observe(infer_ns)
 
     def record_success(self, *, total_ns: int, input_ns: int, output_ns: int) -> None:
         """Count a successful inference and its durations (nanoseconds: in total, decoding inputs, encoding outputs)."""
         self.last_inference_ms = time.time_ns() // 1_000_000
-        duration = self.success
-        duration.count += 1
-        duration.ns += total_ns
-        duration = self.compute_input
-        duration.count += 1
-        duration.ns += input_ns
-        duration = self.compute_output
-        duration.count += 1
-        duration.ns += output_ns
-        series = self.series
-        series.success += 1
-        histogram = series.duration
-        histogram.buckets[bisect_left(_BOUNDS_NS, total_ns)] += 1
-        histogram.sum_ns += total_ns
+        self.success.add(total_ns)
+        self.compute_input.add(input_ns)
+        self.compute_output.add(output_ns)
+        self.series.success += 1
+        self.series.duration.observe(total_ns)
 
     def record_failure(self, *, total_ns: int) -> None:
         """Count a failed inference and how long it took (nanoseconds)."""
