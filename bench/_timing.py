@@ -66,6 +66,10 @@ def run_in_checkout(
     return result
 
 
+#: The variables that set BLAS's (and OpenMP's) thread count in a child process.
+BLAS_THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
 def mcf_runner_env(tree: Path, environ: Mapping[str, str]) -> dict[str, str]:
     """The variables the mcf runner plugin of checkout `tree` adds to a runner process's environment (its
     ``RunnerSpec.env`` when the host's environment is `environ`): a benchmark that runs the runner in a child process

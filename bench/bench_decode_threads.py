@@ -161,10 +161,10 @@ _RUNNER_ENVS: dict[tuple[Path, int], dict[str, str]] = {}
 def _child_env(tree: Path, threads: int) -> dict[str, str]:
     """BLAS gets the step's thread count, as in bench_llm.py (and as a runner process on a machine of that many CPUs
     gets by default), plus what carton gives a runner process of checkout ``tree``."""
-    from _timing import mcf_runner_env
+    from _timing import BLAS_THREAD_VARS, mcf_runner_env
 
     if (tree, threads) not in _RUNNER_ENVS:
-        env = dict.fromkeys(("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"), str(threads))
+        env = dict.fromkeys(BLAS_THREAD_VARS, str(threads))
         _RUNNER_ENVS[(tree, threads)] = env | mcf_runner_env(tree, {**os.environ, **env})
     return _RUNNER_ENVS[(tree, threads)]
 

@@ -51,11 +51,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _timing import mcf_runner_env
+from _timing import BLAS_THREAD_VARS, mcf_runner_env
 
 ROOT = Path(__file__).resolve().parent.parent
 METHODS = ("q8", "k6", "k4", "q4")
-THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 LLAMA_BENCH = Path(os.environ.get("CARTON_BENCH_CACHE", Path.home() / ".cache" / "carton-bench")) / "llama.cpp"
 
 
@@ -67,14 +66,19 @@ def _convert_module() -> Any:
     return module
 
 
+def _status_mb(status: str, name: str) -> float:
+    """Field `name` of a /proc/<pid>/status text, in MB."""
+    return int(status.split(f"{name}:")[1].split()[0]) / 1024
+
+
 def _memory(pids: tuple[int, ...] = ()) -> dict[str, float]:
     """Resident memory of this process and ``pids``, summed: now, peak, and proportional set size (MB)."""
     total = {"rss_mb": 0.0, "peak_mb": 0.0, "pss_mb": 0.0}
     for pid in ("self", *pids):
         status = Path(f"/proc/{pid}/status").read_text()
         rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
-        total["rss_mb"] += int(status.split("VmRSS:")[1].split()[0]) / 1024
-        total["peak_mb"] += int(status.split("VmHWM:")[1].split()[0]) / 1024
+        total["rss_mb"] += _status_mb(status, "VmRSS")
+        total["peak_mb"] += _status_mb(status, "VmHWM")
         total["pss_mb"] += int(rollup.split("Pss:")[1].split()[0]) / 1024
     return total
 
@@ -83,10 +87,6 @@ def _breakdown() -> dict[str, float]:
     """Where this process's resident memory is (MB): peak, the model file's pages, LLVM's library, other file pages,
     the malloc heap, other anonymous memory (the libraries' written pages included)."""
     status = Path("/proc/self/status").read_text()
-
-    def field(name: str) -> float:
-        return int(status.split(f"{name}:")[1].split()[0]) / 1024
-
     by_kind = {"model": 0.0, "llvm": 0.0, "heap": 0.0}
     kind = None
     for line in Path("/proc/self/smaps").read_text().splitlines():
@@ -98,12 +98,12 @@ def _breakdown() -> dict[str, float]:
         elif parts[0] == "Rss:" and kind is not None:
             by_kind[kind] += int(parts[1]) / 1024
     return {
-        "peak": field("VmHWM"),
+        "peak": _status_mb(status, "VmHWM"),
         "model file": by_kind["model"],
         "libllvmlite": by_kind["llvm"],
-        "other file": field("RssFile") - by_kind["model"] - by_kind["llvm"],
+        "other file": _status_mb(status, "RssFile") - by_kind["model"] - by_kind["llvm"],
         "heap": by_kind["heap"],
-        "other anonymous": field("RssAnon") - by_kind["heap"],
+        "other anonymous": _status_mb(status, "RssAnon") - by_kind["heap"],
     }
 
 
@@ -217,9 +217,11 @@ def _run_child(engine: str, model: Path, args: argparse.Namespace, threads: int,
     env = dict(os.environ)
     # Every BLAS (and the kernels) one thread per process when the model is split across processes.
     if engine == "transformers" or not args.runner_blas:
-        env.update(dict.fromkeys(THREAD_VARS, str(threads if engine == "transformers" or args.processes == 1 else 1)))
+        env.update(
+            dict.fromkeys(BLAS_THREAD_VARS, str(threads if engine == "transformers" or args.processes == 1 else 1))
+        )
     else:  # as a runner process under a host that sets none: BLAS follows the runner's `threads` option
-        env = {name: value for name, value in env.items() if name not in THREAD_VARS}
+        env = {name: value for name, value in env.items() if name not in BLAS_THREAD_VARS}
     if engine == "mcf":
         # What carton gives a runner process on top (OpenBLAS's threads stop polling soon after a prompt's products).
         env.update(mcf_runner_env(ROOT, env))
