@@ -496,9 +496,12 @@ def _json_output_bytes(request: InferBody, selected: list[tuple[str, Tensor]]) -
         if request.binary_default:
             return 0  # the usual binary request: nothing to count
         binary_of = {}
-    elif all(binary for _, binary in request.outputs):
-        return 0  # every requested output is binary (what tritonclient sends)
     else:
+        for _, binary in request.outputs:
+            if not binary:
+                break
+        else:
+            return 0  # every requested output is binary (what tritonclient sends)
         binary_of = dict(request.outputs)
     return sum(
         tensor.nbytes

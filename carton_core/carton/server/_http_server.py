@@ -27,6 +27,7 @@ import collections
 import http
 import logging
 import socket
+from collections.abc import Coroutine
 from typing import Any, cast
 
 import httptools
@@ -254,11 +255,10 @@ class _Connection(asyncio.Protocol):
     def _start_next(self) -> None:
         exchange = self.queue.popleft()
         self.current = exchange
-        received = sum(map(len, exchange.chunks)) if exchange.chunks else 0
-        if self.queued_bytes:
-            self.queued_bytes -= received
-        if exchange.body_done and (len(exchange.chunks) == 1 or received < JOIN_ON_A_THREAD_BYTES):
-            chunks = exchange.chunks
+        chunks = exchange.chunks
+        if self.queued_bytes and chunks:
+            self.queued_bytes -= sum(map(len, chunks))
+        if exchange.body_done and (len(chunks) == 1 or sum(map(len, chunks)) < JOIN_ON_A_THREAD_BYTES):
             exchange.chunks = []
             body: Any = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         else:  # the handler's reader hands the pieces over one by one and joins them once (`collect_body`)
@@ -311,7 +311,9 @@ class _Connection(asyncio.Protocol):
         unsent_body = exchange.expect_continue and not exchange.continue_sent and not exchange.body_done
         if refused_body or unsent_body or exchange.broken or self.eof or self.server.closing:
             exchange.keep_alive = False
-        await self._write(exchange, response)
+        rest = self._write(exchange, response)
+        if rest is not None:
+            await rest
         if self.closed:
             self._finish(exchange)
             return
@@ -326,13 +328,17 @@ class _Connection(asyncio.Protocol):
                 return
         self._finish(exchange)
 
-    async def _write(self, exchange: _Exchange, response: HttpResponse) -> None:
+    def _write(self, exchange: _Exchange, response: HttpResponse) -> Coroutine[Any, Any, None] | None:
+        """Write the response's head and as much of its body as goes without waiting; what is left to wait for
+        (the parts of a large body, a full socket buffer) comes back as a coroutine. The usual response is written
+        whole here, without one."""
         transport = self.transport
         assert transport is not None
         parts = response.parts
         length = response.content_length()
         head = [_status_line(response.status)]
-        head += [b"%s: %s\r\n" % header for header in response.headers]
+        for header in response.headers:
+            head.append(b"%s: %s\r\n" % header)
         head.append(b"content-length: %d\r\n" % length)
         head.append(_KEEP_ALIVE_TAIL if exchange.keep_alive else _CLOSE_TAIL)
         if exchange.method == "HEAD" or not length:
@@ -342,12 +348,18 @@ class _Connection(asyncio.Protocol):
             transport.write(b"".join(head))
         else:
             transport.write(b"".join(head))
-            for part in parts:
-                if self.closed:
-                    return
-                transport.write(part)
-                if not self.writable:
-                    await self._drain()
+            return self._write_parts(parts)
+        return None if self.writable else self._drain()
+
+    async def _write_parts(self, parts: list[Any]) -> None:
+        transport = self.transport
+        assert transport is not None
+        for part in parts:
+            if self.closed:
+                return
+            transport.write(part)
+            if not self.writable:
+                await self._drain()
         if not self.writable:
             await self._drain()
 
