@@ -116,7 +116,12 @@ class _Connection(asyncio.Protocol):
         self.current: _Exchange | None = None
         self.queue: collections.deque[_Exchange] = collections.deque()
         self.queued_bytes = 0
+        #: The connection's one task, answering its requests one after another for as long as it lives (a task per
+        #: request would be made, registered and torn down again for every request), the request it is to answer
+        #: next, and what it waits on when there is none.
         self.task: asyncio.Task[None] | None = None
+        self.next: tuple[_Exchange, HttpRequest] | None = None
+        self.idle: asyncio.Future[None] | None = None
         self.reading_paused = False
         #: Reading is paused until the loop's next turn (`_READ_TURN_BYTES`), and what was read since the last pause.
         self.turn_paused = False
@@ -155,6 +160,8 @@ class _Connection(asyncio.Protocol):
                 exchange.waiter.set_result(None)
         if self.drained is not None and not self.drained.done():
             self.drained.set_result(None)
+        if self.idle is not None and not self.idle.done():
+            self.idle.set_result(None)
         self.queue.clear()
 
     def eof_received(self) -> bool | None:
@@ -268,7 +275,37 @@ class _Connection(asyncio.Protocol):
             assert self.transport is not None
             self.transport.resume_reading()
         request = HttpRequest(exchange.method, exchange.url, exchange.headers, body)
-        self.task = self.loop.create_task(self._answer(exchange, request))
+        if self.task is None:
+            self.task = self.loop.create_task(self._serve(exchange, request))
+            return
+        self.next = (exchange, request)
+        idle = self.idle
+        if idle is not None and not idle.done():
+            idle.set_result(None)
+
+    async def _serve(self, exchange: _Exchange, request: HttpRequest) -> None:
+        """The connection's task: answer `request`, then each request `_start_next` hands over, until the
+        connection closes."""
+        try:
+            while True:
+                await self._answer(exchange, request)
+                if self.next is None:
+                    if self.closed:
+                        return
+                    self.idle = self.loop.create_future()
+                    await self.idle
+                    self.idle = None
+                    if self.next is None:  # woken by the connection's end
+                        return
+                exchange, request = self.next
+                self.next = None
+        except Exception:
+            # Not a handler's failure (`_answer` answers those with 500): the connection cannot go on.
+            _log.exception("answering an HTTP request failed")
+            if self.transport is not None:
+                self.transport.abort()
+        finally:
+            self.task = None
 
     def _reader(self, exchange: _Exchange) -> Any:
         # The pieces as the network delivered them, one per read: joining is left to the reader's caller, which does
@@ -324,7 +361,6 @@ class _Connection(asyncio.Protocol):
             if exchange.keep_alive:
                 exchange.discard = True  # the rest of the body is dropped; the next request starts after it
                 exchange.chunks = []
-                self.task = None
                 return
         self._finish(exchange)
 
@@ -371,7 +407,6 @@ class _Connection(asyncio.Protocol):
 
     def _finish(self, exchange: _Exchange) -> None:
         """The answer to `exchange` is written (or cannot be): close, or go on with the next request."""
-        self.task = None
         self.current = None
         self.last_active = self.loop.time()
         if self.closed:
@@ -392,7 +427,6 @@ class _Connection(asyncio.Protocol):
     def _linger(self) -> None:
         """Stop reading the refused body: shut the sending side, drop what the client still sends for a while."""
         self.current = None
-        self.task = None
         self.queue.clear()
         self._shut()
 
