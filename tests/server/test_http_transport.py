@@ -402,3 +402,49 @@ def test_close_waits_for_requests_in_flight() -> None:
             connect(port).close()
     finally:
         loop.close()
+
+
+def test_one_task_per_connection_answers_its_requests_and_ends_with_it() -> None:
+    class Recording(Handler):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tasks: list[asyncio.Task[object] | None] = []
+            self.loop: asyncio.AbstractEventLoop | None = None
+
+        async def answer(self, request: HttpRequest) -> HttpResponse:
+            self.tasks.append(asyncio.current_task())
+            self.loop = asyncio.get_running_loop()
+            return await super().answer(request)
+
+    handler = Recording()
+    with served(handler) as (port, _):
+        with connect(port) as first, connect(port) as second:
+            buffer = bytearray()
+            for index in range(3):  # one at a time, the task waiting in between
+                first.sendall(b"GET /a%d HTTP/1.1\r\nHost: x\r\n\r\n" % index)
+                assert read_response(first, buffer)[2] == b"/a%d" % index
+            # Pipelined, and a body dropped unread: the next request is still answered, by the same task.
+            first.sendall(
+                b"GET /sleep/50 HTTP/1.1\r\nHost: x\r\n\r\n"
+                b"POST /skip HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc"
+                b"GET /last HTTP/1.1\r\nHost: x\r\n\r\n"
+            )
+            assert [read_response(first, buffer)[2] for _ in range(3)] == [b"/sleep/50", b"/skip", b"/last"]
+            second.sendall(b"GET /b HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert read_response(second, bytearray())[2] == b"/b"
+        first_tasks, second_task = handler.tasks[:-1], handler.tasks[-1]
+        assert len(first_tasks) == 6 and all(task is first_tasks[0] for task in first_tasks)
+        assert first_tasks[0] is not None and second_task is not first_tasks[0]
+        # Once both connections are closed, neither leaves a task behind.
+        loop = handler.loop
+        assert loop is not None
+
+        def left() -> set[asyncio.Task[object]]:
+            return asyncio.run_coroutine_threadsafe(_tasks_left(), loop).result(5)
+
+        assert wait_until(lambda: not ({first_tasks[0], second_task} & left()))
+
+
+async def _tasks_left() -> set[asyncio.Task[object]]:
+    current = asyncio.current_task()
+    return {task for task in asyncio.all_tasks() if task is not current}

@@ -16,6 +16,7 @@ import logging
 import time
 import zlib
 from collections.abc import Awaitable, Callable, Mapping
+from operator import itemgetter
 from typing import Any, Protocol
 from urllib.parse import unquote
 
@@ -193,6 +194,8 @@ def split_path(raw_path: bytes) -> list[str]:
 
 _EMPTY_JSON = [(b"content-type", b"application/json")]
 _BINARY_CONTENT_TYPE = (b"content-type", b"application/octet-stream")
+#: An output's name from its (name, binary) pair, without a Python-level function call.
+_FIRST = itemgetter(0)
 #: How many request targets' segments an app remembers.
 _SEGMENTS_KEPT = 1024
 
@@ -407,7 +410,7 @@ class HttpApp:
             decoded_at = time.perf_counter_ns()
             outputs, _ = await served.infer(decoded.inputs)
             inferred_at = time.perf_counter_ns()
-            requested = [output for output, _ in decoded.outputs] if decoded.outputs is not None else None
+            requested = list(map(_FIRST, decoded.outputs)) if decoded.outputs is not None else None
             selected = select_outputs(served, outputs, requested)
             if _json_output_bytes(decoded, selected) < _OFF_LOOP_BYTES:
                 header, parts = encode_infer_response(served, decoded, selected)
@@ -496,9 +499,12 @@ def _json_output_bytes(request: InferBody, selected: list[tuple[str, Tensor]]) -
         if request.binary_default:
             return 0  # the usual binary request: nothing to count
         binary_of = {}
-    elif all(binary for _, binary in request.outputs):
-        return 0  # every requested output is binary (what tritonclient sends)
     else:
+        for _, binary in request.outputs:
+            if not binary:
+                break
+        else:
+            return 0  # every requested output is binary (what tritonclient sends)
         binary_of = dict(request.outputs)
     return sum(
         tensor.nbytes

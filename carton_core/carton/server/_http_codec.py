@@ -438,12 +438,22 @@ def encode_infer_response(
     """The response's JSON header and the binary parts that follow it (empty when every output is JSON)."""
     binary_of = dict(request.outputs) if request.outputs is not None else {}
     default = request.binary_default
-    if all(binary_of.get(name, default) for name, _ in selected):
+    for name, _ in selected:
+        if not binary_of.get(name, default):
+            break
+    else:
         # Every output binary (what tritonclient asks for): the header depends only on the request's id and the
-        # outputs' names, datatypes, shapes and sizes, which repeat from request to request.
-        laid_out = [(name, *output_tensor(name, tensor)) for name, tensor in selected]
-        parts = [data for _, _, _, data in laid_out]
-        key = (request.id, *((name, datatype, array.shape, len(data)) for name, datatype, array, data in laid_out))
+        # outputs' names, datatypes, shapes and sizes, which repeat from request to request. (Plain loops: on this
+        # path each comprehension would be one more function object and frame per request.)
+        laid_out = []
+        parts: list[bytes | memoryview] = []
+        described: list[Any] = [request.id]
+        for name, tensor in selected:
+            datatype, array, data = output_tensor(name, tensor)
+            laid_out.append((name, datatype, array, data))
+            parts.append(data)
+            described.append((name, datatype, array.shape, len(data)))
+        key = tuple(described)
         header = served.response_heads.get(key)
         if header is None:
             header = _binary_header(served, request, laid_out)

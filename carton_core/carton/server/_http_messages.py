@@ -75,7 +75,10 @@ class HttpResponse:
         parts = self.parts
         if len(parts) == 1 and type(parts[0]) is bytes:
             return len(parts[0])
-        return sum(part.nbytes if type(part) is memoryview else len(part) for part in parts)
+        length = 0
+        for part in parts:
+            length += part.nbytes if type(part) is memoryview else len(part)
+        return length
 
     def body(self) -> bytes:
         """The parts joined (what a transport that cannot send buffers one by one sends)."""

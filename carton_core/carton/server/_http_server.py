@@ -27,6 +27,7 @@ import collections
 import http
 import logging
 import socket
+from collections.abc import Coroutine
 from typing import Any, cast
 
 import httptools
@@ -115,7 +116,12 @@ class _Connection(asyncio.Protocol):
         self.current: _Exchange | None = None
         self.queue: collections.deque[_Exchange] = collections.deque()
         self.queued_bytes = 0
+        #: The connection's one task, answering its requests one after another for as long as it lives (a task per
+        #: request would be made, registered and torn down again for every request), the request it is to answer
+        #: next, and what it waits on when there is none.
         self.task: asyncio.Task[None] | None = None
+        self.next: tuple[_Exchange, HttpRequest] | None = None
+        self.idle: asyncio.Future[None] | None = None
         self.reading_paused = False
         #: Reading is paused until the loop's next turn (`_READ_TURN_BYTES`), and what was read since the last pause.
         self.turn_paused = False
@@ -154,6 +160,8 @@ class _Connection(asyncio.Protocol):
                 exchange.waiter.set_result(None)
         if self.drained is not None and not self.drained.done():
             self.drained.set_result(None)
+        if self.idle is not None and not self.idle.done():
+            self.idle.set_result(None)
         self.queue.clear()
 
     def eof_received(self) -> bool | None:
@@ -254,11 +262,10 @@ class _Connection(asyncio.Protocol):
     def _start_next(self) -> None:
         exchange = self.queue.popleft()
         self.current = exchange
-        received = sum(map(len, exchange.chunks)) if exchange.chunks else 0
-        if self.queued_bytes:
-            self.queued_bytes -= received
-        if exchange.body_done and (len(exchange.chunks) == 1 or received < JOIN_ON_A_THREAD_BYTES):
-            chunks = exchange.chunks
+        chunks = exchange.chunks
+        if self.queued_bytes and chunks:
+            self.queued_bytes -= sum(map(len, chunks))
+        if exchange.body_done and (len(chunks) == 1 or sum(map(len, chunks)) < JOIN_ON_A_THREAD_BYTES):
             exchange.chunks = []
             body: Any = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         else:  # the handler's reader hands the pieces over one by one and joins them once (`collect_body`)
@@ -268,7 +275,37 @@ class _Connection(asyncio.Protocol):
             assert self.transport is not None
             self.transport.resume_reading()
         request = HttpRequest(exchange.method, exchange.url, exchange.headers, body)
-        self.task = self.loop.create_task(self._answer(exchange, request))
+        if self.task is None:
+            self.task = self.loop.create_task(self._serve(exchange, request))
+            return
+        self.next = (exchange, request)
+        idle = self.idle
+        if idle is not None and not idle.done():
+            idle.set_result(None)
+
+    async def _serve(self, exchange: _Exchange, request: HttpRequest) -> None:
+        """The connection's task: answer `request`, then each request `_start_next` hands over, until the
+        connection closes."""
+        try:
+            while True:
+                await self._answer(exchange, request)
+                if self.next is None:
+                    if self.closed:
+                        return
+                    self.idle = self.loop.create_future()
+                    await self.idle
+                    self.idle = None
+                    if self.next is None:  # woken by the connection's end
+                        return
+                exchange, request = self.next
+                self.next = None
+        except Exception:
+            # Not a handler's failure (`_answer` answers those with 500): the connection cannot go on.
+            _log.exception("answering an HTTP request failed")
+            if self.transport is not None:
+                self.transport.abort()
+        finally:
+            self.task = None
 
     def _reader(self, exchange: _Exchange) -> Any:
         # The pieces as the network delivered them, one per read: joining is left to the reader's caller, which does
@@ -311,7 +348,9 @@ class _Connection(asyncio.Protocol):
         unsent_body = exchange.expect_continue and not exchange.continue_sent and not exchange.body_done
         if refused_body or unsent_body or exchange.broken or self.eof or self.server.closing:
             exchange.keep_alive = False
-        await self._write(exchange, response)
+        rest = self._write(exchange, response)
+        if rest is not None:
+            await rest
         if self.closed:
             self._finish(exchange)
             return
@@ -322,17 +361,20 @@ class _Connection(asyncio.Protocol):
             if exchange.keep_alive:
                 exchange.discard = True  # the rest of the body is dropped; the next request starts after it
                 exchange.chunks = []
-                self.task = None
                 return
         self._finish(exchange)
 
-    async def _write(self, exchange: _Exchange, response: HttpResponse) -> None:
+    def _write(self, exchange: _Exchange, response: HttpResponse) -> Coroutine[Any, Any, None] | None:
+        """Write the response's head and as much of its body as goes without waiting; what is left to wait for
+        (the parts of a large body, a full socket buffer) comes back as a coroutine. The usual response is written
+        whole here, without one."""
         transport = self.transport
         assert transport is not None
         parts = response.parts
         length = response.content_length()
         head = [_status_line(response.status)]
-        head += [b"%s: %s\r\n" % header for header in response.headers]
+        for header in response.headers:
+            head.append(b"%s: %s\r\n" % header)
         head.append(b"content-length: %d\r\n" % length)
         head.append(_KEEP_ALIVE_TAIL if exchange.keep_alive else _CLOSE_TAIL)
         if exchange.method == "HEAD" or not length:
@@ -342,12 +384,18 @@ class _Connection(asyncio.Protocol):
             transport.write(b"".join(head))
         else:
             transport.write(b"".join(head))
-            for part in parts:
-                if self.closed:
-                    return
-                transport.write(part)
-                if not self.writable:
-                    await self._drain()
+            return self._write_parts(parts)
+        return None if self.writable else self._drain()
+
+    async def _write_parts(self, parts: list[Any]) -> None:
+        transport = self.transport
+        assert transport is not None
+        for part in parts:
+            if self.closed:
+                return
+            transport.write(part)
+            if not self.writable:
+                await self._drain()
         if not self.writable:
             await self._drain()
 
@@ -359,7 +407,6 @@ class _Connection(asyncio.Protocol):
 
     def _finish(self, exchange: _Exchange) -> None:
         """The answer to `exchange` is written (or cannot be): close, or go on with the next request."""
-        self.task = None
         self.current = None
         self.last_active = self.loop.time()
         if self.closed:
@@ -380,7 +427,6 @@ class _Connection(asyncio.Protocol):
     def _linger(self) -> None:
         """Stop reading the refused body: shut the sending side, drop what the client still sends for a while."""
         self.current = None
-        self.task = None
         self.queue.clear()
         self._shut()
 

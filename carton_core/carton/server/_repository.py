@@ -76,7 +76,7 @@ class ServedVersion:
     """One loaded model version: the handle, its config, its counters and its in-flight requests."""
 
     __slots__ = (
-        "_idle", "batcher", "config", "handle", "in_flight", "input_plans", "input_specs", "model", "output_specs",
+        "_drained", "batcher", "config", "handle", "in_flight", "input_plans", "input_specs", "model", "output_specs",
         "request_plans", "response_heads", "state", "stats", "version", "version_str",
     )  # fmt: skip
 
@@ -91,8 +91,9 @@ class ServedVersion:
         self.state = ModelState.READY
         self.stats = stats
         self.in_flight = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
+        #: What `retire` waits on while requests are in flight, set by the last one's `exit`: made only then, so that
+        #: a request does not clear and set an event of its own.
+        self._drained: asyncio.Future[None] | None = None
         self.batcher: DynamicBatcher | None = None
         #: Binary inference headers already checked against this version, by their bytes (see ``_http_codec``).
         self.request_plans: dict[bytes, Any] = {}
@@ -114,7 +115,6 @@ class ServedVersion:
     def enter(self) -> None:
         """A request starts using this version (an unload waits for it to `exit`)."""
         self.in_flight += 1
-        self._idle.clear()
         self.stats.series.in_flight += 1
 
     def exit(self) -> None:
@@ -122,7 +122,9 @@ class ServedVersion:
         self.in_flight -= 1
         self.stats.series.in_flight -= 1
         if self.in_flight == 0:
-            self._idle.set()
+            drained = self._drained
+            if drained is not None and not drained.done():
+                drained.set_result(None)
 
     def _batch_size(self, inputs: Mapping[str, np.ndarray]) -> int:
         sizes = set()
@@ -156,7 +158,12 @@ class ServedVersion:
         """Let in-flight requests finish (up to `timeout`), then close the runner."""
         self.state = ModelState.UNLOADING
         try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
+            if self.in_flight:
+                drained = self._drained
+                if drained is None or drained.done():
+                    drained = self._drained = asyncio.get_running_loop().create_future()
+                # Shielded: another retirement may wait on the same future.
+                await asyncio.wait_for(asyncio.shield(drained), timeout)
         except TimeoutError:
             _log.warning(
                 "model %r version %s: %d requests still running after %.0fs; closing it under them",
