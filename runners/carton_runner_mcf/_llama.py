@@ -276,10 +276,15 @@ class LlamaModel:
             values[:, :, start:end] = v
             if outputs is not None and index == last_layer:
                 rows = np.arange(batch)
-                picked = (hidden[rows, outputs][:, None], normed[rows, outputs][:, None])
-                at = (positions[rows, outputs][:, None], start + outputs)
                 hidden = self._selected(
-                    layer, *picked, *at, keys[:, :, :end], values[:, :, :end], cache.key_mask[:, :end]
+                    layer,
+                    hidden=hidden[rows, outputs][:, None],
+                    normed=normed[rows, outputs][:, None],
+                    positions=positions[rows, outputs][:, None],
+                    slots=start + outputs,
+                    keys=keys[:, :, :end],
+                    values=values[:, :, :end],
+                    key_mask=cache.key_mask[:, :end],
                 )
                 break
             q = layer.q_proj(normed).reshape(batch, seq, heads, head_dim).transpose(0, 2, 1, 3)
@@ -334,6 +339,7 @@ class LlamaModel:
     def _selected(
         self,
         layer: DecoderLayer,
+        *,
         hidden: F32,
         normed: F32,
         positions: I64,
