@@ -20,8 +20,10 @@ count, in alternating rounds (so load from other processes hits every engine ali
 ``--prompt-tokens`` random tokens, then decodes ``--new-tokens`` greedily with a KV cache (the loop of the runner's
 ``generate``, each phase timed on its own), and reports the best of its repeats. transformers runs the same loop
 by hand (``model(..., past_key_values=...)``, no ``generate`` overhead; its prefill computes the last position's
-logits only, as the mcf runner's generate does). The mcf runner is loaded with an ids-only interface declared
-(``input_ids`` -> ``output_ids``, as a carton packed that way is), so it loads no tokenizer, like transformers here.
+logits only, as the mcf runner's generate does; the runner's generate also runs its last layer for that position
+alone, after every position's keys and values, which transformers' ``logits_to_keep`` does not). The mcf runner is
+loaded with an ids-only interface declared (``input_ids`` -> ``output_ids``, as a carton packed that way is), so it
+loads no tokenizer, like transformers here.
 
 ``--threads 1,2`` runs every engine at each thread count (transformers: torch threads; mcf: runner option
 ``threads``, the compiled kernels splitting each product's rows; llama.cpp: ``-t``), alternating engines round by
@@ -131,13 +133,14 @@ def _child_mcf(args: argparse.Namespace) -> dict[str, Any]:
     ids = np.random.default_rng(0).integers(100, 40000, size=(1, args.prompt_tokens), dtype=np.int64)
     mask = np.ones(ids.shape, dtype=bool)
     one = np.ones((1, 1), dtype=bool)
+    last = np.array([args.prompt_tokens - 1])
 
     def run(steps: int) -> tuple[float, float]:
         # The loop of carton_runner_mcf._generate.generate (greedy), timed in its two phases.
         started = time.perf_counter()
         cache = model.new_cache(1, args.prompt_tokens + steps + 1)
-        hidden = model.forward(ids, positions_from_mask(mask), mask, cache)
-        token = model.logits(hidden[:, -1]).argmax(-1)
+        hidden = model.prefill(ids, positions_from_mask(mask), mask, cache, outputs=last)
+        token = model.logits(hidden[:, 0]).argmax(-1)
         prefilled = time.perf_counter()
         for step in range(steps):
             position = np.array([[args.prompt_tokens + step]], dtype=np.int64)

@@ -71,12 +71,11 @@ def sample_next(logits: F32, params: SamplingParams, rng: np.random.Generator) -
     return chosen
 
 
-def _last_real(hidden: F32, token_mask: NDArray[np.bool_]) -> F32:
-    """Each row's hidden state at its last real token (prompts may be left- or right-padded)."""
+def _last_real(token_mask: NDArray[np.bool_]) -> I64:
+    """Each row's index of its last real token (prompts may be left- or right-padded)."""
     seq = token_mask.shape[1]
-    last = seq - 1 - np.argmax(token_mask[:, ::-1], axis=1)
-    rows: F32 = hidden[np.arange(hidden.shape[0]), last]
-    return rows
+    last: I64 = (seq - 1 - np.argmax(token_mask[:, ::-1], axis=1)).astype(np.int64)
+    return last
 
 
 def generate(model: Decoder, input_ids: I64, token_mask: NDArray[np.bool_], params: SamplingParams) -> I64:
@@ -92,8 +91,9 @@ def generate(model: Decoder, input_ids: I64, token_mask: NDArray[np.bool_], para
         return out
     cache = model.new_cache(batch, input_ids.shape[1] + params.max_new_tokens)
     positions = positions_from_mask(token_mask)
-    hidden = model.prefill(input_ids, positions, token_mask, cache)
-    next_logits = model.logits(_last_real(hidden, token_mask))
+    # Only the last real token's state is needed from the prompt: the model's last layer skips the others.
+    hidden = model.prefill(input_ids, positions, token_mask, cache, outputs=_last_real(token_mask))
+    next_logits = model.logits(hidden[:, 0])
     next_position = positions.max(axis=1, where=token_mask, initial=-1) + 1
     finished = np.zeros(batch, dtype=bool)
     eos = np.asarray(params.eos_token_ids, dtype=np.int64)

@@ -21,7 +21,17 @@ from ._packed import compiled_kernels
 from ._region import DecodeRegion
 from ._weights import Embedding, Linear
 
-__all__ = ["F32", "I64", "Decoder", "DecoderLayer", "KVCache", "LlamaModel", "chunked_prefill", "positions_from_mask"]
+__all__ = [
+    "F32",
+    "I64",
+    "Decoder",
+    "DecoderLayer",
+    "KVCache",
+    "LlamaModel",
+    "chunked_prefill",
+    "pick_rows",
+    "positions_from_mask",
+]
 
 F32 = NDArray[np.float32]
 I64 = NDArray[np.int64]
@@ -109,7 +119,14 @@ class Decoder(Protocol):
     def forward(self, input_ids: I64, positions: I64, token_mask: NDArray[np.bool_], cache: KVCache) -> F32: ...
 
     def prefill(
-        self, input_ids: I64, positions: I64, token_mask: NDArray[np.bool_], cache: KVCache, *, chunk: int = 256
+        self,
+        input_ids: I64,
+        positions: I64,
+        token_mask: NDArray[np.bool_],
+        cache: KVCache,
+        *,
+        chunk: int = 256,
+        outputs: I64 | None = None,
     ) -> F32: ...
 
     def logits(self, hidden: F32) -> F32: ...
@@ -204,11 +221,22 @@ class LlamaModel:
         first, second = x[..., :half], x[..., half:]
         return np.concatenate((first * cos - second * sin, second * cos + first * sin), axis=-1)
 
-    def forward(self, input_ids: I64, positions: I64, token_mask: NDArray[np.bool_], cache: KVCache) -> F32:
+    def forward(
+        self,
+        input_ids: I64,
+        positions: I64,
+        token_mask: NDArray[np.bool_],
+        cache: KVCache,
+        *,
+        outputs: I64 | None = None,
+    ) -> F32:
         """Run ``input_ids [batch, seq]`` at rotary ``positions`` after what ``cache`` holds; returns hidden states.
 
         ``token_mask`` marks the real (non-padding) tokens of this chunk; they and the cache's real slots are what
-        every query may attend to, causally.
+        every query may attend to, causally. With ``outputs`` (one index into the chunk per row) the result is
+        ``[batch, 1, hidden]``, those tokens' hidden states only: every token's keys and values still fill the
+        cache, but the last layer computes its queries, attention, output projection and MLP for those tokens
+        alone (nothing after the last layer's keys and values reads the other tokens' states).
         """
         config = self.config
         batch, seq = input_ids.shape
@@ -235,21 +263,37 @@ class LlamaModel:
         fused = self._fused
 
         hidden = self.embedding(input_ids)
+        last_layer = len(self.layers) - 1
         for index, layer in enumerate(self.layers):
             normed = self._norm(hidden, layer.input_norm)
-            q = layer.q_proj(normed).reshape(batch, seq, heads, head_dim).transpose(0, 2, 1, 3)
             k = layer.k_proj(normed).reshape(batch, seq, kv_heads, head_dim).transpose(0, 2, 1, 3)
             v = layer.v_proj(normed).reshape(batch, seq, kv_heads, head_dim).transpose(0, 2, 1, 3)
             keys, values = cache.keys[index], cache.values[index]
             if fused is not None:
+                fused.rotary(k, cos, sin, keys[:, :, start:end])
+            else:
+                keys[:, :, start:end] = self._apply_rotary(k, cos, sin)
+            values[:, :, start:end] = v
+            if outputs is not None and index == last_layer:
+                rows = np.arange(batch)
+                hidden = self._selected(
+                    layer,
+                    hidden=hidden[rows, outputs][:, None],
+                    normed=normed[rows, outputs][:, None],
+                    positions=positions[rows, outputs][:, None],
+                    slots=start + outputs,
+                    keys=keys[:, :, :end],
+                    values=values[:, :, :end],
+                    key_mask=cache.key_mask[:, :end],
+                )
+                break
+            q = layer.q_proj(normed).reshape(batch, seq, heads, head_dim).transpose(0, 2, 1, 3)
+            if fused is not None:
                 rotated = np.empty(q.shape, dtype=np.float32)
                 fused.rotary(q, cos, sin, rotated)
                 q = rotated
-                fused.rotary(k, cos, sin, keys[:, :, start:end])
             else:
                 q = self._apply_rotary(q, cos, sin)
-                keys[:, :, start:end] = self._apply_rotary(k, cos, sin)
-            values[:, :, start:end] = v
             # Grouped-query attention: the `groups` query heads sharing a kv head are one batched matmul.
             grouped = q.reshape(batch, kv_heads, groups * seq, head_dim) * self._scale
             scores = np.matmul(grouped, keys[:, :, :end].transpose(0, 1, 3, 2))
@@ -267,27 +311,71 @@ class LlamaModel:
             attention = reduce(layer.o_proj(attended.reshape(batch, seq, heads * head_dim)))
             if layer.o_bias is not None:
                 attention += layer.o_bias
-            hidden = hidden + attention
-
-            normed = self._norm(hidden, layer.post_attention_norm)
-            gate = layer.gate_proj(normed)
-            if compiled is not None:
-                activated = np.empty_like(gate)
-                rows = (-1, gate.shape[-1])
-                compiled.swiglu(gate.reshape(rows), layer.up_proj(normed).reshape(rows), activated.reshape(rows))
-            else:
-                # SiLU(gate) * up, with the sigmoid computed in place to spare temporaries
-                activated = np.negative(gate)
-                np.exp(activated, out=activated)
-                activated += np.float32(1.0)
-                np.divide(gate, activated, out=activated)
-                activated *= layer.up_proj(normed)
-            mlp = reduce(layer.down_proj(activated))
-            if layer.down_bias is not None:
-                mlp += layer.down_bias
-            hidden = hidden + mlp
+            hidden = self._mlp(layer, hidden + attention)
         cache.length = end
         return self._norm(hidden, self.final_norm)
+
+    def _mlp(self, layer: DecoderLayer, hidden: F32) -> F32:
+        """``hidden`` plus the layer's MLP of it (post-attention norm, SwiGLU, down projection)."""
+        compiled = self._prefill
+        normed = self._norm(hidden, layer.post_attention_norm)
+        gate = layer.gate_proj(normed)
+        if compiled is not None:
+            activated = np.empty_like(gate)
+            rows = (-1, gate.shape[-1])
+            compiled.swiglu(gate.reshape(rows), layer.up_proj(normed).reshape(rows), activated.reshape(rows))
+        else:
+            # SiLU(gate) * up, with the sigmoid computed in place to spare temporaries
+            activated = np.negative(gate)
+            np.exp(activated, out=activated)
+            activated += np.float32(1.0)
+            np.divide(gate, activated, out=activated)
+            activated *= layer.up_proj(normed)
+        mlp = self.reduce(layer.down_proj(activated))
+        if layer.down_bias is not None:
+            mlp += layer.down_bias
+        return hidden + mlp
+
+    def _selected(
+        self,
+        layer: DecoderLayer,
+        *,
+        hidden: F32,
+        normed: F32,
+        positions: I64,
+        slots: I64,
+        keys: F32,
+        values: F32,
+        key_mask: NDArray[np.bool_],
+    ) -> F32:
+        """The rest of a layer (after its keys and values are in the cache) for one token per row: ``hidden`` and
+        ``normed`` are those tokens' ``[batch, 1, hidden]`` states, ``slots`` their cache slots; ``keys`` /
+        ``values`` the cache up to the chunk's end. The same computation as `forward`'s for those rows."""
+        config = self.config
+        batch = hidden.shape[0]
+        heads, kv_heads, head_dim = self.heads, self.kv_heads, config.head_dim
+        cos, sin = self._rotary(positions)
+        q = layer.q_proj(normed).reshape(batch, 1, heads, head_dim).transpose(0, 2, 1, 3)
+        if self._fused is not None:
+            rotated = np.empty(q.shape, dtype=np.float32)
+            self._fused.rotary(q, cos, sin, rotated)
+            q = rotated
+        else:
+            q = self._apply_rotary(q, cos, sin)
+        grouped = q.reshape(batch, kv_heads, heads // kv_heads, head_dim) * self._scale
+        scores = np.matmul(grouped, keys.transpose(0, 1, 3, 2))
+        # Query at slot t sees the real slots s <= t and itself, as the causal bias of `forward` says.
+        every = np.arange(keys.shape[2])
+        allowed = ((every[None, :] <= slots[:, None]) & key_mask) | (every[None, :] == slots[:, None])
+        scores[~np.broadcast_to(allowed[:, None, None, :], scores.shape)] = np.finfo(np.float32).min
+        scores -= scores.max(axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        scores /= scores.sum(axis=-1, keepdims=True)
+        attended = np.matmul(scores, values).reshape(batch, 1, heads * head_dim)
+        attention = self.reduce(layer.o_proj(attended))
+        if layer.o_bias is not None:
+            attention += layer.o_bias
+        return self._mlp(layer, hidden + attention)
 
     @staticmethod
     def _causal_bias(key_mask: NDArray[np.bool_], start: int, seq: int) -> F32:
@@ -369,9 +457,22 @@ class LlamaModel:
         return normed.reshape(batch, 1, -1)
 
     def prefill(
-        self, input_ids: I64, positions: I64, token_mask: NDArray[np.bool_], cache: KVCache, *, chunk: int = 256
+        self,
+        input_ids: I64,
+        positions: I64,
+        token_mask: NDArray[np.bool_],
+        cache: KVCache,
+        *,
+        chunk: int = 256,
+        outputs: I64 | None = None,
     ) -> F32:
-        return chunked_prefill(self, input_ids, positions, token_mask, cache, chunk=chunk)
+        """`chunked_prefill`; with ``outputs`` (one index into the prompt per row) only those tokens' hidden states,
+        ``[batch, 1, hidden]``: a prompt of one chunk then runs its last layer for those tokens alone (`forward`),
+        a longer one is run whole and the rows picked."""
+        if outputs is not None and input_ids.shape[1] <= chunk:
+            return self.forward(input_ids, positions, token_mask, cache, outputs=outputs)
+        hidden = chunked_prefill(self, input_ids, positions, token_mask, cache, chunk=chunk)
+        return hidden if outputs is None else pick_rows(hidden, outputs)
 
     def logits(self, hidden: F32) -> F32:
         stepped, self._stepped = self._stepped, None
@@ -388,6 +489,12 @@ class LlamaModel:
             ):
                 return logits.reshape(*hidden.shape[:-1], logits.shape[-1])
         return self.lm_head(hidden)
+
+
+def pick_rows(hidden: F32, outputs: I64) -> F32:
+    """``hidden [batch, seq, h]`` at one position per row, ``[batch, 1, h]``."""
+    picked: F32 = hidden[np.arange(hidden.shape[0]), outputs][:, None]
+    return picked
 
 
 def chunked_prefill(

@@ -53,20 +53,21 @@ def exp(x):  # type: ignore[no-untyped-def]
 def _softmax_row(row, key_mask, last, out):  # type: ignore[no-untyped-def]
     """``out``: the softmax of ``row[: last + 1]`` over the slots ``key_mask`` marks real (and ``last`` itself), zero
     at every other slot."""
+    # Masked slots are selected out rather than branched around, so that LLVM vectorizes every pass.
+    lowest = np.float32(-np.inf)
     largest = row[last]
     for s in range(last):
-        if key_mask[s] and row[s] > largest:
-            largest = row[s]
-    for s in range(last + 1):
-        out[s] = exp(row[s] - largest)
+        largest = max(largest, row[s] if key_mask[s] else lowest)
     total = np.float32(0.0)
     for s in range(last):
-        if not key_mask[s]:
-            out[s] = np.float32(0.0)
-        total += out[s]
+        value = exp(row[s] - largest) if key_mask[s] else np.float32(0.0)
+        out[s] = value
+        total += value
+    out[last] = exp(row[last] - largest)
     total += out[last]
+    inverse = np.float32(1.0) / total
     for s in range(last + 1):
-        out[s] = out[s] / total
+        out[s] = out[s] * inverse
     out[last + 1 :] = np.float32(0.0)
 
 

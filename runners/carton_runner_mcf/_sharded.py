@@ -26,7 +26,7 @@ from carton_protocol import InvalidOption
 from numpy.typing import NDArray
 
 from ._config import DecoderConfig
-from ._llama import KVCache, LlamaModel, chunked_prefill
+from ._llama import KVCache, LlamaModel, chunked_prefill, pick_rows
 from ._shards import (
     Exchange,
     ShardFailed,
@@ -98,9 +98,19 @@ class ShardedModel:
             return self._group.guard(lambda: self._local.forward(input_ids, positions, token_mask, cache))
 
     def prefill(
-        self, input_ids: I64, positions: I64, token_mask: NDArray[np.bool_], cache: KVCache, *, chunk: int = 256
+        self,
+        input_ids: I64,
+        positions: I64,
+        token_mask: NDArray[np.bool_],
+        cache: KVCache,
+        *,
+        chunk: int = 256,
+        outputs: I64 | None = None,
     ) -> F32:
-        return chunked_prefill(self, input_ids, positions, token_mask, cache, chunk=chunk)
+        """`LlamaModel.prefill`; with ``outputs`` every position is still computed (the helpers run whole chunks)
+        and those rows picked."""
+        hidden = chunked_prefill(self, input_ids, positions, token_mask, cache, chunk=chunk)
+        return hidden if outputs is None else pick_rows(hidden, outputs)
 
     def logits(self, hidden: F32) -> F32:
         lead = hidden.shape[:-1]

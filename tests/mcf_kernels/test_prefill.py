@@ -46,6 +46,29 @@ def test_causal_softmax_matches_the_biased_numpy_softmax(batch: int, start: int,
     np.testing.assert_allclose(got.reshape(want.shape), want, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize(("start", "seq"), [(0, 33), (17, 40)])
+def test_causal_softmax_skips_every_padding_slot(start: int, seq: int) -> None:
+    """Padding slots scattered through the cache and the chunk (left-padded rows of a batch, or a cache holding
+    several prompts' padding) get zero weight and take no part in a row's maximum or sum."""
+    rng = np.random.default_rng(5)
+    batch, kv, groups = 2, 3, 3
+    end = start + seq
+    scores = (rng.standard_normal((batch, kv, groups * seq, end)) * 6).astype(np.float32)
+    scores[..., ::7] += 40.0  # the largest scores of many rows fall on slots that are padding in some of them
+    key_mask = rng.random((batch, end + 3)) > 0.3
+    got = np.full_like(scores, np.nan)
+    prefill.softmax(scores, key_mask, start, got)
+    want = scores.reshape(batch, kv, groups, seq, end) + LlamaModel._causal_bias(key_mask, start, seq)
+    want -= want.max(axis=-1, keepdims=True)
+    np.exp(want, out=want)
+    want /= want.sum(axis=-1, keepdims=True)
+    np.testing.assert_allclose(got.reshape(want.shape), want, rtol=1e-6, atol=1e-7)
+    own = (start + np.arange(seq))[:, None] == np.arange(end)[None, :]
+    padding = ~key_mask[:, None, None, None, :end] & ~own
+    assert padding.any()
+    assert not got.reshape(want.shape)[np.broadcast_to(padding, want.shape)].any()
+
+
 def test_swiglu_rows() -> None:
     rng = np.random.default_rng(3)
     gate = (rng.standard_normal((5, 100)) * 8).astype(np.float32)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from carton_runner_mcf._llama import KVCache, positions_from_mask
+from carton_runner_mcf._llama import KVCache, pick_rows, positions_from_mask
 from mcf_runner_models import (
     infer_logits,
     load_runner,
@@ -107,6 +107,38 @@ def test_chunked_prefill_equals_one_pass(mcf_model: Callable[..., Path]):
         positions = positions_from_mask(mask)
         whole = model.forward(ids, positions, mask, KVCache(model.config, 2, 45))
         chunked = model.prefill(ids, positions, mask, KVCache(model.config, 2, 4), chunk=16)
+        np.testing.assert_allclose(chunked, whole, rtol=0, atol=PATHS_AGREE * np.abs(whole).max())
+    finally:
+        runner.close()
+
+
+@pytest.mark.parametrize("kernels", ["auto", "numpy"])
+@pytest.mark.parametrize(("name", "method"), [("biased", "q4"), ("tied_linear", "k6"), ("base", None)])
+def test_prefill_of_chosen_tokens_equals_those_rows_of_the_whole(
+    kernels: str, name: str, method: str | None, mcf_model: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+):
+    """``prefill(outputs=...)`` (what generation asks for: each row's last real token) runs the last layer for those
+    tokens alone: the same hidden states as the whole prefill's rows, within the int16 rounding of the few rows'
+    products, and the same keys and values in the cache; a prompt longer than a chunk is run whole."""
+    monkeypatch.setenv("CARTON_MCF_KERNELS", kernels)
+    runner = load_runner(mcf_model(name, method))
+    try:
+        model = runner._loaded.model
+        ids = np.random.default_rng(9).integers(0, 512, size=(3, 21), dtype=np.int64)
+        mask = np.ones(ids.shape, dtype=bool)
+        mask[1, :5] = False  # left padding
+        mask[2, 13:] = False  # right padding: the last real token is not the chunk's last
+        positions = positions_from_mask(mask)
+        outputs = np.array([20, 20, 12])
+        full_cache, picked_cache = KVCache(model.config, 3, 21), KVCache(model.config, 3, 21)
+        whole = pick_rows(model.prefill(ids, positions, mask, full_cache), outputs)
+        picked = model.prefill(ids, positions, mask, picked_cache, outputs=outputs)
+        assert picked.shape == (3, 1, model.config.hidden_size)
+        np.testing.assert_allclose(picked, whole, rtol=0, atol=PATHS_AGREE * np.abs(whole).max())
+        np.testing.assert_array_equal(picked_cache.key_store, full_cache.key_store)
+        np.testing.assert_array_equal(picked_cache.value_store, full_cache.value_store)
+        assert picked_cache.length == full_cache.length == 21
+        chunked = model.prefill(ids, positions, mask, KVCache(model.config, 3, 4), chunk=8, outputs=outputs)
         np.testing.assert_allclose(chunked, whole, rtol=0, atol=PATHS_AGREE * np.abs(whole).max())
     finally:
         runner.close()
