@@ -137,6 +137,12 @@ class _Codec:
         return Outgoing(request_id, [data, *encoded.frames], encoded.segment, pool)
 
     # --- receiving -------------------------------------------------------------------------------------------
+    def match(self, header: Any) -> tuple[int, Plan] | None:
+        """(id, plan) when the header frame `header` is a plain infer message in a layout accepted before, else None
+        (`decode` reads it then). Its tensors are ``plan.decode(data frames)``: nothing else of the message is made,
+        for the path every call takes."""
+        return self._templates.match(header.bytes)
+
     def _decode_header(self, data: bytes) -> Any:
         raise NotImplementedError
 
@@ -277,6 +283,16 @@ class RunnerCodec(_Codec):
             check_specs(request.inputs, f"{what} inputs", self.limits)
             check_specs(request.outputs, f"{what} outputs", self.limits)
         return request
+
+    def reply(self, request_id: int, tensors: Mapping[str, Tensor]) -> list[Any]:
+        """The parts of the infer reply carrying `tensors` (`encode_tensors`'s, without the `Outgoing`: the host
+        releases a reply's segment, not this side)."""
+        pool = self._pool
+        if pool is None or not pool.dropped:
+            parts = self._templates.encode(request_id, tensors, self._threshold)
+            if parts is not None:
+                return parts
+        return self.encode_tensors(request_id, tensors).parts
 
     def release(self, segment_ids: tuple[str, ...]) -> None:
         """The host has read these reply segments: they may be reused (ids this side never lent are ignored)."""

@@ -57,6 +57,7 @@ from ._messages import (
 from ._reaper import kill_tree, reap_children, set_child_subreaper, set_parent_death_signal
 from ._runner import LoadContext, PackContext, PackResult, Runner
 from ._shm import SHM_AVAILABLE, FdChannel
+from ._templates import Plan
 from ._zmqio import new_context, recv_message, send_message
 from .errors import ErrorCode, FrameError, InvalidOutput, ProtocolError, RunnerFault, VersionMismatch
 
@@ -256,6 +257,18 @@ class _Server:
         if len(frames) < 2:
             return  # not a request (an empty message from a confused peer): nothing to answer
         ident = frames[0]
+        runner = self.runner
+        # Every call's path, written out here: a plain infer in a layout seen before, run on this thread (unless the
+        # runner is concurrent and its pool is busy or its last call was long: `_to_pool`). Its header is matched as
+        # bytes and its tensors read by the template's plan, without making the message or a `Received`.
+        matched = self.codec.match(frames[1])
+        if (
+            matched is not None
+            and runner is not None
+            and (self.executor is None or (self.last_infer_seconds < self.inline_max_seconds and self.pooled == 0))
+        ):
+            send_message(self.router, [ident, *self._infer(matched[0], matched[1], frames[2:])])
+            return
         try:
             received = self.codec.decode(frames, 1)
         except ProtocolError as exc:
@@ -263,11 +276,9 @@ class _Server:
             return
         request = received.message
         match request:
-            case Infer() if self.runner is not None:
-                # Here unless the runner is concurrent and its pool is busy or its last call was long (`_to_pool`):
-                # every call's path, so written out here rather than in a method of its own.
+            case Infer() if runner is not None:
                 if self.executor is None or (self.last_infer_seconds < self.inline_max_seconds and self.pooled == 0):
-                    send_message(self.router, [ident, *self._infer(received)])
+                    send_message(self.router, [ident, *self._infer(request.id, None, received)])
                 else:
                     self._to_pool(ident, received)
             case Infer():
@@ -378,18 +389,18 @@ class _Server:
     # --- any thread ------------------------------------------------------------------------------------------
     def _pooled_infer(self, ident: Any, received: Received) -> None:
         """`_infer` on a pool thread: the reply goes back to the socket thread over this thread's own PUSH socket."""
-        parts = self._infer(received)
+        parts = self._infer(received.message.id, None, received)
         sender = getattr(self.local, "sender", None)
         if sender is None:
             sender = self.local.sender = self.context.socket(zmq.PUSH)
             sender.connect("inproc://results")
         send_message(sender, [ident, *parts])
 
-    def _infer(self, received: Received) -> list[Any]:
-        """The parts of the reply to an infer request: its outputs, or the error."""
-        request_id = received.message.id
+    def _infer(self, request_id: int, plan: Plan | None, data: Any) -> list[Any]:
+        """The parts of the reply to an infer request: its outputs, or the error. `data` is the request's data
+        frames when `plan` reads them (`RunnerCodec.match`), else its `Received`."""
         try:
-            inputs = self.codec.tensors(received)
+            inputs = plan.decode(data) if plan is not None else self.codec.tensors(data)
             runner = self.runner
             if runner is None:
                 raise ProtocolError("the model was closed")
@@ -401,7 +412,7 @@ class _Server:
                     raise InvalidOutput(f"infer returned a {type(outputs).__name__}, expected a mapping")
                 outputs = dict(outputs)
             try:
-                return self.codec.encode_tensors(request_id, outputs).parts
+                return self.codec.reply(request_id, outputs)
             except FrameError as exc:
                 raise InvalidOutput(f"infer returned an output the wire cannot carry: {exc}") from exc
         except Exception as exc:

@@ -156,6 +156,27 @@ def test_stale_replies_are_skipped(fake: Any) -> None:
     assert runner.infer({"x": np.zeros(1)})["y"].tolist() == [5]
 
 
+def test_replies_in_a_learnt_layout_are_still_checked(fake: Any) -> None:
+    """A reply whose header bytes repeat one the host accepted before is read through the header template's plan,
+    without decoding the message: a stale reply in that layout is still skipped, and a data frame of the wrong size
+    is still refused, naming the tensor."""
+    entry = {"name": "y", "datatype": "INT8", "shape": [1], "size": 1}
+
+    def script(peer: FakeRunner) -> None:
+        peer.hello()
+        for frame in (b"\x05", b"\x06", b"\x07\x07"):
+            ident, header = peer.receive()
+            if frame == b"\x06":  # first a late answer to the call before, in the same layout
+                peer.reply(ident, {"reply": "infer", "id": header["id"] - 1, "tensors": [entry]}, b"\x09")
+            peer.reply(ident, {"reply": "infer", "id": header["id"], "tensors": [entry]}, frame)
+
+    runner, _ = fake(script)
+    assert runner.infer({"x": np.zeros(1)})["y"].tolist() == [5]
+    assert runner.infer({"x": np.zeros(1)})["y"].tolist() == [6]
+    with pytest.raises(carton.RunnerProtocolError, match=r"malformed .*'y': data frame is 2 bytes, header says 1"):
+        runner.infer({"x": np.zeros(1)})
+
+
 @pytest.mark.parametrize(
     ("tensors", "frames", "message"),
     [

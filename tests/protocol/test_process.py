@@ -22,7 +22,7 @@ import pytest
 from carton._runtime import _process
 from carton._runtime._launch import LaunchPlan
 from carton._runtime._process import RunnerProcess
-from carton_protocol import PROTOCOL_VERSION, DType, RemoteError, TensorSpec
+from carton_protocol import PROTOCOL_VERSION, DType, ErrorReply, RemoteError, TensorSpec
 from carton_protocol._loop import INLINE_MAX_ENV
 
 from .conftest import HERE, TEST_ENV, make_spec
@@ -260,6 +260,27 @@ def test_inputs_the_wire_cannot_carry_are_invalid_input(start_runner: Start) -> 
         runner.infer({"bad": np.zeros(2, complex)})
     with pytest.raises(carton.InvalidInput, match="'words': string tensors must hold str, not bytes"):
         runner.infer({"words": np.array([b"x"], dtype=object)})
+
+
+def test_a_request_in_a_learnt_layout_is_still_checked_against_its_data(start_runner: Start) -> None:
+    """The runner reads a request whose header bytes it accepted before through the header template's plan, without
+    decoding the message: the checks that depend on the data still run, the error names the tensor and goes back
+    with the request's id, and the runner goes on serving."""
+    runner = start_runner("Echo")
+    x = np.arange(2, dtype=np.float32)
+    assert runner.infer({"x": x})["x"].tolist() == [0, 1]  # the runner learns the layout
+    connection = runner._resources.connection
+    assert connection is not None
+    for data, message in (
+        ([b"\0" * 4], "tensor 'x': data frame is 4 bytes, header says 8"),
+        ([], "message has 0 data frames, the header accounts for 1"),
+    ):
+        outgoing = connection.codec.encode_tensors(connection.next_id(), {"x": x})
+        received = connection.exchange([outgoing.parts[0], *data], outgoing.id, timeout=5)
+        reply = received.message
+        assert isinstance(reply, ErrorReply) and reply.id == outgoing.id
+        assert reply.code == "protocol" and message in reply.message
+    assert runner.infer({"x": x})["x"].tolist() == [0, 1]
 
 
 def test_infer_before_load_is_a_protocol_error(start_runner: Start) -> None:

@@ -163,6 +163,33 @@ class Connection:
                 raise PeerGone from None
             raise
 
+    def infer(self, parts: Sequence[Any], request_id: int, *, timeout: float | None) -> dict[str, Tensor] | Received:
+        """`exchange` for an infer request: the reply's tensors when it came in a header template (the usual reply),
+        else its `Received` (an error, or tensors the full decoder reads: `outputs`)."""
+        if timeout is not None or self._pidfd is None or self._exited:
+            return self.exchange(parts, request_id, timeout=timeout)
+        # Every call's path, written out here: a send and a blocking receive (as in `exchange`), and a reply in a
+        # header template read by its plan, without making the message or a `Received`.
+        codec = self.codec
+        try:
+            state: _ThreadSocket | None = getattr(self._local, "state", None)
+            if state is None:
+                state = self._thread_socket()
+            sock = state.socket
+            send_message(sock, parts)
+            while True:
+                frames = recv_message(sock)
+                matched = codec.match(frames[0])
+                if matched is not None and matched[0] == request_id:
+                    return matched[1].decode(frames[1:])
+                reply = self._received(codec.decode(frames), request_id, sock)
+                if reply is not None:
+                    return reply
+        except (ProtocolError, zmq.ZMQError):
+            if self._exited:
+                raise PeerGone from None
+            raise
+
     def _wait(self, state: _ThreadSocket, request_id: int, timeout: float | None) -> Received:
         """Wait for the reply with a deadline, or without a pidfd: polls the socket with the pidfd, or checks the
         process every slice."""
@@ -192,7 +219,10 @@ class Connection:
                 raise CallTimeout
 
     def _receive(self, sock: zmq.Socket[Any], request_id: int) -> Received | None:
-        received = self.codec.decode(recv_message(sock))
+        return self._received(self.codec.decode(recv_message(sock)), request_id, sock)
+
+    def _received(self, received: Received, request_id: int, sock: zmq.Socket[Any]) -> Received | None:
+        """`received` when it answers `request_id` (or is an error about no request in particular), else None."""
         message = received.message
         if message.id == request_id or (message.id == -1 and isinstance(message, ErrorReply)):
             return received

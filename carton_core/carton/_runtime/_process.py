@@ -383,11 +383,13 @@ class RunnerProcess:
         try:
             outgoing = self._encode(connection, tensors)
             try:
-                received = connection.exchange(outgoing.parts, outgoing.id, timeout=timeout)
+                reply = connection.infer(outgoing.parts, outgoing.id, timeout=timeout)
             finally:
                 if outgoing.segment is not None:
                     outgoing.done()
-            return self._outputs(connection, received)
+            if isinstance(reply, dict):
+                return reply
+            return self._outputs(connection, reply)
         except _FOREIGN as exc:
             raise self._failure(exc, Operation.INFER, timeout, "infer timeout") from _cause(exc)
         finally:
