@@ -15,8 +15,6 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ._atomics import SLOT
-from ._attention import PARTS
 from ._kernels import QuantizedLinear
 from ._packed import CompiledPayload
 from ._weights import QuantizedEmbedding
@@ -121,7 +119,6 @@ class DecodeRegion:
             self._buffers.clear()
         team, h, d = self.team.size, self.hidden, self.head_dim
         q_width, kv_width = self.heads * d, self.kv_heads * d
-        groups = self.heads // self.kv_heads
         blocks = max(-(-width // 32) for width in (h, q_width, self.inter))
         if self.head is not None:
             blocks = max(blocks, self.head.blocks)
@@ -134,10 +131,9 @@ class DecodeRegion:
             np.zeros((team, *xs), np.float32),
             np.zeros((team, *xe), np.float32),
             np.zeros((team, *xs), np.float32),
-            np.zeros((team, groups, d), np.float32),
             np.zeros((team, d), np.float32),
-            np.zeros((team, groups, d), np.float32),
-            np.zeros((team, groups, capacity), np.float32),
+            np.zeros((team, d), np.float32),
+            np.zeros((team, capacity), np.float32),
             np.zeros((team, 1, row), np.float32),
         )
         shared = (
@@ -149,12 +145,6 @@ class DecodeRegion:
             np.zeros((m, self.inter), np.float32),
             np.zeros((m, self.inter), np.float32),
             np.zeros((m, self.inter), np.float32),
-            (
-                np.zeros(m * self.kv_heads * SLOT, np.int64),
-                np.zeros((m * self.heads, PARTS), np.float32),
-                np.zeros((m * self.heads, PARTS), np.float32),
-                np.zeros((m * self.heads, PARTS, d), np.float32),
-            ),
         )
         found = self._buffers[(m, capacity)] = (*shared, own)
         return found
@@ -181,7 +171,6 @@ class DecodeRegion:
         embedded = hidden is not None
         with self._lock:  # the work arrays serve one step at a time
             work = self._work(m, keys.shape[3])
-            work[-2][0].fill(0)  # attention's done counters count from zero in every step
             args = (self.payloads, self.metas, self.widths, self.norms, self.final_norm, self.eps, self._table,
                     self._no_ids if embedded else ids, hidden if embedded else out, cos, sin, keys, values, key_mask,
                     slot, scale, *work[:-1], out, self._head, logits, work[-1])  # fmt: skip

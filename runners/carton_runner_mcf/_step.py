@@ -7,10 +7,9 @@ so a thread that starts late or is descheduled only does less of it:
    one contiguous share per thread, which the thread takes a chunk at a time from the front; a thread done with its
    share takes the others' chunks from their back (`_atomics.take_share`), so each thread streams its own rows'
    codes in one run, and one descheduled mid-phase holds up only its current chunk;
-2. attention, one unit per (row of the batch, kv head, part of the positions) (`_attention`): each unit computes
-   its part's scores and partial softmax sums for the kv head's query heads, and the thread that finishes a kv
-   head's last part merges the parts in a fixed order, so a layer's heads are shared evenly and the result does not
-   depend on the threads;
+2. attention, one unit per (row of the batch, query head): rotary embedding of its query and of its kv head's new
+   key, scores over the cache and the new slot, softmax, the weighted values; the first query head of a kv head
+   also stores the new key and value in the cache;
 3. o rows, the same way;
 4. gate and up rows together, the same way, each chunk finishing its rows' SwiGLU;
 5. down rows, the same way.
@@ -32,10 +31,9 @@ import numba
 import numpy as np
 
 from ._atomics import barrier, depart, take, take_share, wait_departures
-from ._attention import PARTS, attend_unit
 from ._blocks import JIT
 from ._compiled import _decode_rows, _matmul_rows, quantize
-from ._fused import rms_norm
+from ._fused import _rotate, rms_norm, softmax_weights
 from ._nibble import nibble_rows
 
 __all__ = ["ABORTED", "CHUNKS", "CHUNK_ROWS", "MATRICES", "ROWS", "decode_step", "rows_of", "step_counters"]
@@ -71,6 +69,44 @@ def rows_of(payload, meta, width, xq, xs, xe, xoff, y, first, last):  # type: ig
         _matmul_rows(payload, meta, xq, xs, y, first, last, 3)
     else:
         _matmul_rows(payload, meta, xq, xs, y, first, last, 2)
+
+
+@numba.njit(**_FAST)
+def _dot(a, b):  # type: ignore[no-untyped-def]
+    total = np.float32(0.0)
+    for i in range(a.size):
+        total += a[i] * b[i]
+    return total
+
+
+@numba.njit(**_FAST)
+def _attend(layer, b, head, groups, q, k, v, cos, sin, keys, values, key_mask, slot, scale, query, key, scores, out):  # type: ignore[no-untyped-def]
+    """Attention of query ``head`` of batch row ``b`` over the cache and the new slot (see the module)."""
+    d = query.size
+    g = head // groups
+    _rotate(k[b, g * d : (g + 1) * d], cos[b], sin[b], key, np.float32(1.0))
+    new_value = v[b, g * d : (g + 1) * d]
+    if head % groups == 0:
+        keys[layer, b, g, slot, :] = key
+        values[layer, b, g, slot, :] = new_value
+    _rotate(q[b, head * d : (head + 1) * d], cos[b], sin[b], query, scale)
+    largest = _dot(query, key)
+    scores[slot] = largest
+    for s in range(slot):
+        if key_mask[b, s]:
+            total = _dot(query, keys[layer, b, g, s])
+            scores[s] = total
+            largest = max(largest, total)
+    denominator = softmax_weights(scores, key_mask[b], slot, largest)
+    dest = out[b, head * d : (head + 1) * d]
+    weight = scores[slot] / denominator
+    for i in range(d):
+        dest[i] = weight * new_value[i]
+    for s in range(slot):
+        if key_mask[b, s]:
+            weight = scores[s] / denominator
+            for i in range(d):
+                dest[i] += weight * values[layer, b, g, s, i]
 
 
 @numba.njit(**JIT)
@@ -163,8 +199,7 @@ def _rows_by_share(  # type: ignore[no-untyped-def]
 @numba.njit(**JIT)
 def decode_step(  # type: ignore[no-untyped-def]
     payloads, metas, widths, norms, final_norm, eps, embedding, ids, hidden_in, cos, sin, keys, values, key_mask,
-    slot, scale, q, k, v, attended, projected, gate, up, activated, partials, out, head_table, logits, own, control,
-    worker, team,
+    slot, scale, q, k, v, attended, projected, gate, up, activated, out, head_table, logits, own, control, worker, team,
 ):  # fmt: skip
     """One decode step over every layer (module docstring) for the new tokens ``ids [m]``, whose embeddings each
     thread decodes from ``embedding`` (payload, meta), or, when ``ids`` is empty, for their embeddings ``hidden_in
@@ -175,16 +210,15 @@ def decode_step(  # type: ignore[no-untyped-def]
     ``metas [n, 10]`` (`_packed.CompiledPayload.meta`), ``widths [n]`` (code bits). ``norms [layers, 2, h]``: input
     and post-attention RMSNorm weights. ``keys`` / ``values [layers, m, kv, capacity, d]``: the cache, ``key_mask [m,
     capacity]`` its real slots (``slot``, the new one, included). ``q k v attended projected gate up activated``:
-    shared work arrays; ``partials``: attention's done counters and partial sums (`_attention.attend_part`), the
-    counters zero when the step starts. ``own``: this thread's work arrays, a tuple of ``[team, ...]`` arrays
-    (hidden, normed, xq, xs, xe, xoff, and for attention the queries ``[groups, d]``, a key ``[d]``, weighted values
-    ``[groups, d]`` and scores ``[groups, capacity]``, then an embedding row)."""
-    hidden_all, normed_all, xq_all, xs_all, xe_all, xoff_all, query_all, key_all, acc_all, scores_all, row_all = own
+    shared work arrays. ``own``: this thread's work arrays, a tuple of ``[team, ...]`` arrays (hidden, normed, xq, xs,
+    xe, xoff, query, key, scores, an embedding row)."""
+    hidden_all, normed_all, xq_all, xs_all, xe_all, xoff_all, query_all, key_all, scores_all, row_all = own
     hidden, normed = hidden_all[worker], normed_all[worker]
     xq, xs, xe, xoff = xq_all[worker], xs_all[worker], xe_all[worker], xoff_all[worker]
-    query, key, acc, scores = query_all[worker], key_all[worker], acc_all[worker], scores_all[worker]
+    query, key, scores = query_all[worker], key_all[worker], scores_all[worker]
     m = hidden.shape[0]
-    pairs = m * (k.shape[1] // query.shape[1])  # (batch row, kv head)
+    heads = q.shape[1] // query.size
+    groups = heads // (k.shape[1] // query.size)
     if ids.size:
         _embed(embedding, ids, row_all[worker], hidden)
     else:
@@ -200,10 +234,11 @@ def decode_step(  # type: ignore[no-untyped-def]
             return ABORTED
         while True:
             unit = take(control, counter + team)
-            if unit >= pairs * PARTS:
+            if unit >= m * heads:
                 break
-            attend_unit(layer, unit, q, k, v, cos, sin, keys, values, key_mask, slot, scale, query, key, acc, scores,
-                        partials, attended)  # fmt: skip
+            b, head = unit // heads, unit % heads
+            _attend(layer, b, head, groups, q, k, v, cos, sin, keys, values, key_mask, slot, scale, query, key, scores,
+                    attended)  # fmt: skip
         passed = barrier(control, passed, team)
         if passed < 0:
             return ABORTED
