@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
@@ -169,7 +169,7 @@ class _Connection(Http2Connection):
         self._calls[stream_id] = call
         if method.streaming:
             call.queue = asyncio.Queue()
-            self._start(call, self._run_stream(call))
+            call.task = asyncio.get_running_loop().create_task(self._run_stream(call))
 
     def body_received(self, stream_id: int, data: bytes) -> None:
         call = self._calls.get(stream_id)
@@ -212,7 +212,7 @@ class _Connection(Http2Connection):
         except _Failure as failure:
             self._refuse(call, failure)
             return
-        self._start(call, self._run_unary(call, messages[0]))
+        call.task = asyncio.get_running_loop().create_task(self._run_unary(call, messages[0]))
 
     def stream_reset(self, stream_id: int) -> None:
         call = self._calls.pop(stream_id, None)
@@ -255,12 +255,10 @@ class _Connection(Http2Connection):
         self._headers_once(call)
         await self.send_data(call.stream_id, _framed(payload))
 
-    def _start(self, call: _Call, work: Coroutine[Any, Any, None]) -> None:
-        """Run `work` (the call's answer) as the call's task, with the call's deadline."""
-        loop = asyncio.get_running_loop()
-        call.task = loop.create_task(work)
+    def _arm(self, call: _Call) -> None:
+        """Start the call's deadline, from its task (a task cancelled before it starts would never answer)."""
         if call.timeout is not None:
-            call.timer = loop.call_later(call.timeout, _expire, call)
+            call.timer = asyncio.get_running_loop().call_later(call.timeout, _expire, call)
 
     def _end(self, call: _Call, exc: BaseException | None) -> None:
         """End `call`, whose task finished (raising `exc`, if not None), with its status; re-raises a cancellation
@@ -269,32 +267,31 @@ class _Connection(Http2Connection):
             call.timer.cancel()
         if self._calls.get(call.stream_id) is call:
             del self._calls[call.stream_id]
-        status, message = grpc.StatusCode.OK, ""
         if exc is None:
-            pass
+            self._finish(call, grpc.StatusCode.OK)
         elif isinstance(exc, asyncio.CancelledError):
             if not call.expired:
                 raise exc
-            status, message = grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded"
+            self._finish(call, grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
         elif isinstance(exc, ServerError):
             # Safe as composed (see `HttpApp.__call__`): client names are echoed verbatim.
-            status, message = grpc.StatusCode[exc.grpc_status], str(exc)
+            self._finish(call, grpc.StatusCode[exc.grpc_status], str(exc))
         elif isinstance(exc, _Failure):
-            status, message = exc.status, str(exc)
+            self._finish(call, exc.status, str(exc))
         elif isinstance(exc, StreamGone):  # the stream went away under the call
             return
         elif isinstance(exc, Exception):
             _log.error("gRPC %s failed", call.name, exc_info=exc)
-            status, message = grpc.StatusCode.INTERNAL, f"{call.name} failed inside the server"
+            self._finish(call, grpc.StatusCode.INTERNAL, f"{call.name} failed inside the server")
         else:
             raise exc
-        self._finish(call, status, message)
 
     # The calls' tasks are these coroutines themselves, without a coroutine per step (parse, answer, send) inside:
     # each is a function object and frame per call, as is an `asyncio.timeout` (so the deadline is a timer that
     # cancels the task instead).
     async def _run_unary(self, call: _Call, message: bytes) -> None:
         try:
+            self._arm(call)
             response = await call.method.function(_parse(call, message))
             payload = response.SerializeToString()
             self._headers_once(call)
@@ -315,6 +312,7 @@ class _Connection(Http2Connection):
                 yield _parse(call, message)
 
         try:
+            self._arm(call)
             async for response in call.method.function(requests()):
                 await self._send_message(call, response.SerializeToString())
                 self.flush()
