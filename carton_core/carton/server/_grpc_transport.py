@@ -159,12 +159,13 @@ class _Connection(Http2Connection):
         if headers.get(b":method") != b"POST" or not content_type.startswith(b"application/grpc"):
             self.send_headers(stream_id, _NOT_GRPC_BLOCK, end_stream=True)
             return
-        path = headers.get(b":path", b"").decode("ascii", "replace")
-        service, _, name = path[1:].rpartition("/")
-        method = self._server.methods.get(name) if service == SERVICE_NAME else None
-        if method is None:
-            self._trailers_only(stream_id, grpc.StatusCode.UNIMPLEMENTED, f"unknown method {path!r}")
+        path = headers.get(b":path", b"")
+        route = self._server.routes.get(path)
+        if route is None:
+            text = path.decode("ascii", "replace")
+            self._trailers_only(stream_id, grpc.StatusCode.UNIMPLEMENTED, f"unknown method {text!r}")
             return
+        name, method = route
         call = _Call(stream_id, name, method, _timeout(headers.get(b"grpc-timeout")))
         self._calls[stream_id] = call
         if method.streaming:
@@ -357,7 +358,8 @@ class GrpcServer:
         methods["ModelStreamInfer"] = _Method(
             function=service.model_stream_infer, request=message_type("ModelInferRequest"), streaming=True
         )
-        self.methods = methods
+        # The request paths taken, as they come: a call's path is looked up, not decoded and split.
+        self.routes = {f"/{SERVICE_NAME}/{name}".encode(): (name, method) for name, method in methods.items()}
         self.max_message_size = max_message_size
         self.connections: set[_Connection] = set()
         self._server: asyncio.Server | None = None

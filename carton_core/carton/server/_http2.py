@@ -466,6 +466,8 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
             self._wake()
 
     def _wake(self) -> None:
+        if not self._waiters:  # the usual case: every window update comes here
+            return
         waiters, self._waiters = self._waiters, []
         for waiter in waiters:
             if not waiter.done():
