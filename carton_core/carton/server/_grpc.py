@@ -162,11 +162,18 @@ def _decode_inputs(served: ServedVersion, tensors: Any, raw: Any) -> dict[str, n
 
 def _response(served: ServedVersion, request: Any, outputs: Mapping[str, Tensor], requested: list[str] | None) -> Any:
     """The ``ModelInferResponse``: output tensors described in ``outputs``, their bytes in ``raw_output_contents``.
-    (Giving both lists to the constructor at once measured slower than adding to the message's fields.)"""
-    response = _M["ModelInferResponse"](model_name=served.model, model_version=served.version_str, id=request.id)
+    (Giving both lists to the constructor at once measured slower than adding to the message's fields; fields are
+    set as attributes: keyword arguments are looked up by name in the message's descriptor, one by one.)"""
+    response = _M["ModelInferResponse"]()
+    response.model_name = served.model
+    response.model_version = served.version_str
+    response.id = request.id
     for name, tensor in select_outputs(served, outputs, requested):
         datatype, array, data = output_tensor(name, tensor)
-        response.outputs.add(name=name, datatype=datatype, shape=array.shape)
+        output = response.outputs.add()
+        output.name = name
+        output.datatype = datatype
+        output.shape.extend(array.shape)
         response.raw_output_contents.append(bytes(data))
     return response
 
