@@ -275,3 +275,20 @@ def test_a_repeated_header_block_is_read_against_the_current_dynamic_table(peer:
         kind, flags, _ = peer.frame_of(stream_id)
         # The ServerLive calls are answered with response headers; the other two are refused in one HEADERS frame.
         assert (kind, bool(flags & END_STREAM)) == (HEADERS, stream_id in (5, 7))
+
+
+def test_a_call_past_its_deadline_is_answered_deadline_exceeded(peer: Peer) -> None:
+    peer.start()
+    # A streamed call whose client never sends a request: only its `grpc-timeout` can end it.
+    block = peer.request_block("ModelStreamInfer") + peer.encoder.encode([("grpc-timeout", "50m")])
+    peer.send(frame(HEADERS, END_HEADERS, 1, block))
+    kind, flags, payload = peer.frame_of(1)
+    assert (kind, flags) == (HEADERS, END_HEADERS | END_STREAM)  # trailers only: nothing was sent before
+    headers = dict(Decoder().decode(payload, raw=True))
+    assert headers[b"grpc-status"] == b"4" and headers[b"grpc-message"] == b"deadline exceeded"
+    # A unary call with a deadline it meets is answered as any other, and its deadline ends with it.
+    unary = peer.request_block("ServerLive") + peer.encoder.encode([("grpc-timeout", "50m")])
+    peer.send(frame(HEADERS, END_HEADERS, 3, unary), frame(DATA, END_STREAM, 3, message(b"")))
+    assert peer.frame_of(3) == (HEADERS, END_HEADERS, RESPONSE_BLOCK)
+    assert peer.frame_of(3) == (DATA, 0, message(b"\x08\x01"))
+    assert peer.frame_of(3) == (HEADERS, END_HEADERS | END_STREAM, OK_TRAILERS_BLOCK)

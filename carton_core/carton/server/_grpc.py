@@ -75,12 +75,12 @@ def status_of(exc: ServerError) -> grpc.StatusCode:
 def _decode_input(served: ServedVersion, tensor: Any, raw: bytes | None) -> np.ndarray:
     name = tensor.name
     dtype = expected_datatype(served, name, tensor.datatype)
-    shape = list(tensor.shape)
+    shape = tensor.shape[:]
     if raw is not None:
         return from_raw(memoryview(raw), dtype, shape, tensor=name)
     count = element_count(shape, tensor=name)
     if dtype is DType.STRING:
-        elements = list(tensor.contents.bytes_contents)
+        elements = tensor.contents.bytes_contents[:]
         if len(elements) != count:
             raise BadRequest(
                 f"input {name!r}: {counted(len(elements), 'bytes_contents element')} but shape {shape} needs {count}"
@@ -106,14 +106,19 @@ _PLANS = 256
 def _decode_request(served: ServedVersion, request: Any) -> tuple[dict[str, np.ndarray], list[str] | None]:
     """A ``ModelInferRequest``'s inputs as arrays for `served`, and the names of the outputs it asks for (None: all).
     `BadRequest` naming the field or tensor at fault."""
-    raw = request.raw_input_contents
-    tensors = request.inputs
+    # The repeated fields are taken as lists (a slice, one call): iterating the message's own containers ends each
+    # loop with an `IndexError` made and formatted in C.
+    raw = request.raw_input_contents[:]
+    tensors = request.inputs[:]
     inputs: dict[str, np.ndarray] | None = None
     key: tuple[tuple[str, str, tuple[int, ...]], ...] | None = None
     if raw and len(raw) == len(tensors):
         # Raw inputs of names, datatypes and shapes already checked against `served` (a client repeats them): the
         # arrays are laid over the bytes at once, or the full decoding below says what is wrong with them.
-        key = tuple([(tensor.name, tensor.datatype, tuple(tensor.shape)) for tensor in tensors])
+        fields = []  # a loop, not a comprehension: that is a function object and a frame per request on 3.11
+        for tensor in tensors:
+            fields.append((tensor.name, tensor.datatype, tuple(tensor.shape[:])))
+        key = tuple(fields)
         plan = served.input_plans.get(key)
         if plan is not None:
             inputs = {}
@@ -131,11 +136,14 @@ def _decode_request(served: ServedVersion, request: Any) -> tuple[dict[str, np.n
             plans[key] = tuple(
                 (name, array.dtype, array.shape, array.size, array.nbytes) for name, array in inputs.items()
             )
-    for output in request.outputs:
-        if "classification" in output.parameters:
-            raise BadRequest("the classification extension is not supported by this server")
-    requested = [output.name for output in request.outputs] or None
-    if requested is not None:
+    requested: list[str] | None = None
+    outputs = request.outputs[:]
+    if outputs:
+        requested = []
+        for output in outputs:
+            if "classification" in output.parameters:
+                raise BadRequest("the classification extension is not supported by this server")
+            requested.append(output.name)
         check_requested(served, requested)
     return inputs, requested
 
@@ -154,11 +162,18 @@ def _decode_inputs(served: ServedVersion, tensors: Any, raw: Any) -> dict[str, n
 
 def _response(served: ServedVersion, request: Any, outputs: Mapping[str, Tensor], requested: list[str] | None) -> Any:
     """The ``ModelInferResponse``: output tensors described in ``outputs``, their bytes in ``raw_output_contents``.
-    (Giving both lists to the constructor at once measured slower than adding to the message's fields.)"""
-    response = _M["ModelInferResponse"](model_name=served.model, model_version=served.version_str, id=request.id)
+    (Giving both lists to the constructor at once measured slower than adding to the message's fields; fields are
+    set as attributes: keyword arguments are looked up by name in the message's descriptor, one by one.)"""
+    response = _M["ModelInferResponse"]()
+    response.model_name = served.model
+    response.model_version = served.version_str
+    response.id = request.id
     for name, tensor in select_outputs(served, outputs, requested):
         datatype, array, data = output_tensor(name, tensor)
-        response.outputs.add(name=name, datatype=datatype, shape=array.shape)
+        output = response.outputs.add()
+        output.name = name
+        output.datatype = datatype
+        output.shape.extend(array.shape)
         response.raw_output_contents.append(bytes(data))
     return response
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
@@ -72,6 +72,7 @@ class _Call:
 
     __slots__ = (
         "done",
+        "expired",
         "headers_sent",
         "method",
         "name",
@@ -82,6 +83,7 @@ class _Call:
         "stream_id",
         "task",
         "timeout",
+        "timer",
     )
 
     def __init__(self, stream_id: int, name: str, method: _Method, timeout: float | None) -> None:
@@ -94,6 +96,8 @@ class _Call:
         self.task: asyncio.Task[None] | None = None
         self.queue: asyncio.Queue[bytes | None] | None = None
         self.timeout = timeout
+        self.timer: asyncio.TimerHandle | None = None
+        self.expired = False  # the deadline cancelled the task
         self.headers_sent = False
         self.done = False
 
@@ -155,12 +159,13 @@ class _Connection(Http2Connection):
         if headers.get(b":method") != b"POST" or not content_type.startswith(b"application/grpc"):
             self.send_headers(stream_id, _NOT_GRPC_BLOCK, end_stream=True)
             return
-        path = headers.get(b":path", b"").decode("ascii", "replace")
-        service, _, name = path[1:].rpartition("/")
-        method = self._server.methods.get(name) if service == SERVICE_NAME else None
-        if method is None:
-            self._trailers_only(stream_id, grpc.StatusCode.UNIMPLEMENTED, f"unknown method {path!r}")
+        path = headers.get(b":path", b"")
+        route = self._server.routes.get(path)
+        if route is None:
+            text = path.decode("ascii", "replace")
+            self._trailers_only(stream_id, grpc.StatusCode.UNIMPLEMENTED, f"unknown method {text!r}")
             return
+        name, method = route
         call = _Call(stream_id, name, method, _timeout(headers.get(b"grpc-timeout")))
         self._calls[stream_id] = call
         if method.streaming:
@@ -241,47 +246,63 @@ class _Connection(Http2Connection):
             pass
         self.flush()
 
-    async def _send_message(self, call: _Call, payload: bytes) -> None:
-        """Send one response message, within the client's flow-control windows."""
+    def _headers_once(self, call: _Call) -> None:
         if not call.headers_sent:
             self.send_headers(call.stream_id, _RESPONSE_BLOCK)
             call.headers_sent = True
-        await self.send_data(call.stream_id, b"\x00" + len(payload).to_bytes(4, "big") + payload)
 
-    async def _guarded(self, call: _Call, work: Awaitable[None]) -> None:
-        """Run `work` (which sends the response messages) and end the call with its status."""
-        status, message = grpc.StatusCode.OK, ""
-        try:
-            if call.timeout is None:
-                await work
-            else:
-                try:
-                    async with asyncio.timeout(call.timeout):
-                        await work
-                except TimeoutError:
-                    status, message = grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded"
-        except ServerError as exc:
+    async def _send_message(self, call: _Call, payload: bytes) -> None:
+        """Send one response message, within the client's flow-control windows."""
+        self._headers_once(call)
+        await self.send_data(call.stream_id, _framed(payload))
+
+    def _arm(self, call: _Call) -> None:
+        """Start the call's deadline, from its task (a task cancelled before it starts would never answer)."""
+        if call.timeout is not None:
+            call.timer = asyncio.get_running_loop().call_later(call.timeout, _expire, call)
+
+    def _end(self, call: _Call, exc: BaseException | None) -> None:
+        """End `call`, whose task finished (raising `exc`, if not None), with its status; re-raises a cancellation
+        that is not the call's deadline (the client reset the stream, or the server is stopping)."""
+        if call.timer is not None:
+            call.timer.cancel()
+        if self._calls.get(call.stream_id) is call:
+            del self._calls[call.stream_id]
+        if exc is None:
+            self._finish(call, grpc.StatusCode.OK)
+        elif isinstance(exc, asyncio.CancelledError):
+            if not call.expired:
+                raise exc
+            self._finish(call, grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
+        elif isinstance(exc, ServerError):
             # Safe as composed (see `HttpApp.__call__`): client names are echoed verbatim.
-            status, message = grpc.StatusCode[exc.grpc_status], str(exc)
-        except _Failure as failure:
-            status, message = failure.status, str(failure)
-        except StreamGone:  # the stream went away under the call
-            self._calls.pop(call.stream_id, None)
+            self._finish(call, grpc.StatusCode[exc.grpc_status], str(exc))
+        elif isinstance(exc, _Failure):
+            self._finish(call, exc.status, str(exc))
+        elif isinstance(exc, StreamGone):  # the stream went away under the call
             return
-        except Exception:
-            _log.exception("gRPC %s failed", call.name)
-            status, message = grpc.StatusCode.INTERNAL, f"{call.name} failed inside the server"
-        finally:
-            if self._calls.get(call.stream_id) is call:
-                del self._calls[call.stream_id]
-        self._finish(call, status, message)
+        elif isinstance(exc, Exception):
+            _log.error("gRPC %s failed", call.name, exc_info=exc)
+            self._finish(call, grpc.StatusCode.INTERNAL, f"{call.name} failed inside the server")
+        else:
+            raise exc
 
+    # The calls' tasks are these coroutines themselves, without a coroutine per step (parse, answer, send) inside:
+    # each is a function object and frame per call, as is an `asyncio.timeout` (so the deadline is a timer that
+    # cancels the task instead).
     async def _run_unary(self, call: _Call, message: bytes) -> None:
-        async def work() -> None:
+        try:
+            self._arm(call)
             response = await call.method.function(_parse(call, message))
-            await self._send_message(call, response.SerializeToString())
-
-        await self._guarded(call, work())
+            payload = response.SerializeToString()
+            self._headers_once(call)
+            data = _framed(payload)
+            if not self.send_data_now(call.stream_id, data):
+                await self.send_data(call.stream_id, data)
+        except BaseException as exc:
+            self._end(call, exc)
+        else:
+            self._end(call, None)
 
     async def _run_stream(self, call: _Call) -> None:
         assert call.queue is not None
@@ -291,12 +312,27 @@ class _Connection(Http2Connection):
             while (message := await queue.get()) is not None:
                 yield _parse(call, message)
 
-        async def work() -> None:
+        try:
+            self._arm(call)
             async for response in call.method.function(requests()):
                 await self._send_message(call, response.SerializeToString())
                 self.flush()
+        except BaseException as exc:
+            self._end(call, exc)
+        else:
+            self._end(call, None)
 
-        await self._guarded(call, work())
+
+def _expire(call: _Call) -> None:
+    """The call's deadline passed: its task is cancelled, and ends the call with ``DEADLINE_EXCEEDED``."""
+    if call.task is not None and not call.task.done():
+        call.expired = True
+        call.task.cancel()
+
+
+def _framed(payload: bytes) -> bytes:
+    """A response message with its gRPC prefix (not compressed, its length)."""
+    return b"\x00" + len(payload).to_bytes(4, "big") + payload
 
 
 def _parse(call: _Call, message: bytes) -> Any:
@@ -322,7 +358,8 @@ class GrpcServer:
         methods["ModelStreamInfer"] = _Method(
             function=service.model_stream_infer, request=message_type("ModelInferRequest"), streaming=True
         )
-        self.methods = methods
+        # The request paths taken, as they come: a call's path is looked up, not decoded and split.
+        self.routes = {f"/{SERVICE_NAME}/{name}".encode(): (name, method) for name, method in methods.items()}
         self.max_message_size = max_message_size
         self.connections: set[_Connection] = set()
         self._server: asyncio.Server | None = None

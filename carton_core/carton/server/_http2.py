@@ -3,8 +3,9 @@
 `Http2Connection` is an asyncio protocol that checks the connection preface, parses frames, keeps the streams'
 states and both directions' flow-control windows, and answers SETTINGS, PING and protocol errors itself. A subclass
 gets a call per request (`request_received`), per piece of body (`body_received`), per end of body (`body_ended`) and
-per stream the client reset (`stream_reset`), and answers with `send_headers` and `send_data`; frames are buffered
-and written by `flush` (once per batch of received bytes, and by the subclass after its sends).
+per stream the client reset (`stream_reset`), and answers with `send_headers` and `send_data` (or `send_data_now`,
+which does not wait); frames are buffered and written by `flush` (once per batch of received bytes, and by the
+subclass after its sends).
 
 Header blocks are decoded by the `hpack` library (dynamic table, Huffman). Header blocks sent never use the dynamic
 table (`header_block`: literals without indexing or static-table indexes), so they can be built once and reused, and
@@ -465,6 +466,8 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
             self._wake()
 
     def _wake(self) -> None:
+        if not self._waiters:  # the usual case: every window update comes here
+            return
         waiters, self._waiters = self._waiters, []
         for waiter in waiters:
             if not waiter.done():
@@ -491,6 +494,19 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
             if not stream.ended:
                 self._out.append(_frame(_RST_STREAM, 0, stream_id, ErrorCode.NO_ERROR.to_bytes(4, "big")))
 
+    def send_data_now(self, stream_id: int, data: bytes) -> bool:
+        """Buffer `data` in one DATA frame if the client's windows and frame size take it all now, without waiting
+        (the usual small response: no coroutine to await); False, with nothing buffered, if they do not (then
+        `send_data`). `StreamGone` if the stream or connection is gone."""
+        stream = self._streams.get(stream_id)
+        if stream is None or self.closed:
+            raise StreamGone(stream_id)
+        size = len(data)
+        if size > self._send_window or size > stream.send_window or size > self._max_frame:
+            return False
+        self._buffer_data(stream_id, stream, data, size)
+        return True
+
     async def send_data(self, stream_id: int, data: bytes) -> None:
         """Buffer `data` in DATA frames, waiting for the client's windows to open when they are too small (the
         frames buffered so far are flushed before each wait); `StreamGone` if the stream or connection goes away."""
@@ -506,12 +522,15 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
                 self._waiters.append(waiter)
                 await waiter
                 continue
-            piece = data if room == len(data) else view[:room].tobytes()
-            self._out.append(room.to_bytes(3, "big") + bytes((_DATA, 0)) + stream_id.to_bytes(4, "big"))
-            self._out.append(piece)
-            self._send_window -= room
-            stream.send_window -= room
+            self._buffer_data(stream_id, stream, data if room == len(data) else view[:room].tobytes(), room)
             view = view[room:]
+
+    def _buffer_data(self, stream_id: int, stream: _Stream, piece: bytes, size: int) -> None:
+        """One DATA frame of `piece` (`size` bytes, within both windows), counted against them."""
+        self._out.append(size.to_bytes(3, "big") + bytes((_DATA, 0)) + stream_id.to_bytes(4, "big"))
+        self._out.append(piece)
+        self._send_window -= size
+        stream.send_window -= size
 
 
 def _unpad(payload: bytes) -> bytes:
