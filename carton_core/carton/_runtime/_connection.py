@@ -144,11 +144,8 @@ class Connection:
         if self._exited:
             raise PeerGone
         try:
-            state: _ThreadSocket | None = getattr(self._local, "state", None)
-            if state is None:
-                state = self._thread_socket()
+            state = self._send(parts)
             sock = state.socket
-            send_message(sock, parts)
             if timeout is None and self._pidfd is not None:
                 # The common case, kept short: a blocking receive, which the exit watch ends if the runner dies.
                 while True:
@@ -163,20 +160,24 @@ class Connection:
                 raise PeerGone from None
             raise
 
+    def _send(self, parts: Sequence[Any]) -> _ThreadSocket:
+        """Send a ready message on the calling thread's socket (made on its first call); the socket's state."""
+        state: _ThreadSocket | None = getattr(self._local, "state", None)
+        if state is None:
+            state = self._thread_socket()
+        send_message(state.socket, parts)
+        return state
+
     def infer(self, parts: Sequence[Any], request_id: int, *, timeout: float | None) -> dict[str, Tensor] | Received:
         """`exchange` for an infer request: the reply's tensors when it came in a header template (the usual reply),
         else its `Received` (an error, or tensors the full decoder reads: `outputs`)."""
         if timeout is not None or self._pidfd is None or self._exited:
             return self.exchange(parts, request_id, timeout=timeout)
-        # Every call's path, written out here: a send and a blocking receive (as in `exchange`), and a reply in a
-        # header template read by its plan, without making the message or a `Received`.
+        # Every call's path: a send and a blocking receive (as in `exchange`), and a reply in a header template read
+        # by its plan, without making the message or a `Received`.
         codec = self.codec
         try:
-            state: _ThreadSocket | None = getattr(self._local, "state", None)
-            if state is None:
-                state = self._thread_socket()
-            sock = state.socket
-            send_message(sock, parts)
+            sock = self._send(parts).socket
             while True:
                 frames = recv_message(sock)
                 matched = codec.match(frames[0])
