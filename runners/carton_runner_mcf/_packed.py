@@ -77,7 +77,7 @@ def compiled_kernels(choice: Kernels | str = "auto") -> ModuleType | None:
             _loaded["module"] = None
     module = _loaded["module"]
     if module is None and choice == "numba":
-        raise MCFError("the compiled mcf kernels need numba: pip install 'carton[mcf]'")
+        raise MCFError("the compiled mcf kernels need numba: pip install 'carton-runtime[mcf]'")
     return module
 
 

@@ -16,5 +16,5 @@ def kernels(request: pytest.FixtureRequest) -> str:
         if os.environ.get(KERNELS_ENV, "").strip().lower() == "numpy":
             pytest.skip(f"{KERNELS_ENV}=numpy forces the numpy path")
         if compiled_kernels("auto") is None and os.environ.get(KERNELS_ENV) != "numba":
-            pytest.skip("numba is not installed (pip install 'carton[mcf]')")
+            pytest.skip("numba is not installed (pip install 'carton-runtime[mcf]')")
     return str(request.param)

@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 from carton_runner_mcf._llama import LlamaModel
 
-fused = pytest.importorskip("carton_runner_mcf._fused", reason="numba is not installed (pip install 'carton[mcf]')")
+fused = pytest.importorskip(
+    "carton_runner_mcf._fused", reason="numba is not installed (pip install 'carton-runtime[mcf]')"
+)
 
 
 def _close(got: np.ndarray, want: np.ndarray) -> None:

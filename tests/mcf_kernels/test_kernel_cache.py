@@ -52,7 +52,7 @@ def test_a_second_process_loads_every_product_kernel_from_the_cache() -> None:
     if os.environ.get(KERNELS_ENV, "").strip().lower() == "numpy":
         pytest.skip(f"{KERNELS_ENV}=numpy forces the numpy path")
     if compiled_kernels("auto") is None:
-        pytest.skip("numba is not installed (pip install 'carton[mcf]')")
+        pytest.skip("numba is not installed (pip install 'carton-runtime[mcf]')")
     _run_child()  # compiles what the cache does not hold yet
     second = _run_child()
     for name, counts in second.items():

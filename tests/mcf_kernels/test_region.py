@@ -15,7 +15,7 @@ from carton_runner_mcf._kernels import QuantizedLinear
 from carton_runner_mcf._llama import DecoderLayer, LlamaModel, positions_from_mask
 from carton_runner_mcf._weights import Embedding, FloatEmbedding, FloatLinear, Linear, QuantizedEmbedding
 
-numba = pytest.importorskip("numba", reason="numba is not installed (pip install 'carton[mcf]')")
+numba = pytest.importorskip("numba", reason="numba is not installed (pip install 'carton-runtime[mcf]')")
 from carton_runner_mcf import _atomics, _region, _step, _team  # noqa: E402 - after the skip
 from carton_runner_mcf._packed import KERNELS_ENV, compiled_kernels  # noqa: E402
 

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("torch", reason="the mcf runner tests compare against transformers (pip install 'carton[test]')")
+pytest.importorskip(
+    "torch", reason="the mcf runner tests compare against transformers (pip install 'carton-runtime[test]')"
+)
 pytest.importorskip("transformers", reason="the mcf runner tests compare against transformers")
 
 from mcf_runner_models import build_llama, to_mcf

@@ -1,8 +1,8 @@
 """JSON tensor numbers without holding the GIL for long: a tensor's ``data`` text read into a numpy array
 (`read_numbers`), and a large output array written as JSON text (`array_text`).
 
-With numba installed (``carton[mcf]``), the compiled reader (`_json_kernel`) parses the whole text, nested or not,
-with the GIL released; without it, a flat array is parsed a piece at a time by orjson and msgspec, the GIL free
+With numba installed (``carton-runtime[mcf]``), the compiled reader (`_json_kernel`) parses the whole text, nested or
+not, with the GIL released; without it, a flat array is parsed a piece at a time by orjson and msgspec, the GIL free
 between pieces. Both give the array the general decoding (orjson, then msgspec's checks) gives, bit for bit, and
 both decline (None) whatever is not plainly such an array, for the caller to decode the general way, which names
 the fault. The compiled reader is loaded on a thread when the first tensor is read (numba and the compiled code take
