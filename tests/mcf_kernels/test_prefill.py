@@ -4,10 +4,13 @@ them."""
 from __future__ import annotations
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 from carton_runner_mcf._llama import LlamaModel
 
-prefill = pytest.importorskip("carton_runner_mcf._prefill", reason="numba is not installed (pip install 'carton[mcf]')")
+prefill = pytest.importorskip(
+    "carton_runner_mcf._prefill", reason="numba is not installed (pip install 'carton-runtime[mcf]')"
+)
 
 
 def test_exponential_is_within_a_few_ulps_and_clamped() -> None:
@@ -28,6 +31,24 @@ def _exp_all(x: np.ndarray, out: np.ndarray) -> None:
         out[i] = prefill.exp(x[i])
 
 
+def _softmax_against_numpy(
+    scores: npt.NDArray[np.float32], key_mask: npt.NDArray[np.bool_], start: int, groups: int
+) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
+    """The compiled causal softmax of ``scores [batch, kv, groups * seq, start + seq]`` and numpy's softmax over the
+    same scores plus `LlamaModel._causal_bias`, in the latter's shape, checked to agree."""
+    batch, kv, _, end = scores.shape
+    seq = end - start
+    got = np.full_like(scores, np.nan)
+    prefill.softmax(scores, key_mask, start, got)
+    want = scores.reshape(batch, kv, groups, seq, end) + LlamaModel._causal_bias(key_mask, start, seq)
+    want -= want.max(axis=-1, keepdims=True)
+    np.exp(want, out=want)
+    want /= want.sum(axis=-1, keepdims=True)
+    got = got.reshape(want.shape)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    return got, want
+
+
 @pytest.mark.parametrize(("batch", "start", "seq"), [(1, 0, 128), (2, 5, 7), (1, 3, 1)])
 def test_causal_softmax_matches_the_biased_numpy_softmax(batch: int, start: int, seq: int) -> None:
     rng = np.random.default_rng(4)
@@ -37,13 +58,7 @@ def test_causal_softmax_matches_the_biased_numpy_softmax(batch: int, start: int,
     key_mask = np.ones((batch, end + 4), dtype=bool)
     key_mask[0, 0] = False  # a padding slot in the cache
     key_mask[-1, end - 1] = False  # a padding query: it still attends to itself
-    got = np.full_like(scores, np.nan)
-    prefill.softmax(scores, key_mask, start, got)
-    want = scores.reshape(batch, kv, groups, seq, end) + LlamaModel._causal_bias(key_mask, start, seq)
-    want -= want.max(axis=-1, keepdims=True)
-    np.exp(want, out=want)
-    want /= want.sum(axis=-1, keepdims=True)
-    np.testing.assert_allclose(got.reshape(want.shape), want, rtol=1e-6, atol=1e-7)
+    _softmax_against_numpy(scores, key_mask, start, groups)
 
 
 @pytest.mark.parametrize(("start", "seq"), [(0, 33), (17, 40)])
@@ -56,17 +71,11 @@ def test_causal_softmax_skips_every_padding_slot(start: int, seq: int) -> None:
     scores = (rng.standard_normal((batch, kv, groups * seq, end)) * 6).astype(np.float32)
     scores[..., ::7] += 40.0  # the largest scores of many rows fall on slots that are padding in some of them
     key_mask = rng.random((batch, end + 3)) > 0.3
-    got = np.full_like(scores, np.nan)
-    prefill.softmax(scores, key_mask, start, got)
-    want = scores.reshape(batch, kv, groups, seq, end) + LlamaModel._causal_bias(key_mask, start, seq)
-    want -= want.max(axis=-1, keepdims=True)
-    np.exp(want, out=want)
-    want /= want.sum(axis=-1, keepdims=True)
-    np.testing.assert_allclose(got.reshape(want.shape), want, rtol=1e-6, atol=1e-7)
+    got, want = _softmax_against_numpy(scores, key_mask, start, groups)
     own = (start + np.arange(seq))[:, None] == np.arange(end)[None, :]
     padding = ~key_mask[:, None, None, None, :end] & ~own
     assert padding.any()
-    assert not got.reshape(want.shape)[np.broadcast_to(padding, want.shape)].any()
+    assert not got[np.broadcast_to(padding, want.shape)].any()
 
 
 def test_swiglu_rows() -> None:
