@@ -335,7 +335,7 @@ def test_requiring_numba_without_it_says_how_to_install_it(monkeypatch: pytest.M
 
     q = quantize(np.ones((8, 64), np.float32), "q4")
     monkeypatch.setitem(_packed._loaded, "module", None)  # as after a failed `import numba`
-    with pytest.raises(MCFError, match=r"need numba: pip install 'carton\[mcf\]'"):
+    with pytest.raises(MCFError, match=r"need numba: pip install 'carton-runtime\[mcf\]'"):
         QuantizedLinear.from_quantized(q, kernels="numba")
     assert not QuantizedLinear.from_quantized(q).compiled  # "auto" falls back
 
