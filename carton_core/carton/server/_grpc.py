@@ -21,6 +21,7 @@ import grpc
 import numpy as np
 from carton_protocol import DType, Tensor
 
+from ._bounded import remember
 from ._datatypes import DATATYPE_OF, NUMPY_OF, counted
 from ._handle import metadata_shape
 from ._http import EXTENSIONS, RepositoryControl, ServerControl, ServerTotals
@@ -130,12 +131,8 @@ def _decode_request(served: ServedVersion, request: Any) -> tuple[dict[str, np.n
     if inputs is None:
         inputs = _decode_inputs(served, tensors, raw)
         if key is not None and all(array.dtype.kind not in "OU" for array in inputs.values()):
-            plans = served.input_plans
-            if len(plans) >= _PLANS:
-                plans.clear()
-            plans[key] = tuple(
-                (name, array.dtype, array.shape, array.size, array.nbytes) for name, array in inputs.items()
-            )
+            plan = tuple((name, array.dtype, array.shape, array.size, array.nbytes) for name, array in inputs.items())
+            remember(served.input_plans, key, plan, _PLANS)
     requested: list[str] | None = None
     outputs = request.outputs[:]
     if outputs:

@@ -25,6 +25,7 @@ import orjson
 from carton_protocol import Tensor
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from ._bounded import remember
 from ._config import ModelConfig
 from ._datatypes import DATATYPE_OF
 from ._handle import metadata_shape
@@ -268,9 +269,7 @@ class HttpApp:
         """Answer one request; never raises for anything a client can send."""
         target = self._targets.get(request.raw_path)
         if target is None:
-            if len(self._targets) >= _SEGMENTS_KEPT:
-                self._targets.clear()
-            target = self._targets[request.raw_path] = _Target(split_path(request.raw_path))
+            target = remember(self._targets, request.raw_path, _Target(split_path(request.raw_path)), _SEGMENTS_KEPT)
         try:
             # An inference goes straight to `_infer`, the way `_route` would take it there.
             repository = self.repository

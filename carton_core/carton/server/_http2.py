@@ -25,6 +25,8 @@ from typing import cast
 from hpack import Decoder
 from hpack.exceptions import HPACKError
 
+from ._bounded import remember
+
 __all__ = ["ErrorCode", "Http2Connection", "StreamGone", "header_block"]
 
 _log = logging.getLogger("carton.server")
@@ -392,9 +394,7 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
             # 0xff, which starts a longer index). Such a block leaves the dynamic table as it is, so while the table
             # stays as it is it means the same headers again; any other block may change the table.
             if min(block, default=0) > 0x80 and 0xFF not in block:
-                if len(self._known) >= _KNOWN_BLOCKS:
-                    self._known.clear()
-                self._known[block] = headers
+                remember(self._known, block, headers, _KNOWN_BLOCKS)
             elif self._known:
                 self._known.clear()
         stream = self._streams.get(stream_id)

@@ -18,6 +18,7 @@ import numpy as np
 import orjson
 from carton_protocol import DType, Tensor
 
+from ._bounded import remember
 from ._datatypes import DATATYPE_OF, NUMPY_OF, counted
 from ._inference import (
     check_complete,
@@ -328,10 +329,7 @@ def parse_infer_request(served: ServedVersion, body: bytes | bytearray, header_l
                 return InferBody(id=plan.request_id, inputs=inputs, outputs=outputs, binary_default=plan.binary_default)
     decoded, plan = _parse_infer_request(served, body, header_length)
     if plan is not None:
-        plans = served.request_plans
-        if len(plans) >= _PLANS:
-            plans.clear()
-        plans[bytes(body[: int(header_length or 0)])] = plan
+        remember(served.request_plans, bytes(body[: int(header_length or 0)]), plan, _PLANS)
     return decoded
 
 
@@ -456,11 +454,7 @@ def encode_infer_response(
         key = tuple(described)
         header = served.response_heads.get(key)
         if header is None:
-            header = _binary_header(served, request, laid_out)
-            heads = served.response_heads
-            if len(heads) >= _PLANS:
-                heads.clear()
-            heads[key] = header
+            header = remember(served.response_heads, key, _binary_header(served, request, laid_out), _PLANS)
         return header, parts
     encoded = _encode_response(served, request, selected, apart=True)
     if encoded is None:  # the request's id or an output's name held a placeholder's text
