@@ -258,15 +258,13 @@ class _Server:
             return  # not a request (an empty message from a confused peer): nothing to answer
         ident = frames[0]
         runner = self.runner
-        # Every call's path, written out here: a plain infer in a layout seen before, run on this thread (unless the
-        # runner is concurrent and its pool is busy or its last call was long: `_to_pool`). Its header is matched as
-        # bytes and its tensors read by the template's plan, without making the message or a `Received`.
+        # An infer runs on this thread unless the runner is concurrent and its pool is busy or its last call was long
+        # (then `_to_pool`).
+        inline = self.executor is None or (self.last_infer_seconds < self.inline_max_seconds and self.pooled == 0)
+        # Every call's path, written out here: a plain infer in a layout seen before, run on this thread. Its header
+        # is matched as bytes and its tensors read by the template's plan, without making the message or a `Received`.
         matched = self.codec.match(frames[1])
-        if (
-            matched is not None
-            and runner is not None
-            and (self.executor is None or (self.last_infer_seconds < self.inline_max_seconds and self.pooled == 0))
-        ):
+        if matched is not None and runner is not None and inline:
             send_message(self.router, [ident, *self._infer(matched[0], matched[1], frames[2:])])
             return
         try:
@@ -277,7 +275,7 @@ class _Server:
         request = received.message
         match request:
             case Infer() if runner is not None:
-                if self.executor is None or (self.last_infer_seconds < self.inline_max_seconds and self.pooled == 0):
+                if inline:
                     send_message(self.router, [ident, *self._infer(request.id, None, received)])
                 else:
                     self._to_pool(ident, received)
