@@ -187,7 +187,8 @@ def request_failed(
     """End a failed inference of `served` (HTTP or gRPC): release the version, count the failure, and return the
     error to answer with."""
     served.exit()
-    served.stats.record_failure(total_ns=time.perf_counter_ns() - started_ns)
+    now = time.perf_counter_ns()
+    served.stats.record_failure(total_ns=now - started_ns, now_ns=now)
     return translate_error(exc, scrub, served)
 
 
@@ -196,7 +197,7 @@ def request_succeeded(served: ServedVersion, *, started_ns: int, decoded_ns: int
     try:
         now = time.perf_counter_ns()
         served.stats.record_success(
-            total_ns=now - started_ns, input_ns=decoded_ns - started_ns, output_ns=now - inferred_ns
+            total_ns=now - started_ns, input_ns=decoded_ns - started_ns, output_ns=now - inferred_ns, now_ns=now
         )
     finally:
         served.exit()
