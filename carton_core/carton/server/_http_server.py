@@ -110,8 +110,9 @@ class _Connection(asyncio.Protocol):
         self.handler = server.handler
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpRequestParser(self)
-        #: The request being parsed (its headers or body may still be arriving).
+        #: The request being parsed (its headers or body may still be arriving), and its headers.
         self.parsing: _Exchange | None = None
+        self.headers: dict[bytes, bytes] = {}
         #: The request being answered, and the parsed ones waiting behind it.
         self.current: _Exchange | None = None
         self.queue: collections.deque[_Exchange] = collections.deque()
@@ -214,17 +215,19 @@ class _Connection(asyncio.Protocol):
             self.loop.call_soon(self._next_turn)
 
     # ---- httptools callbacks -------------------------------------------------------------------------------------
-    def on_message_begin(self) -> None:
-        self.parsing = _Exchange()
-        self.head_bytes = 0
-
+    # httptools calls each of these that the protocol defines, a Python call per callback and per header: a request
+    # begins at its first piece of URL (the parser reports one before any header), so there is no `on_message_begin`,
+    # and a header goes into the dict of the request being parsed, kept on the connection.
     def on_url(self, url: bytes) -> None:
-        assert self.parsing is not None
-        self.parsing.url += url
+        exchange = self.parsing
+        if exchange is None:
+            exchange = self.parsing = _Exchange()
+            self.headers = exchange.headers
+            self.head_bytes = 0
+        exchange.url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        assert self.parsing is not None
-        self.parsing.headers[name.lower()] = value
+        self.headers[name.lower()] = value
 
     def on_headers_complete(self) -> None:
         exchange = self.parsing
