@@ -101,6 +101,14 @@ class _Exchange:
         self.waiter: asyncio.Future[None] | None = None
 
 
+def _body_left(exchange: _Exchange, response: HttpResponse) -> bool:
+    """Whether `response` leaves the request's body unread for good: a body refused (413), or one the client waits
+    for "100 Continue" to send and then may send or not. The connection cannot be reused either way."""
+    return not exchange.body_done and (
+        response.status == 413 or (exchange.expect_continue and not exchange.continue_sent)
+    )
+
+
 class _Connection(asyncio.Protocol):
     """One client connection (see the module's docstring for what it guarantees)."""
 
@@ -288,10 +296,34 @@ class _Connection(asyncio.Protocol):
 
     async def _serve(self, exchange: _Exchange, request: HttpRequest) -> None:
         """The connection's task: answer `request`, then each request `_start_next` hands over, until the
-        connection closes."""
+        connection closes. (The answer's steps are plain methods around the handler's await: a coroutine per
+        request would be made and stepped through on every request.)"""
         try:
             while True:
-                await self._answer(exchange, request)
+                try:
+                    response = await self.handler(request)
+                except Exception:
+                    _log.exception("the HTTP handler failed on %s %r", exchange.method, exchange.url[:200])
+                    response = HttpResponse(
+                        500, [(b"content-type", b"text/plain; charset=utf-8")], [b"Internal Server Error"]
+                    )
+                if self.closed:
+                    self._finish(exchange)
+                else:
+                    if (
+                        (not exchange.body_done and _body_left(exchange, response))
+                        or exchange.broken
+                        or self.eof
+                        or self.server.closing
+                    ):
+                        exchange.keep_alive = False
+                    rest = self._write(exchange, response)
+                    if rest is not None:
+                        await rest
+                    if exchange.body_done and not self.closed:
+                        self._finish(exchange)
+                    else:
+                        self._answered(exchange, response)
                 if self.next is None:
                     if self.closed:
                         return
@@ -303,7 +335,7 @@ class _Connection(asyncio.Protocol):
                 exchange, request = self.next
                 self.next = None
         except Exception:
-            # Not a handler's failure (`_answer` answers those with 500): the connection cannot go on.
+            # Not a handler's failure (answered with 500 above): the connection cannot go on.
             _log.exception("answering an HTTP request failed")
             if self.transport is not None:
                 self.transport.abort()
@@ -336,29 +368,14 @@ class _Connection(asyncio.Protocol):
 
         return read
 
-    async def _answer(self, exchange: _Exchange, request: HttpRequest) -> None:
-        try:
-            response = await self.handler(request)
-        except Exception:
-            _log.exception("the HTTP handler failed on %s %r", exchange.method, exchange.url[:200])
-            response = HttpResponse(500, [(b"content-type", b"text/plain; charset=utf-8")], [b"Internal Server Error"])
-        if self.closed:
-            self._finish(exchange)
-            return
-        refused_body = not exchange.body_done and response.status == 413
-        # A client that waits for "100 Continue" before sending its body and gets a final answer instead may send
-        # the body or not: the connection cannot be reused either way.
-        unsent_body = exchange.expect_continue and not exchange.continue_sent and not exchange.body_done
-        if refused_body or unsent_body or exchange.broken or self.eof or self.server.closing:
-            exchange.keep_alive = False
-        rest = self._write(exchange, response)
-        if rest is not None:
-            await rest
+    def _answered(self, exchange: _Exchange, response: HttpResponse) -> None:
+        """`response` is written: go on with the connection (see `_finish`), unless the request's body is left or
+        still arriving."""
         if self.closed:
             self._finish(exchange)
             return
         if not exchange.body_done:
-            if refused_body or unsent_body:
+            if _body_left(exchange, response):
                 self._linger()
                 return
             if exchange.keep_alive:
