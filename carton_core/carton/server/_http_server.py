@@ -392,7 +392,7 @@ class _Connection(asyncio.Protocol):
         assert transport is not None
         parts = response.parts
         length = response.content_length()
-        head = [_status_line(response.status)]
+        head = [_STATUS_LINES.get(response.status) or _status_line(response.status)]
         for header in response.headers:
             head.append(b"%s: %s\r\n" % header)
         head.append(b"content-length: %d\r\n" % length)
