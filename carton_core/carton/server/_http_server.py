@@ -67,8 +67,9 @@ def _status_line(status: int) -> bytes:
     return line if line is not None else b"HTTP/1.1 %d \r\n" % status
 
 
-class _Exchange:
-    """One request on a connection, from its first byte to its answer."""
+class _Exchange(HttpRequest):
+    """One request on a connection, from its first byte to its answer: the `HttpRequest` its handler is given (its
+    body set when it is handed over), and the connection's state of it."""
 
     __slots__ = (
         "body_done",
@@ -77,17 +78,15 @@ class _Exchange:
         "continue_sent",
         "discard",
         "expect_continue",
-        "headers",
         "keep_alive",
-        "method",
-        "url",
         "waiter",
     )
 
-    def __init__(self) -> None:
+    def __init__(self) -> None:  # the request's fields are filled in as the parser reports them
         self.method = ""
-        self.url = b""
+        self.raw_path = b""
         self.headers: dict[bytes, bytes] = {}
+        self.body = b""
         self.chunks: list[bytes] = []
         self.body_done = False
         #: Its body's framing turned out malformed (chunked encoding): reading it is refused.
@@ -129,7 +128,7 @@ class _Connection(asyncio.Protocol):
         #: request would be made, registered and torn down again for every request), the request it is to answer
         #: next, and what it waits on when there is none.
         self.task: asyncio.Task[None] | None = None
-        self.next: tuple[_Exchange, HttpRequest] | None = None
+        self.next: _Exchange | None = None
         self.idle: asyncio.Future[None] | None = None
         self.reading_paused = False
         #: Reading is paused until the loop's next turn (`_READ_TURN_BYTES`), and what was read since the last pause.
@@ -232,7 +231,7 @@ class _Connection(asyncio.Protocol):
             exchange = self.parsing = _Exchange()
             self.headers = exchange.headers
             self.head_bytes = 0
-        exchange.url += url
+        exchange.raw_path += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers[name.lower()] = value
@@ -285,25 +284,25 @@ class _Connection(asyncio.Protocol):
             self.reading_paused = False
             assert self.transport is not None
             self.transport.resume_reading()
-        request = HttpRequest(exchange.method, exchange.url, exchange.headers, body)
+        exchange.body = body
         if self.task is None:
-            self.task = self.loop.create_task(self._serve(exchange, request))
+            self.task = self.loop.create_task(self._serve(exchange))
             return
-        self.next = (exchange, request)
+        self.next = exchange
         idle = self.idle
         if idle is not None and not idle.done():
             idle.set_result(None)
 
-    async def _serve(self, exchange: _Exchange, request: HttpRequest) -> None:
-        """The connection's task: answer `request`, then each request `_start_next` hands over, until the
+    async def _serve(self, exchange: _Exchange) -> None:
+        """The connection's task: answer `exchange`, then each request `_start_next` hands over, until the
         connection closes. (The answer's steps are plain methods around the handler's await: a coroutine per
         request would be made and stepped through on every request.)"""
         try:
             while True:
                 try:
-                    response = await self.handler(request)
+                    response = await self.handler(exchange)
                 except Exception:
-                    _log.exception("the HTTP handler failed on %s %r", exchange.method, exchange.url[:200])
+                    _log.exception("the HTTP handler failed on %s %r", exchange.method, exchange.raw_path[:200])
                     response = HttpResponse(
                         500, [(b"content-type", b"text/plain; charset=utf-8")], [b"Internal Server Error"]
                     )
@@ -332,7 +331,7 @@ class _Connection(asyncio.Protocol):
                     self.idle = None
                     if self.next is None:  # woken by the connection's end
                         return
-                exchange, request = self.next
+                exchange = self.next
                 self.next = None
         except Exception:
             # Not a handler's failure (answered with 500 above): the connection cannot go on.
