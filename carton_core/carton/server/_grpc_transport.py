@@ -52,11 +52,14 @@ def _code(status: grpc.StatusCode) -> bytes:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _Method:
-    """One method of the service: its function and the class its requests parse into."""
+    """One method of the service: its function, the class its requests parse into, and how they are parsed (the
+    class's ``FromString``, or for ``ModelInfer`` the service's request forms); the function answers with a message
+    or with its bytes."""
 
     function: Callable[[Any], Any]
     request: Any
     streaming: bool
+    parse: Callable[[bytes], Any]
 
 
 class _Failure(Exception):
@@ -294,7 +297,7 @@ class _Connection(Http2Connection):
         try:
             self._arm(call)
             response = await call.method.function(_parse(call, message))
-            payload = response.SerializeToString()
+            payload = response if type(response) is bytes else response.SerializeToString()
             self._headers_once(call)
             data = _framed(payload)
             if not self.send_data_now(call.stream_id, data):
@@ -337,7 +340,7 @@ def _framed(payload: bytes) -> bytes:
 
 def _parse(call: _Call, message: bytes) -> Any:
     try:
-        return call.method.request.FromString(message)
+        return call.method.parse(message)
     except DecodeError as exc:
         raise BadRequest(f"the {call.name} request is not a valid {call.method.request.__name__} message") from exc
 
@@ -351,12 +354,19 @@ class GrpcServer:
     """`GrpcService`'s methods served on a listening socket; `close` stops it."""
 
     def __init__(self, service: GrpcService, *, max_message_size: int) -> None:
-        methods: dict[str, _Method] = {
-            name: _Method(function=function, request=message_type(f"{name}Request"), streaming=False)
-            for name, function in service.unary_methods().items()
-        }
+        methods: dict[str, _Method] = {}
+        for name, function in service.unary_methods().items():
+            request = message_type(f"{name}Request")
+            methods[name] = _Method(function=function, request=request, streaming=False, parse=request.FromString)
+        infer_request = message_type("ModelInferRequest")
+        methods["ModelInfer"] = _Method(
+            function=service.model_infer_serialized,
+            request=infer_request,
+            streaming=False,
+            parse=service.request_forms.parse,
+        )
         methods["ModelStreamInfer"] = _Method(
-            function=service.model_stream_infer, request=message_type("ModelInferRequest"), streaming=True
+            function=service.model_stream_infer, request=infer_request, streaming=True, parse=infer_request.FromString
         )
         # The request paths taken, as they come: a call's path is looked up, not decoded and split.
         self.routes = {f"/{SERVICE_NAME}/{name}".encode(): (name, method) for name, method in methods.items()}

@@ -1,0 +1,186 @@
+"""``ModelInfer`` requests and responses whose bytes repeat a learnt layout, read and written without upb.
+
+A client sends the same request over and over but for its tensors' bytes: the same model, the same inputs' names,
+datatypes and shapes, the same requested outputs, each raw input last in ``raw_input_contents``. Protobuf parses the
+concatenation of two serialized messages as the merge of both, so a request whose bytes are a learnt head (every
+field but the raw inputs) followed by raw-input fields of the learnt sizes means the learnt head's fields with those
+raw inputs, exactly: `RequestForms.parse` checks the bytes and gives such a request as a `KnownRequest` (its raw
+inputs as offsets into the message), anything else as upb parses it. A response's bytes are, the same way, a prefix
+(model, version, id and the outputs' descriptions, serialized once by upb) and the outputs' raw-bytes fields
+(`ResponsePrefixes.serialize`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from google.protobuf.message import DecodeError
+
+from ._bounded import remember
+
+__all__ = ["KnownRequest", "RequestForm", "RequestForms", "ResponsePrefixes", "varint"]
+
+# Field tags (field number << 3 | length-delimited): ModelInferRequest.raw_input_contents (7) and
+# ModelInferResponse.raw_output_contents (6).
+_RAW_INPUT_TAG = b"\x3a"
+_RAW_OUTPUT_TAG = b"\x32"
+# Forms are kept by the length of their requests (a few of each length: clients of other models or layouts).
+_LENGTHS = 64
+_FORMS_OF_A_LENGTH = 4
+_PREFIXES = 256
+
+
+def varint(value: int) -> bytes:
+    """A protobuf base-128 varint."""
+    if value < 0x80:
+        return bytes((value,))
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RequestForm:
+    """A learnt request layout: `head` (every field but the raw inputs), then each raw input's field header (the
+    first's ends `head`; the others' are `inner`, at their offsets) and bytes (`sizes`, at `offsets`)."""
+
+    head: bytes
+    length: int
+    inner: tuple[tuple[int, bytes], ...]
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    model_name: str
+    model_version: str
+    id: str
+    key: tuple[tuple[str, str, tuple[int, ...]], ...]  # the inputs' names, datatypes and shapes
+    requested: tuple[str, ...] | None  # the requested outputs' names (None: all)
+
+
+class KnownRequest:
+    """A request of a learnt `form`: its fields are the form's, its raw inputs the slices of `message` at the form's
+    offsets."""
+
+    __slots__ = ("form", "id", "message", "model_name", "model_version")
+
+    def __init__(self, form: RequestForm, message: bytes) -> None:
+        self.form = form
+        self.message = message
+        self.model_name = form.model_name
+        self.model_version = form.model_version
+        self.id = form.id
+
+
+class RequestForms:
+    """The request layouts learnt from the requests `parse` (upb's ``FromString``) took."""
+
+    def __init__(self, parse: Callable[[bytes], Any]) -> None:
+        self._parse = parse
+        self._forms: dict[int, list[RequestForm]] = {}
+
+    def parse(self, message: bytes) -> Any:
+        """`message` as a `KnownRequest` if it is of a learnt form, else as upb parses it (``DecodeError`` if it is
+        not a message)."""
+        forms = self._forms.get(len(message))
+        if forms is not None:
+            for form in forms:
+                if message.startswith(form.head) and (
+                    not form.inner or all(message[at : at + len(header)] == header for at, header in form.inner)
+                ):
+                    return KnownRequest(form, message)
+        request = self._parse(message)
+        learnt = self._learn(message, request)
+        if learnt is not None:
+            if forms is None:
+                forms = remember(self._forms, len(message), [], _LENGTHS)
+            elif len(forms) >= _FORMS_OF_A_LENGTH:
+                del forms[0]
+            forms.append(learnt)
+        return request
+
+    def _learn(self, message: bytes, request: Any) -> RequestForm | None:
+        """The form of `message` (parsed as `request`), if its raw inputs come last and the bytes before them parse
+        alone into every other field; None if not."""
+        raw: list[bytes] = request.raw_input_contents[:]
+        tensors = request.inputs[:]
+        if not raw or len(raw) != len(tensors):
+            return None
+        headers = [_RAW_INPUT_TAG + varint(len(data)) for data in raw]
+        start = len(message) - sum(map(len, headers)) - sum(map(len, raw))
+        if start < 0:
+            return None
+        at = start
+        inner, offsets = [], []
+        for index, (header, data) in enumerate(zip(headers, raw, strict=True)):
+            if message[at : at + len(header)] != header:
+                return None
+            if index:
+                inner.append((at, header))
+            at += len(header)
+            if message[at : at + len(data)] != data:
+                return None
+            offsets.append(at)
+            at += len(data)
+        try:
+            head_request = self._parse(message[:start])
+        except DecodeError:
+            return None
+        if head_request.raw_input_contents:
+            return None
+        head_request.raw_input_contents.extend(raw)
+        if head_request != request:
+            return None
+        requested: tuple[str, ...] | None = None
+        outputs = request.outputs[:]
+        if outputs:
+            if any("classification" in output.parameters for output in outputs):
+                return None  # refused every time, by the full decoding
+            requested = tuple(output.name for output in outputs)
+        return RequestForm(
+            head=message[: start + len(headers[0])],
+            length=len(message),
+            inner=tuple(inner),
+            offsets=tuple(offsets),
+            sizes=tuple(map(len, raw)),
+            model_name=request.model_name,
+            model_version=request.model_version,
+            id=request.id,
+            key=tuple((tensor.name, tensor.datatype, tuple(tensor.shape[:])) for tensor in tensors),
+            requested=requested,
+        )
+
+
+class ResponsePrefixes:
+    """The serialized prefixes of the responses `build` made: a response's bytes are its prefix and its outputs'
+    raw-bytes fields."""
+
+    def __init__(self) -> None:
+        self._prefixes: dict[tuple[Any, ...], bytes] = {}
+
+    def get(self, key: tuple[Any, ...]) -> bytes | None:
+        """The prefix of responses described by `key` (model, version, id, the outputs' names, datatypes and
+        shapes), if one was learnt."""
+        return self._prefixes.get(key)
+
+    def learn(self, key: tuple[Any, ...], response: Any, datas: Sequence[bytes | memoryview]) -> bytes:
+        """`response` (upb's, whose raw outputs are `datas`) serialized; its prefix is kept under `key` when the
+        serialization is the prefix and the raw outputs' fields."""
+        payload: bytes = response.SerializeToString()
+        del response.raw_output_contents[:]
+        prefix: bytes = response.SerializeToString()
+        if join(prefix, datas) == payload:
+            remember(self._prefixes, key, prefix, _PREFIXES)
+        return payload
+
+
+def join(prefix: bytes, datas: Sequence[bytes | memoryview]) -> bytes:
+    """A response's bytes: `prefix` and a raw-output field for each of `datas`."""
+    parts: list[bytes | memoryview] = [prefix]
+    for data in datas:
+        parts.append(_RAW_OUTPUT_TAG + varint(len(data)))
+        parts.append(data)
+    return b"".join(parts)
