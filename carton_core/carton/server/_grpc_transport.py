@@ -264,6 +264,14 @@ class _Connection(Http2Connection):
         if call.timeout is not None:
             call.timer = asyncio.get_running_loop().call_later(call.timeout, _expire, call)
 
+    def _answered(self, call: _Call) -> None:
+        """`call`'s whole response is buffered (`send_response_now`): it is done."""
+        if call.timer is not None:
+            call.timer.cancel()
+        if self._calls.get(call.stream_id) is call:
+            del self._calls[call.stream_id]
+        self.flush()
+
     def _end(self, call: _Call, exc: BaseException | None) -> None:
         """End `call`, whose task finished (raising `exc`, if not None), with its status; re-raises a cancellation
         that is not the call's deadline (the client reset the stream, or the server is stopping)."""
@@ -298,10 +306,12 @@ class _Connection(Http2Connection):
             self._arm(call)
             response = await call.method.function(_parse(call, message))
             payload = response if type(response) is bytes else response.SerializeToString()
-            self._headers_once(call)
             data = _framed(payload)
-            if not self.send_data_now(call.stream_id, data):
-                await self.send_data(call.stream_id, data)
+            if self.send_response_now(call.stream_id, _RESPONSE_BLOCK, data, _OK_TRAILERS_BLOCK):
+                self._answered(call)
+                return
+            self._headers_once(call)
+            await self.send_data(call.stream_id, data)
         except BaseException as exc:
             self._end(call, exc)
         else:

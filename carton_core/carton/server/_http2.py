@@ -3,9 +3,9 @@
 `Http2Connection` is an asyncio protocol that checks the connection preface, parses frames, keeps the streams'
 states and both directions' flow-control windows, and answers SETTINGS, PING and protocol errors itself. A subclass
 gets a call per request (`request_received`), per piece of body (`body_received`), per end of body (`body_ended`) and
-per stream the client reset (`stream_reset`), and answers with `send_headers` and `send_data` (or `send_data_now`,
-which does not wait); frames are buffered and written by `flush` (once per batch of received bytes, and by the
-subclass after its sends).
+per stream the client reset (`stream_reset`), and answers with `send_headers` and `send_data` (or, for a whole
+small response at once, `send_response_now`, which does not wait); frames are buffered and written by `flush` (once
+per batch of received bytes, and by the subclass after its sends).
 
 Header blocks are decoded by the `hpack` library (dynamic table, Huffman). Header blocks sent never use the dynamic
 table (`header_block`: literals without indexing or static-table indexes), so they can be built once and reused, and
@@ -494,17 +494,34 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
             if not stream.ended:
                 self._out.append(_frame(_RST_STREAM, 0, stream_id, ErrorCode.NO_ERROR.to_bytes(4, "big")))
 
-    def send_data_now(self, stream_id: int, data: bytes) -> bool:
-        """Buffer `data` in one DATA frame if the client's windows and frame size take it all now, without waiting
-        (the usual small response: no coroutine to await); False, with nothing buffered, if they do not (then
-        `send_data`). `StreamGone` if the stream or connection is gone."""
+    def send_response_now(self, stream_id: int, headers: bytes, data: bytes, trailers: bytes) -> bool:
+        """Buffer a whole response if the client's windows and frame size take `data` in one DATA frame now: a HEADERS
+        frame with the header block `headers`, the DATA frame, and a HEADERS frame with the block `trailers` that ends
+        the stream (as `send_headers`, `send_data` and `send_headers` with `end_stream` would, without waiting and in
+        fewer steps: the usual small response); False, with nothing buffered, if they do not (then those three).
+        `StreamGone` if the stream or connection is gone."""
         stream = self._streams.get(stream_id)
         if stream is None or self.closed:
             raise StreamGone(stream_id)
         size = len(data)
-        if size > self._send_window or size > stream.send_window or size > self._max_frame:
+        limit = self._max_frame
+        if size > self._send_window or size > stream.send_window or size > limit:
             return False
-        self._buffer_data(stream_id, stream, data, size)
+        if len(headers) > limit or len(trailers) > limit:
+            return False
+        self._send_window -= size
+        stream.send_window -= size
+        out = self._out
+        out.append(_HEAD.pack(len(headers) >> 16, len(headers) & 0xFFFF, _HEADERS, _END_HEADERS, stream_id))
+        out.append(headers)
+        out.append(_HEAD.pack(size >> 16, size & 0xFFFF, _DATA, 0, stream_id))
+        out.append(data)
+        end = _END_HEADERS | _END_STREAM
+        out.append(_HEAD.pack(len(trailers) >> 16, len(trailers) & 0xFFFF, _HEADERS, end, stream_id))
+        out.append(trailers)
+        del self._streams[stream_id]
+        if not stream.ended:
+            out.append(_frame(_RST_STREAM, 0, stream_id, ErrorCode.NO_ERROR.to_bytes(4, "big")))
         return True
 
     async def send_data(self, stream_id: int, data: bytes) -> None:
