@@ -143,6 +143,9 @@ class _Connection(Http2Connection):
         super().__init__()
         self._server = server
         self._calls: dict[int, _Call] = {}
+        # The headers of the last call routed (held, so `is` cannot match another dict at the same address), its
+        # method and deadline: a client's calls repeat their header block, which the frame layer gives as one dict.
+        self._last_routed: tuple[dict[bytes, bytes], str, _Method, float | None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._server.connections.add(self)
@@ -158,18 +161,24 @@ class _Connection(Http2Connection):
 
     # ---- requests ------------------------------------------------------------------------------------------------
     def request_received(self, stream_id: int, headers: dict[bytes, bytes]) -> None:
-        content_type = headers.get(b"content-type", b"")
-        if headers.get(b":method") != b"POST" or not content_type.startswith(b"application/grpc"):
-            self.send_headers(stream_id, _NOT_GRPC_BLOCK, end_stream=True)
-            return
-        path = headers.get(b":path", b"")
-        route = self._server.routes.get(path)
-        if route is None:
-            text = path.decode("ascii", "replace")
-            self._trailers_only(stream_id, grpc.StatusCode.UNIMPLEMENTED, f"unknown method {text!r}")
-            return
-        name, method = route
-        call = _Call(stream_id, name, method, _timeout(headers.get(b"grpc-timeout")))
+        last = self._last_routed
+        if last is not None and last[0] is headers:  # the frame layer's decoded block of the previous call, as is
+            _, name, method, timeout = last
+        else:
+            content_type = headers.get(b"content-type", b"")
+            if headers.get(b":method") != b"POST" or not content_type.startswith(b"application/grpc"):
+                self.send_headers(stream_id, _NOT_GRPC_BLOCK, end_stream=True)
+                return
+            path = headers.get(b":path", b"")
+            route = self._server.routes.get(path)
+            if route is None:
+                text = path.decode("ascii", "replace")
+                self._trailers_only(stream_id, grpc.StatusCode.UNIMPLEMENTED, f"unknown method {text!r}")
+                return
+            name, method = route
+            timeout = _timeout(headers.get(b"grpc-timeout"))
+            self._last_routed = (headers, name, method, timeout)
+        call = _Call(stream_id, name, method, timeout)
         self._calls[stream_id] = call
         if method.streaming:
             call.queue = asyncio.Queue()
@@ -209,6 +218,13 @@ class _Connection(Http2Connection):
         if call.queue is not None:
             call.queue.put_nowait(None)
             return
+        pending = call.pending
+        if len(pending) == 1:  # the usual unary request: one DATA frame of one uncompressed message within the limit
+            data = pending[0]
+            size = len(data) - _PREFIX
+            if not data[0] and int.from_bytes(data[1:_PREFIX], "big") == size <= self._server.max_message_size:
+                call.task = asyncio.get_running_loop().create_task(self._run_unary(call, data[_PREFIX:]))
+                return
         try:
             messages = _split_messages(call, self._server.max_message_size)
             if len(messages) != 1 or call.size:

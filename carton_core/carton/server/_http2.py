@@ -249,31 +249,32 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
             at = len(_PREFACE)
         size = len(buffer)
         while size - at >= 9:
-            head: tuple[int, int, int, int, int] = _HEAD.unpack_from(buffer, at)
-            high, low, kind, flags, stream_id = head
+            high, low, kind, flags, stream_id = _HEAD.unpack_from(buffer, at)
             length = high << 16 | low
             if length > _MAX_FRAME:
                 raise _ConnectionError(ErrorCode.FRAME_SIZE_ERROR, f"a frame of {length} bytes")
-            if size - at - 9 < length:
+            end: int = at + 9 + length
+            if end > size:
                 self._need = 9 + length
                 return at
-            payload = buffer[at + 9 : at + 9 + length]
-            at += 9 + length
+            payload = buffer[at + 9 : end]
+            at = end
             stream_id &= _MAX_WINDOW
             if not self._settled and kind != _SETTINGS:
                 raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "the first frame is not SETTINGS")
             if self._continuing is not None and kind != _CONTINUATION:
                 raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "a frame inside a header block")
+            # A call's frames first: its HEADERS and DATA, the client's WINDOW_UPDATEs for its response.
             if kind == _DATA:
                 self._data(stream_id, flags, payload)
             elif kind == _HEADERS:
                 self._headers(stream_id, flags, payload)
+            elif kind == _WINDOW_UPDATE:
+                self._window_update(stream_id, payload)
             elif kind == _CONTINUATION:
                 self._continuation(stream_id, flags, payload)
             elif kind == _SETTINGS:
                 self._settings(stream_id, flags, payload)
-            elif kind == _WINDOW_UPDATE:
-                self._window_update(stream_id, payload)
             elif kind == _PING:
                 if length != 8:
                     raise _ConnectionError(ErrorCode.FRAME_SIZE_ERROR, "a PING frame that is not 8 bytes")
@@ -346,7 +347,8 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
             stream.send_window += increment
             if not increment or stream.send_window > _MAX_WINDOW:
                 self._reset(stream_id, ErrorCode.PROTOCOL_ERROR if not increment else ErrorCode.FLOW_CONTROL_ERROR)
-        self._wake()
+        if self._waiters:  # usually none: the response went out at once
+            self._wake()
 
     def _rst_stream(self, stream_id: int, payload: bytes) -> None:
         if len(payload) != 4:
@@ -511,17 +513,20 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
             return False
         self._send_window -= size
         stream.send_window -= size
-        out = self._out
-        out.append(_HEAD.pack(len(headers) >> 16, len(headers) & 0xFFFF, _HEADERS, _END_HEADERS, stream_id))
-        out.append(headers)
-        out.append(_HEAD.pack(size >> 16, size & 0xFFFF, _DATA, 0, stream_id))
-        out.append(data)
         end = _END_HEADERS | _END_STREAM
-        out.append(_HEAD.pack(len(trailers) >> 16, len(trailers) & 0xFFFF, _HEADERS, end, stream_id))
-        out.append(trailers)
+        self._out.extend(
+            (
+                _HEAD.pack(len(headers) >> 16, len(headers) & 0xFFFF, _HEADERS, _END_HEADERS, stream_id),
+                headers,
+                _HEAD.pack(size >> 16, size & 0xFFFF, _DATA, 0, stream_id),
+                data,
+                _HEAD.pack(len(trailers) >> 16, len(trailers) & 0xFFFF, _HEADERS, end, stream_id),
+                trailers,
+            )
+        )
         del self._streams[stream_id]
         if not stream.ended:
-            out.append(_frame(_RST_STREAM, 0, stream_id, ErrorCode.NO_ERROR.to_bytes(4, "big")))
+            self._out.append(_frame(_RST_STREAM, 0, stream_id, ErrorCode.NO_ERROR.to_bytes(4, "big")))
         return True
 
     async def send_data(self, stream_id: int, data: bytes) -> None:
