@@ -25,7 +25,8 @@ __all__ = ["KnownRequest", "RequestForm", "RequestForms", "ResponsePrefixes", "v
 # Field tags (field number << 3 | length-delimited): ModelInferRequest.raw_input_contents (7) and
 # ModelInferResponse.raw_output_contents (6).
 _RAW_INPUT_TAG = b"\x3a"
-_RAW_OUTPUT_TAG = b"\x32"
+_RAW_OUTPUT = 0x32
+_RAW_OUTPUT_TAG = bytes((_RAW_OUTPUT,))
 # Forms are kept by the length of their requests (a few of each length: clients of other models or layouts).
 _LENGTHS = 64
 _FORMS_OF_A_LENGTH = 4
@@ -181,6 +182,7 @@ def join(prefix: bytes, datas: Sequence[bytes | memoryview]) -> bytes:
     """A response's bytes: `prefix` and a raw-output field for each of `datas`."""
     parts: list[bytes | memoryview] = [prefix]
     for data in datas:
-        parts.append(_RAW_OUTPUT_TAG + varint(len(data)))
+        size = len(data)
+        parts.append(bytes((_RAW_OUTPUT, size)) if size < 0x80 else _RAW_OUTPUT_TAG + varint(size))
         parts.append(data)
     return b"".join(parts)

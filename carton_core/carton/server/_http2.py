@@ -146,6 +146,7 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
         self._max_frame = _DEFAULT_FRAME
         self._recv_window = _WINDOW
         self._received = 0
+        self._stream_owed = False  # a stream has received half of its window since its last WINDOW_UPDATE
         self._waiters: list[asyncio.Future[None]] = []
         self._going_away = False
         self.closed = False
@@ -439,6 +440,8 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
             return
         stream.recv_window -= length
         stream.received += length
+        if stream.received >= _WINDOW // 2:
+            self._stream_owed = True
         if stream.recv_window < 0:
             self._reset(stream_id, ErrorCode.FLOW_CONTROL_ERROR)
             return
@@ -454,6 +457,9 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
             self._out.append(_frame(_WINDOW_UPDATE, 0, 0, self._received.to_bytes(4, "big")))
             self._recv_window += self._received
             self._received = 0
+        if not self._stream_owed:
+            return
+        self._stream_owed = False
         for stream_id, stream in self._streams.items():
             if stream.received >= _WINDOW // 2 and not stream.ended:
                 self._out.append(_frame(_WINDOW_UPDATE, 0, stream_id, stream.received.to_bytes(4, "big")))
