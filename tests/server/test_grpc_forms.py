@@ -123,6 +123,21 @@ def test_layouts_never_learnt(message: bytes) -> None:
         assert not isinstance(forms.parse(message), KnownRequest)
 
 
+def test_a_connection_whose_requests_never_repeat_stops_learning() -> None:
+    forms = RequestForms(Request.FromString)
+    for index in range(100):  # a new request id each time: every form learnt goes unused
+        message = _request([bytes(8)], request_id=f"{index:04d}").SerializeToString()
+        parsed = forms.parse(message)
+        assert not isinstance(parsed, KnownRequest)
+        assert parsed == Request.FromString(message)
+    message = _request([bytes(8)], request_id="same").SerializeToString()
+    assert not isinstance(forms.parse(message), KnownRequest)
+    assert not isinstance(forms.parse(message), KnownRequest)  # not learnt any more
+    other = RequestForms(Request.FromString)  # another connection's
+    _learnt(other, message)
+    assert isinstance(other.parse(message), KnownRequest)
+
+
 def test_varint() -> None:
     for value in (0, 1, 127, 128, 300, 16383, 16384, 2**31):
         assert varint(value) == Request(raw_input_contents=[bytes(value)]).SerializeToString()[1:][: len(varint(value))]
@@ -139,7 +154,7 @@ def test_responses_are_the_bytes_upb_serializes(server: Server) -> None:
     with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
         infer = _raw_infer(channel)
         for round_ in range(4):
-            for request_id, outputs in (("", ()), ("r", ("OUTPUT0",))):
+            for request_id, outputs in (("", ()), ("r", ("OUTPUT0",)), (f"é{round_}" * 70, ()), (str(round_), ())):
                 x = arange((1, 4)) + round_
                 request = _request([x.tobytes()], request_id=request_id, outputs=outputs)
                 expected = Response(model_name="identity", model_version="2", id=request_id)

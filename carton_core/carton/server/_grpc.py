@@ -23,7 +23,7 @@ from carton_protocol import DType, Tensor
 
 from ._bounded import remember
 from ._datatypes import DATATYPE_OF, NUMPY_OF, counted
-from ._grpc_plan import KnownRequest, RequestForms, ResponsePrefixes, join
+from ._grpc_plan import KnownRequest, ResponsePrefixes
 from ._handle import metadata_shape
 from ._http import EXTENSIONS, RepositoryControl, ServerControl, ServerTotals
 from ._inference import (
@@ -243,7 +243,6 @@ class GrpcService:
         self.control = control
         self.totals = totals
         self.server_version = server_version
-        self.request_forms = RequestForms(_M["ModelInferRequest"].FromString)
         self._prefixes = ResponsePrefixes()
 
     @property
@@ -373,16 +372,17 @@ class GrpcService:
         return await self._infer(request, _response)
 
     async def model_infer_serialized(self, request: Any) -> bytes:
-        """``ModelInfer`` of a request as `request_forms` parses it, answered with the response's bytes."""
+        """``ModelInfer`` of a request upb parsed or a `KnownRequest` (`RequestForms`), answered with the response's
+        bytes."""
         response: bytes = await self._infer(request, self._serialized)
         return response
 
     def _serialized(self, served: ServedVersion, request_id: str, described: _Described, datas: list[Any]) -> bytes:
-        key = (served.model, served.version_str, request_id, tuple(described))
-        prefix = self._prefixes.get(key)
-        if prefix is not None:
-            return join(prefix, datas)
-        return self._prefixes.learn(key, _response(served, request_id, described, datas), datas)
+        key = (served.model, served.version_str, tuple(described))
+        payload = self._prefixes.serialize(key, request_id, datas)
+        if payload is None:
+            payload = self._prefixes.learn(key, request_id, datas, _response(served, request_id, described, datas))
+        return payload
 
     async def _infer(self, request: Any, build: Callable[..., Any]) -> Any:
         """One inference of `request`, answered with `build` of its outputs (`_response` or `_serialized`)."""

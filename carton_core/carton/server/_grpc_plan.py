@@ -6,8 +6,8 @@ concatenation of two serialized messages as the merge of both, so a request whos
 field but the raw inputs) followed by raw-input fields of the learnt sizes means the learnt head's fields with those
 raw inputs, exactly: `RequestForms.parse` checks the bytes and gives such a request as a `KnownRequest` (its raw
 inputs as offsets into the message), anything else as upb parses it. A response's bytes are, the same way, a prefix
-(model, version, id and the outputs' descriptions, serialized once by upb) and the outputs' raw-bytes fields
-(`ResponsePrefixes.serialize`).
+(model and version, then the id, then the outputs' descriptions, serialized once by upb) and the outputs'
+raw-bytes fields (`ResponsePrefixes.serialize`).
 """
 
 from __future__ import annotations
@@ -22,14 +22,17 @@ from ._bounded import remember
 
 __all__ = ["KnownRequest", "RequestForm", "RequestForms", "ResponsePrefixes", "varint"]
 
-# Field tags (field number << 3 | length-delimited): ModelInferRequest.raw_input_contents (7) and
-# ModelInferResponse.raw_output_contents (6).
+# Field tags (field number << 3 | length-delimited): ModelInferRequest.raw_input_contents (7),
+# ModelInferResponse.id (3) and ModelInferResponse.raw_output_contents (6).
 _RAW_INPUT_TAG = b"\x3a"
+_ID_TAG = b"\x1a"
 _RAW_OUTPUT = 0x32
 _RAW_OUTPUT_TAG = bytes((_RAW_OUTPUT,))
 # Forms are kept by the length of their requests (a few of each length: clients of other models or layouts).
 _LENGTHS = 64
 _FORMS_OF_A_LENGTH = 4
+# Forms learnt in a row that no request used: past this many, a connection learns no more.
+_GIVE_UP = 32
 _PREFIXES = 256
 
 
@@ -77,11 +80,13 @@ class KnownRequest:
 
 
 class RequestForms:
-    """The request layouts learnt from the requests `parse` (upb's ``FromString``) took."""
+    """The request layouts learnt from the requests `parse` (upb's ``FromString``) took: one per connection (a
+    client repeats its own layout)."""
 
     def __init__(self, parse: Callable[[bytes], Any]) -> None:
         self._parse = parse
         self._forms: dict[int, list[RequestForm]] = {}
+        self._unused = 0  # forms learnt since a request was last of a learnt form
 
     def parse(self, message: bytes) -> Any:
         """`message` as a `KnownRequest` if it is of a learnt form, else as upb parses it (``DecodeError`` if it is
@@ -92,10 +97,14 @@ class RequestForms:
                 if message.startswith(form.head) and (
                     not form.inner or all(message[at : at + len(header)] == header for at, header in form.inner)
                 ):
+                    self._unused = 0
                     return KnownRequest(form, message)
         request = self._parse(message)
+        if self._unused >= _GIVE_UP:
+            return request  # a client that does not repeat itself (a new request id each time, say)
         learnt = self._learn(message, request)
         if learnt is not None:
+            self._unused += 1
             if forms is None:
                 forms = remember(self._forms, len(message), [], _LENGTHS)
             elif len(forms) >= _FORMS_OF_A_LENGTH:
@@ -156,31 +165,47 @@ class RequestForms:
 
 
 class ResponsePrefixes:
-    """The serialized prefixes of the responses `build` made: a response's bytes are its prefix and its outputs'
+    """The serialized parts of the responses upb made, by model, version and outputs' names, datatypes and shapes: a
+    response's bytes are its head (model and version), its id field, its outputs' descriptions and its outputs'
     raw-bytes fields."""
 
     def __init__(self) -> None:
-        self._prefixes: dict[tuple[Any, ...], bytes] = {}
+        self._parts: dict[tuple[Any, ...], tuple[bytes, bytes]] = {}
 
-    def get(self, key: tuple[Any, ...]) -> bytes | None:
-        """The prefix of responses described by `key` (model, version, id, the outputs' names, datatypes and
-        shapes), if one was learnt."""
-        return self._prefixes.get(key)
+    def serialize(self, key: tuple[Any, ...], request_id: str, datas: Sequence[bytes | memoryview]) -> bytes | None:
+        """The bytes of the response described by `key` (model, version, the outputs' names, datatypes and shapes)
+        with `request_id` and the raw outputs `datas`; None if its parts are not known yet (then `learn`)."""
+        parts = self._parts.get(key)
+        if parts is None:
+            return None
+        return _joined(parts[0], request_id, parts[1], datas)
 
-    def learn(self, key: tuple[Any, ...], response: Any, datas: Sequence[bytes | memoryview]) -> bytes:
-        """`response` (upb's, whose raw outputs are `datas`) serialized; its prefix is kept under `key` when the
-        serialization is the prefix and the raw outputs' fields."""
+    def learn(self, key: tuple[Any, ...], request_id: str, datas: Sequence[bytes | memoryview], response: Any) -> bytes:
+        """`response` (upb's message of what `serialize` was given) serialized; its parts are kept when that is
+        exactly their concatenation."""
         payload: bytes = response.SerializeToString()
         del response.raw_output_contents[:]
-        prefix: bytes = response.SerializeToString()
-        if join(prefix, datas) == payload:
-            remember(self._prefixes, key, prefix, _PREFIXES)
+        rest: bytes = response.SerializeToString()
+        head_message = type(response)(model_name=response.model_name, model_version=response.model_version)
+        head: bytes = head_message.SerializeToString()
+        before = head + _id_field(request_id)
+        if rest.startswith(before):
+            outputs = rest[len(before) :]
+            if _joined(head, request_id, outputs, datas) == payload:
+                remember(self._parts, key, (head, outputs), _PREFIXES)
         return payload
 
 
-def join(prefix: bytes, datas: Sequence[bytes | memoryview]) -> bytes:
-    """A response's bytes: `prefix` and a raw-output field for each of `datas`."""
-    parts: list[bytes | memoryview] = [prefix]
+def _id_field(request_id: str) -> bytes:
+    """The response's ``id`` field (proto3: absent when empty)."""
+    if not request_id:
+        return b""
+    encoded = request_id.encode()
+    return _ID_TAG + varint(len(encoded)) + encoded
+
+
+def _joined(head: bytes, request_id: str, outputs: bytes, datas: Sequence[bytes | memoryview]) -> bytes:
+    parts: list[bytes | memoryview] = [head, _id_field(request_id) if request_id else b"", outputs]
     for data in datas:
         size = len(data)
         parts.append(bytes((_RAW_OUTPUT, size)) if size < 0x80 else _RAW_OUTPUT_TAG + varint(size))

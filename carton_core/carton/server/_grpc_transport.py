@@ -25,6 +25,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from ._grpc import GrpcService, message_type
+from ._grpc_plan import RequestForms
 from ._http2 import Http2Connection, StreamGone, header_block
 from ._proto import SERVICE_NAME
 from .errors import BadRequest, ServerError
@@ -52,14 +53,13 @@ def _code(status: grpc.StatusCode) -> bytes:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _Method:
-    """One method of the service: its function, the class its requests parse into, and how they are parsed (the
-    class's ``FromString``, or for ``ModelInfer`` the service's request forms); the function answers with a message
-    or with its bytes."""
+    """One method of the service: its function (which answers with a message, or with its bytes), the class its
+    requests parse into, and whether they are parsed through the connection's `RequestForms` (``ModelInfer``)."""
 
     function: Callable[[Any], Any]
     request: Any
     streaming: bool
-    parse: Callable[[bytes], Any]
+    learns: bool = False
 
 
 class _Failure(Exception):
@@ -143,6 +143,7 @@ class _Connection(Http2Connection):
         super().__init__()
         self._server = server
         self._calls: dict[int, _Call] = {}
+        self._forms = RequestForms(message_type("ModelInferRequest").FromString)
         # The headers of the last call routed (held, so `is` cannot match another dict at the same address), its
         # method and deadline: a client's calls repeat their header block, which the frame layer gives as one dict.
         self._last_routed: tuple[dict[bytes, bytes], str, _Method, float | None] | None = None
@@ -275,6 +276,14 @@ class _Connection(Http2Connection):
         self._headers_once(call)
         await self.send_data(call.stream_id, _framed(payload))
 
+    def _request(self, call: _Call, message: bytes) -> Any:
+        try:
+            if call.method.learns:
+                return self._forms.parse(message)
+            return call.method.request.FromString(message)
+        except DecodeError as exc:
+            raise BadRequest(f"the {call.name} request is not a valid {call.method.request.__name__} message") from exc
+
     def _arm(self, call: _Call) -> None:
         """Start the call's deadline, from its task (a task cancelled before it starts would never answer)."""
         if call.timeout is not None:
@@ -320,7 +329,7 @@ class _Connection(Http2Connection):
     async def _run_unary(self, call: _Call, message: bytes) -> None:
         try:
             self._arm(call)
-            response = await call.method.function(_parse(call, message))
+            response = await call.method.function(self._request(call, message))
             payload = response if type(response) is bytes else response.SerializeToString()
             data = _framed(payload)
             if self.send_response_now(call.stream_id, _RESPONSE_BLOCK, data, _OK_TRAILERS_BLOCK):
@@ -339,7 +348,7 @@ class _Connection(Http2Connection):
 
         async def requests() -> AsyncIterator[Any]:
             while (message := await queue.get()) is not None:
-                yield _parse(call, message)
+                yield self._request(call, message)
 
         try:
             self._arm(call)
@@ -364,13 +373,6 @@ def _framed(payload: bytes) -> bytes:
     return b"\x00" + len(payload).to_bytes(4, "big") + payload
 
 
-def _parse(call: _Call, message: bytes) -> Any:
-    try:
-        return call.method.parse(message)
-    except DecodeError as exc:
-        raise BadRequest(f"the {call.name} request is not a valid {call.method.request.__name__} message") from exc
-
-
 def _message(text: str) -> bytes:
     """A ``grpc-message`` value: percent-encoded UTF-8, as the gRPC protocol asks."""
     return quote(text, safe=" !\"#$&'()*+,-./:;<=>?@[\\]^_`{|}~").encode("ascii")
@@ -380,19 +382,16 @@ class GrpcServer:
     """`GrpcService`'s methods served on a listening socket; `close` stops it."""
 
     def __init__(self, service: GrpcService, *, max_message_size: int) -> None:
-        methods: dict[str, _Method] = {}
-        for name, function in service.unary_methods().items():
-            request = message_type(f"{name}Request")
-            methods[name] = _Method(function=function, request=request, streaming=False, parse=request.FromString)
+        methods: dict[str, _Method] = {
+            name: _Method(function=function, request=message_type(f"{name}Request"), streaming=False)
+            for name, function in service.unary_methods().items()
+        }
         infer_request = message_type("ModelInferRequest")
         methods["ModelInfer"] = _Method(
-            function=service.model_infer_serialized,
-            request=infer_request,
-            streaming=False,
-            parse=service.request_forms.parse,
+            function=service.model_infer_serialized, request=infer_request, streaming=False, learns=True
         )
         methods["ModelStreamInfer"] = _Method(
-            function=service.model_stream_infer, request=infer_request, streaming=True, parse=infer_request.FromString
+            function=service.model_stream_infer, request=infer_request, streaming=True
         )
         # The request paths taken, as they come: a call's path is looked up, not decoded and split.
         self.routes = {f"/{SERVICE_NAME}/{name}".encode(): (name, method) for name, method in methods.items()}
