@@ -54,7 +54,6 @@ class RequestForm:
     first's ends `head`; the others' are `inner`, at their offsets) and bytes (`sizes`, at `offsets`)."""
 
     head: bytes
-    length: int
     inner: tuple[tuple[int, bytes], ...]
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
@@ -152,7 +151,6 @@ class RequestForms:
             requested = tuple(output.name for output in outputs)
         return RequestForm(
             head=message[: start + len(headers[0])],
-            length=len(message),
             inner=tuple(inner),
             offsets=tuple(offsets),
             sizes=tuple(map(len, raw)),
