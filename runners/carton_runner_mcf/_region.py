@@ -133,7 +133,7 @@ class DecodeRegion:
             np.zeros((team, *xs), np.float32),
             np.zeros((team, d), np.float32),
             np.zeros((team, d), np.float32),
-            np.zeros((2 * team, capacity), np.float32),  # each thread's, then the shared scores of split heads
+            np.zeros((team, capacity), np.float32),
             np.zeros((team, 1, row), np.float32),
         )
         shared = (

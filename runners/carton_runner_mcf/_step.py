@@ -9,11 +9,7 @@ so a thread that starts late or is descheduled only does less of it:
    codes in one run, and one descheduled mid-phase holds up only its current chunk;
 2. attention, one unit per (row of the batch, query head): rotary embedding of its query and of its kv head's new
    key, scores over the cache and the new slot, softmax, the weighted values; the first query head of a kv head
-   also stores the new key and value in the cache. The heads left over when they do not divide among the threads
-   (9 query heads at two threads: the last one) are each split into one part per thread twice over: first its
-   scores by ranges of cache slots into a shared row, then, once every part's scores are in (`_atomics.count`,
-   `_atomics.await_count`), its output by ranges of elements, each part computing the softmax of a copy of the
-   whole row as the unsplit head does, so the bits are those of one thread;
+   also stores the new key and value in the cache;
 3. o rows, the same way;
 4. gate and up rows together, the same way, each chunk finishing its rows' SwiGLU;
 5. down rows, the same way.
@@ -34,7 +30,7 @@ import math
 import numba
 import numpy as np
 
-from ._atomics import await_count, barrier, count, depart, take, take_share, wait_departures
+from ._atomics import barrier, depart, take, take_share, wait_departures
 from ._blocks import JIT
 from ._compiled import _decode_rows, _matmul_rows, quantize
 from ._fused import _rotate, rms_norm, softmax_weights
@@ -84,22 +80,6 @@ def _dot(a, b):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(**_FAST)
-def _weigh(scores, denominator, mask, slot, new_value, cached, dest, first, last):  # type: ignore[no-untyped-def]
-    """Elements ``first..last`` of a head's output ``dest``: the softmax weights ``scores / denominator`` (cache
-    slots that ``mask`` marks real, then ``slot``) times the values ``cached [capacity, d]`` and ``new_value``. Each
-    element is summed over the slots in the same order whatever its range, so a head's output split by ranges
-    between threads has the bits of the whole."""
-    weight = scores[slot] / denominator
-    for i in range(first, last):
-        dest[i] = weight * new_value[i]
-    for s in range(slot):
-        if mask[s]:
-            weight = scores[s] / denominator
-            for i in range(first, last):
-                dest[i] += weight * cached[s, i]
-
-
-@numba.njit(**_FAST)
 def _attend(layer, b, head, groups, q, k, v, cos, sin, keys, values, key_mask, slot, scale, query, key, scores, out):  # type: ignore[no-untyped-def]
     """Attention of query ``head`` of batch row ``b`` over the cache and the new slot (see the module)."""
     d = query.size
@@ -118,46 +98,15 @@ def _attend(layer, b, head, groups, q, k, v, cos, sin, keys, values, key_mask, s
             scores[s] = total
             largest = max(largest, total)
     denominator = softmax_weights(scores, key_mask[b], slot, largest)
-    _weigh(scores, denominator, key_mask[b], slot, new_value, values[layer, b, g], out[b, head * d : (head + 1) * d],
-           0, d)  # fmt: skip
-
-
-@numba.njit(**_FAST)
-def _attend_scores(  # type: ignore[no-untyped-def]
-    layer, b, head, groups, q, k, v, cos, sin, keys, values, key_mask, slot, scale, query, key, shared, first, last
-):
-    """A split head's part of `_attend`: its scores over the slots ``first..last`` of ``0..slot`` into ``shared``
-    (the new slot's by the part that holds it, which also stores the new key and value when `_attend` would)."""
-    d = query.size
-    g = head // groups
-    _rotate(q[b, head * d : (head + 1) * d], cos[b], sin[b], query, scale)
-    for s in range(first, min(last, slot)):
-        if key_mask[b, s]:
-            shared[s] = _dot(query, keys[layer, b, g, s])
-    if first <= slot < last:
-        _rotate(k[b, g * d : (g + 1) * d], cos[b], sin[b], key, np.float32(1.0))
-        if head % groups == 0:
-            keys[layer, b, g, slot, :] = key
-            values[layer, b, g, slot, :] = v[b, g * d : (g + 1) * d]
-        shared[slot] = _dot(query, key)
-
-
-@numba.njit(**_FAST)
-def _attend_values(layer, b, head, groups, v, values, key_mask, slot, shared, scores, out, first, last):  # type: ignore[no-untyped-def]
-    """A split head's part of `_attend` once every part's scores are in ``shared``: its output elements
-    ``first..last``, from the softmax of a copy of the scores (``scores``, this thread's) computed as `_attend`
-    computes it."""
-    d = values.shape[4]
-    g = head // groups
-    for s in range(slot + 1):
-        scores[s] = shared[s]
-    largest = scores[slot]
+    dest = out[b, head * d : (head + 1) * d]
+    weight = scores[slot] / denominator
+    for i in range(d):
+        dest[i] = weight * new_value[i]
     for s in range(slot):
         if key_mask[b, s]:
-            largest = max(largest, scores[s])
-    denominator = softmax_weights(scores, key_mask[b], slot, largest)
-    _weigh(scores, denominator, key_mask[b], slot, v[b, g * d : (g + 1) * d], values[layer, b, g],
-           out[b, head * d : (head + 1) * d], first, last)  # fmt: skip
+            weight = scores[s] / denominator
+            for i in range(d):
+                dest[i] += weight * values[layer, b, g, s, i]
 
 
 @numba.njit(**JIT)
@@ -270,8 +219,6 @@ def decode_step(  # type: ignore[no-untyped-def]
     m = hidden.shape[0]
     heads = q.shape[1] // query.size
     groups = heads // (k.shape[1] // query.size)
-    split = m * heads % team  # heads that do not divide among the threads, each split into `team` parts
-    whole = m * heads - split
     if ids.size:
         _embed(embedding, ids, row_all[worker], hidden)
     else:
@@ -287,26 +234,11 @@ def decode_step(  # type: ignore[no-untyped-def]
             return ABORTED
         while True:
             unit = take(control, counter + team)
-            if unit < whole:
-                b, head = unit // heads, unit % heads
-                _attend(layer, b, head, groups, q, k, v, cos, sin, keys, values, key_mask, slot, scale, query, key,
-                        scores, attended)  # fmt: skip
-                continue
-            unit -= whole
-            if unit >= 2 * split * team:
+            if unit >= m * heads:
                 break
-            part, which = unit % team, unit // team % split  # a split head's part of its scores, then of its output
-            b, head = (whole + which) // heads, (whole + which) % heads
-            if unit < split * team:
-                _attend_scores(layer, b, head, groups, q, k, v, cos, sin, keys, values, key_mask, slot, scale, query,
-                               key, scores_all[team + which], (slot + 1) * part // team,
-                               (slot + 1) * (part + 1) // team)  # fmt: skip
-                count(control, counter + team + 1 + which)
-                continue
-            if not await_count(control, counter + team + 1 + which, team):
-                return ABORTED
-            _attend_values(layer, b, head, groups, v, values, key_mask, slot, scores_all[team + which], scores,
-                           attended, query.size * part // team, query.size * (part + 1) // team)  # fmt: skip
+            b, head = unit // heads, unit % heads
+            _attend(layer, b, head, groups, q, k, v, cos, sin, keys, values, key_mask, slot, scale, query, key, scores,
+                    attended)  # fmt: skip
         passed = barrier(control, passed, team)
         if passed < 0:
             return ABORTED
