@@ -58,7 +58,7 @@ from ._reaper import kill_tree, reap_children, set_child_subreaper, set_parent_d
 from ._runner import LoadContext, PackContext, PackResult, Runner
 from ._shm import SHM_AVAILABLE, FdChannel
 from ._templates import Plan
-from ._zmqio import new_context, recv_message, send_message
+from ._zmqio import new_context, recv_message, recv_routed, send_message
 from .errors import ErrorCode, FrameError, InvalidOutput, ProtocolError, RunnerFault, VersionMismatch
 
 __all__ = ["DEFAULT_INLINE_MAX_SECONDS", "INLINE_MAX_ENV", "error_code", "error_reply", "import_entry", "main"]
@@ -210,7 +210,7 @@ class _Server:
             return self._serve_concurrent()
         router = self.router
         while self.running:
-            self._handle(recv_message(router))
+            self._handle(recv_routed(router))
         return self.exit_code
 
     def _serve_concurrent(self) -> int:
@@ -224,11 +224,11 @@ class _Server:
             if self.pooled == 0:
                 # Nothing can come back from the pool: wait on the router alone, as a plain runner does (a poll over
                 # both sockets costs a wake-up's worth of extra system calls per request).
-                self._handle(recv_message(router))
+                self._handle(recv_routed(router))
                 continue
             for sock, _ in zmq_poll(items, -1):
                 if sock is router:
-                    self._handle(recv_message(router))
+                    self._handle(recv_routed(router))
                 else:
                     # Counted down before the reply leaves: the host's next request then finds the pool idle.
                     self.pooled -= 1
@@ -253,7 +253,7 @@ class _Server:
         """Send `reply` on the router (from the socket thread: pool threads send theirs in `_pooled_infer`)."""
         send_message(self.router, [ident, self.codec.encode(reply)])
 
-    def _handle(self, frames: list[zmq.Frame]) -> None:
+    def _handle(self, frames: list[Any]) -> None:
         if len(frames) < 2:
             return  # not a request (an empty message from a confused peer): nothing to answer
         ident = frames[0]

@@ -97,20 +97,21 @@ class Plan:
         self.items = items  # (name, dtype, shape, size, element count, is BOOL)
 
     def decode(self, frames: Sequence[Any]) -> dict[str, Tensor]:
-        """Arrays over the data frames' buffers (`zmq.Frame`s, or anything with a ``buffer``), after the checks
+        """Arrays over the data frames' buffers (`zmq.Frame`s, whose length is their byte count), after the checks
         that depend on the data (frame count, sizes, BOOL)."""
         items = self.items
         if len(frames) != len(items):
             raise FrameError(f"message has {len(frames)} data frames, the header accounts for {len(items)}")
         tensors: dict[str, Tensor] = {}
         for (name, dtype, shape, size, count, is_bool), frame in zip(items, frames):  # noqa: B905 - lengths checked
-            buffer = frame.buffer
-            if len(buffer) != size:
-                raise FrameError(f"tensor {name!r}: data frame is {len(buffer)} bytes, header says {size}")
+            # The frame itself is the buffer: `frame.buffer` would make a memoryview of it on every call.
+            length = len(frame)
+            if length != size:
+                raise FrameError(f"tensor {name!r}: data frame is {length} bytes, header says {size}")
             if count == 0:
                 array = np.empty(shape, dtype)
             else:
-                array = np.ndarray(shape, dtype, buffer)  # one call: np.frombuffer then reshape costs two
+                array = np.ndarray(shape, dtype, frame)  # one call: np.frombuffer then reshape costs two
                 if is_bool and array.view(np.uint8).max() > 1:
                     raise FrameError(f"tensor {name!r}: BOOL bytes must be 0 or 1")
             tensors[name] = array

@@ -39,6 +39,10 @@ class OnnxRunner(Runner):
         self._graph_inputs = dict(self._binding.inputs)
         self._graph_outputs = [graph_name for _, graph_name in self._binding.outputs]
         self._output_names = tuple(name for name, _ in self._binding.outputs)
+        # Passed to every `run`: given None, onnxruntime's binding first tries (and fails) to find a module-local
+        # `RunOptions` type for it, raising and clearing an AttributeError on every call; a real one binds at once.
+        # It is only read during a run, so concurrent runs share it.
+        self._run_options = ort.RunOptions()
 
     def infer(self, inputs: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
         # The usual call, written out here (every request's path): exactly the model's inputs, checked in one pass.
@@ -54,7 +58,7 @@ class OnnxRunner(Runner):
         else:
             feeds = self._feeds(inputs)
         try:
-            results = self._session.run(self._graph_outputs, feeds)
+            results = self._session.run(self._graph_outputs, feeds, self._run_options)
         except InvalidArgument as exc:  # a dtype, rank or dimension the graph does not take: the caller's inputs
             raise InvalidInput(f"onnxruntime refused the inputs: {exc}") from exc
         except Exception as exc:  # onnxruntime's other pybind errors (Fail, ...) share no public base

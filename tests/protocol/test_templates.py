@@ -99,9 +99,15 @@ def test_a_learned_header_matches_only_identical_bytes_and_data_is_still_checked
     plan = matched[1]
     other_id = pack({"op": "infer", "id": 70000, "tensors": [ENTRY, BOOL_ENTRY]})
     assert runner.match(other_id) is not None and runner.match(other_id)[0] == 70000  # type: ignore[index]
-    outputs = plan.decode(frames(b"\x00\x00\x80\x3f\x00\x00\x00\x40", b"\x01\x00\x01"))
+    data_frames = frames(b"\x00\x00\x80\x3f\x00\x00\x00\x40", b"\x01\x00\x01")
+    outputs = plan.decode(data_frames)
     assert outputs["x"].tolist() == [[1.0, 2.0]]  # type: ignore[union-attr]
     assert outputs["b"].tolist() == [True, False, True]  # type: ignore[union-attr]
+    # Writable views over the frames themselves, not copies: a runner may work in place on its inputs.
+    x = outputs["x"]
+    assert isinstance(x, np.ndarray) and x.flags.writeable and not x.flags.owndata
+    x[0, 0] = 3.0
+    assert data_frames[0].bytes[:4] == b"\x00\x00\x40\x40"
     with pytest.raises(FrameError, match="message has 1 data frames, the header accounts for 2"):
         plan.decode(frames(bytes(8)))
     with pytest.raises(FrameError, match="'x': data frame is 9 bytes, header says 8"):

@@ -160,6 +160,30 @@ def test_a_header_block_in_continuation_frames_with_padding_and_priority(peer: P
     assert peer.frame_of(1) == (HEADERS, END_HEADERS | END_STREAM, OK_TRAILERS_BLOCK)
 
 
+@pytest.mark.parametrize("window", [7, 6])
+def test_a_small_response_within_the_window_goes_at_once_and_one_past_it_waits(peer: Peer, window: int) -> None:
+    peer.start(INITIAL_WINDOW_SIZE=window)
+    peer.send(
+        frame(HEADERS, END_HEADERS, 1, peer.request_block("ServerLive")),
+        frame(DATA, END_STREAM, 1, message(b"")),
+    )
+    data = message(b"\x08\x01")  # 7 bytes
+    assert peer.frame_of(1) == (HEADERS, END_HEADERS, RESPONSE_BLOCK)
+    assert peer.frame_of(1) == (DATA, 0, data[:window])
+    if window < len(data):
+        peer.send(frame(WINDOW_UPDATE, 0, 1, (len(data) - window).to_bytes(4, "big")))
+        assert peer.frame_of(1) == (DATA, 0, data[window:])
+    assert peer.frame_of(1) == (HEADERS, END_HEADERS | END_STREAM, OK_TRAILERS_BLOCK)
+    # The stream is closed: a WINDOW_UPDATE on it is ignored, and the next call is answered as the first.
+    peer.send(frame(WINDOW_UPDATE, 0, 1, (100).to_bytes(4, "big")))
+    peer.send(
+        frame(HEADERS, END_HEADERS, 3, peer.request_block("ServerLive")),
+        frame(DATA, END_STREAM, 3, message(b"")),
+    )
+    assert peer.frame_of(3) == (HEADERS, END_HEADERS, RESPONSE_BLOCK)
+    assert peer.frame_of(3) == (DATA, 0, data[:window])
+
+
 def _infer_frames(peer: Peer, x: np.ndarray) -> None:
     peer.send(
         frame(HEADERS, END_HEADERS, 1, peer.request_block("ModelInfer")),

@@ -221,17 +221,23 @@ class Model:
             raise errors[0]
 
     def _acquire(self) -> _Worker:
+        workers = self._workers
+        if len(workers) == 1:
+            # Nothing to balance: no count to keep, so no lock to take (`close` only ever sets `_closed`).
+            if self._closed:
+                raise ModelClosed("the model is closed")
+            return workers[0]
         with self._lock:
             if self._closed:
                 raise ModelClosed("the model is closed")
-            workers = self._workers
-            worker = workers[0] if len(workers) == 1 else min(workers, key=_in_flight)
+            worker = min(workers, key=_in_flight)
             worker.in_flight += 1
             return worker
 
     def _release(self, worker: _Worker) -> None:
-        with self._lock:
-            worker.in_flight -= 1
+        if len(self._workers) > 1:
+            with self._lock:
+                worker.in_flight -= 1
 
     def _process_for(self, worker: _Worker) -> RunnerProcess:
         """The worker's live process, restarting it if it died (one restart at a time per worker)."""

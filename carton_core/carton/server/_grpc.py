@@ -23,6 +23,7 @@ from carton_protocol import DType, Tensor
 
 from ._bounded import remember
 from ._datatypes import DATATYPE_OF, NUMPY_OF, counted
+from ._grpc_plan import KnownRequest, ResponsePrefixes
 from ._handle import metadata_shape
 from ._http import EXTENSIONS, RepositoryControl, ServerControl, ServerTotals
 from ._inference import (
@@ -104,9 +105,18 @@ def _decode_input(served: ServedVersion, tensor: Any, raw: bytes | None) -> np.n
 _PLANS = 256
 
 
-def _decode_request(served: ServedVersion, request: Any) -> tuple[dict[str, np.ndarray], list[str] | None]:
+_Decoded = tuple[dict[str, np.ndarray], list[str] | None]
+_Described = list[tuple[str, str, tuple[int, ...]]]
+
+
+def _decode_request(served: ServedVersion, request: Any) -> _Decoded:
     """A ``ModelInferRequest``'s inputs as arrays for `served`, and the names of the outputs it asks for (None: all).
     `BadRequest` naming the field or tensor at fault."""
+    if type(request) is KnownRequest:
+        known = _decode_known(served, request)
+        if known is not None:
+            return known
+        request = _M["ModelInferRequest"].FromString(request.message)  # the full decoding says what is wrong
     # The repeated fields are taken as lists (a slice, one call): iterating the message's own containers ends each
     # loop with an `IndexError` made and formatted in C.
     raw = request.raw_input_contents[:]
@@ -145,6 +155,29 @@ def _decode_request(served: ServedVersion, request: Any) -> tuple[dict[str, np.n
     return inputs, requested
 
 
+def _decode_known(served: ServedVersion, request: KnownRequest) -> _Decoded | None:
+    """A request of a learnt form decoded as `_decode_request` decodes one with a known input plan; None without one
+    (the version is new, or its plan was forgotten)."""
+    form = request.form
+    plan = served.input_plans.get(form.key)
+    if plan is None:
+        return None
+    message = request.message
+    inputs = {}
+    for (name, numpy_dtype, shape, count, size), offset, given in zip(plan, form.offsets, form.sizes, strict=True):
+        if given != size:
+            return None
+        if offset % numpy_dtype.alignment:  # an aligned copy, as upb's bytes would be
+            inputs[name] = np.frombuffer(message[offset : offset + size], numpy_dtype, count).reshape(shape)
+        else:
+            inputs[name] = np.frombuffer(message, numpy_dtype, count, offset).reshape(shape)
+    if form.requested is None:
+        return inputs, None
+    requested = list(form.requested)
+    check_requested(served, requested)
+    return inputs, requested
+
+
 def _decode_inputs(served: ServedVersion, tensors: Any, raw: Any) -> dict[str, np.ndarray]:
     if raw and len(raw) != len(tensors):
         raise BadRequest(f"raw_input_contents has {len(raw)} entries for {len(tensors)} inputs; give one per input")
@@ -157,20 +190,32 @@ def _decode_inputs(served: ServedVersion, tensors: Any, raw: Any) -> dict[str, n
     return inputs
 
 
-def _response(served: ServedVersion, request: Any, outputs: Mapping[str, Tensor], requested: list[str] | None) -> Any:
+def _outputs(
+    served: ServedVersion, outputs: Mapping[str, Tensor], requested: list[str] | None
+) -> tuple[_Described, list[bytes | memoryview]]:
+    """The response's outputs: each one's name, datatype and shape, and each one's bytes."""
+    described = []
+    datas = []
+    for name, tensor in select_outputs(served, outputs, requested):
+        datatype, array, data = output_tensor(name, tensor)
+        described.append((name, datatype, array.shape))
+        datas.append(data)
+    return described, datas
+
+
+def _response(served: ServedVersion, request_id: str, described: _Described, datas: list[Any]) -> Any:
     """The ``ModelInferResponse``: output tensors described in ``outputs``, their bytes in ``raw_output_contents``.
     (Giving both lists to the constructor at once measured slower than adding to the message's fields; fields are
     set as attributes: keyword arguments are looked up by name in the message's descriptor, one by one.)"""
     response = _M["ModelInferResponse"]()
     response.model_name = served.model
     response.model_version = served.version_str
-    response.id = request.id
-    for name, tensor in select_outputs(served, outputs, requested):
-        datatype, array, data = output_tensor(name, tensor)
+    response.id = request_id
+    for (name, datatype, shape), data in zip(described, datas, strict=True):
         output = response.outputs.add()
         output.name = name
         output.datatype = datatype
-        output.shape.extend(array.shape)
+        output.shape.extend(shape)
         response.raw_output_contents.append(bytes(data))
     return response
 
@@ -198,6 +243,7 @@ class GrpcService:
         self.control = control
         self.totals = totals
         self.server_version = server_version
+        self._prefixes = ResponsePrefixes()
 
     @property
     def repository(self) -> ModelRepository:
@@ -323,6 +369,23 @@ class GrpcService:
     # ---- inference -----------------------------------------------------------------------------------------------
     async def model_infer(self, request: Any) -> Any:
         """``ModelInfer``: one inference; failures are answered with the status of `carton.server.errors.STATUS`."""
+        return await self._infer(request, _response)
+
+    async def model_infer_serialized(self, request: Any) -> bytes:
+        """``ModelInfer`` of a request upb parsed or a `KnownRequest` (`RequestForms`), answered with the response's
+        bytes."""
+        response: bytes = await self._infer(request, self._serialized)
+        return response
+
+    def _serialized(self, served: ServedVersion, request_id: str, described: _Described, datas: list[Any]) -> bytes:
+        key = (served.model, served.version_str, tuple(described))
+        payload = self._prefixes.serialize(key, request_id, datas)
+        if payload is None:
+            payload = self._prefixes.learn(key, request_id, datas, _response(served, request_id, described, datas))
+        return payload
+
+    async def _infer(self, request: Any, build: Callable[..., Any]) -> Any:
+        """One inference of `request`, answered with `build` of its outputs (`_response` or `_serialized`)."""
         started = time.perf_counter_ns()
         served = self.repository.acquire(request.model_name, request.model_version)
         try:
@@ -330,7 +393,8 @@ class GrpcService:
             decoded_at = time.perf_counter_ns()
             outputs, _ = await served.infer(inputs)
             inferred_at = time.perf_counter_ns()
-            response = _response(served, request, outputs, requested)
+            described, datas = _outputs(served, outputs, requested)
+            response = build(served, request.id, described, datas)
         except asyncio.CancelledError:
             # The client cancelled (or the server is stopping): release the version and count the request, as any
             # failed one, so an unload does not wait for it.

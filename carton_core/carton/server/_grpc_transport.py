@@ -25,6 +25,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from ._grpc import GrpcService, message_type
+from ._grpc_plan import RequestForms
 from ._http2 import Http2Connection, StreamGone, header_block
 from ._proto import SERVICE_NAME
 from .errors import BadRequest, ServerError
@@ -52,11 +53,13 @@ def _code(status: grpc.StatusCode) -> bytes:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _Method:
-    """One method of the service: its function and the class its requests parse into."""
+    """One method of the service: its function (which answers with a message, or with its bytes), the class its
+    requests parse into, and whether they are parsed through the connection's `RequestForms` (``ModelInfer``)."""
 
     function: Callable[[Any], Any]
     request: Any
     streaming: bool
+    learns: bool = False
 
 
 class _Failure(Exception):
@@ -140,6 +143,10 @@ class _Connection(Http2Connection):
         super().__init__()
         self._server = server
         self._calls: dict[int, _Call] = {}
+        self._forms = RequestForms(message_type("ModelInferRequest").FromString)
+        # The headers of the last call routed (held, so `is` cannot match another dict at the same address), its
+        # method and deadline: a client's calls repeat their header block, which the frame layer gives as one dict.
+        self._last_routed: tuple[dict[bytes, bytes], str, _Method, float | None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._server.connections.add(self)
@@ -155,18 +162,24 @@ class _Connection(Http2Connection):
 
     # ---- requests ------------------------------------------------------------------------------------------------
     def request_received(self, stream_id: int, headers: dict[bytes, bytes]) -> None:
-        content_type = headers.get(b"content-type", b"")
-        if headers.get(b":method") != b"POST" or not content_type.startswith(b"application/grpc"):
-            self.send_headers(stream_id, _NOT_GRPC_BLOCK, end_stream=True)
-            return
-        path = headers.get(b":path", b"")
-        route = self._server.routes.get(path)
-        if route is None:
-            text = path.decode("ascii", "replace")
-            self._trailers_only(stream_id, grpc.StatusCode.UNIMPLEMENTED, f"unknown method {text!r}")
-            return
-        name, method = route
-        call = _Call(stream_id, name, method, _timeout(headers.get(b"grpc-timeout")))
+        last = self._last_routed
+        if last is not None and last[0] is headers:  # the frame layer's decoded block of the previous call, as is
+            _, name, method, timeout = last
+        else:
+            content_type = headers.get(b"content-type", b"")
+            if headers.get(b":method") != b"POST" or not content_type.startswith(b"application/grpc"):
+                self.send_headers(stream_id, _NOT_GRPC_BLOCK, end_stream=True)
+                return
+            path = headers.get(b":path", b"")
+            route = self._server.routes.get(path)
+            if route is None:
+                text = path.decode("ascii", "replace")
+                self._trailers_only(stream_id, grpc.StatusCode.UNIMPLEMENTED, f"unknown method {text!r}")
+                return
+            name, method = route
+            timeout = _timeout(headers.get(b"grpc-timeout"))
+            self._last_routed = (headers, name, method, timeout)
+        call = _Call(stream_id, name, method, timeout)
         self._calls[stream_id] = call
         if method.streaming:
             call.queue = asyncio.Queue()
@@ -206,6 +219,13 @@ class _Connection(Http2Connection):
         if call.queue is not None:
             call.queue.put_nowait(None)
             return
+        pending = call.pending
+        if len(pending) == 1:  # the usual unary request: one DATA frame of one uncompressed message within the limit
+            data = pending[0]
+            size = len(data) - _PREFIX
+            if not data[0] and int.from_bytes(data[1:_PREFIX], "big") == size <= self._server.max_message_size:
+                call.task = asyncio.get_running_loop().create_task(self._run_unary(call, data[_PREFIX:]))
+                return
         try:
             messages = _split_messages(call, self._server.max_message_size)
             if len(messages) != 1 or call.size:
@@ -256,10 +276,26 @@ class _Connection(Http2Connection):
         self._headers_once(call)
         await self.send_data(call.stream_id, _framed(payload))
 
+    def _request(self, call: _Call, message: bytes) -> Any:
+        try:
+            if call.method.learns:
+                return self._forms.parse(message)
+            return call.method.request.FromString(message)
+        except DecodeError as exc:
+            raise BadRequest(f"the {call.name} request is not a valid {call.method.request.__name__} message") from exc
+
     def _arm(self, call: _Call) -> None:
         """Start the call's deadline, from its task (a task cancelled before it starts would never answer)."""
         if call.timeout is not None:
             call.timer = asyncio.get_running_loop().call_later(call.timeout, _expire, call)
+
+    def _answered(self, call: _Call) -> None:
+        """`call`'s whole response is buffered (`send_response_now`): it is done."""
+        if call.timer is not None:
+            call.timer.cancel()
+        if self._calls.get(call.stream_id) is call:
+            del self._calls[call.stream_id]
+        self.flush()
 
     def _end(self, call: _Call, exc: BaseException | None) -> None:
         """End `call`, whose task finished (raising `exc`, if not None), with its status; re-raises a cancellation
@@ -293,12 +329,14 @@ class _Connection(Http2Connection):
     async def _run_unary(self, call: _Call, message: bytes) -> None:
         try:
             self._arm(call)
-            response = await call.method.function(_parse(call, message))
-            payload = response.SerializeToString()
-            self._headers_once(call)
+            response = await call.method.function(self._request(call, message))
+            payload = response if type(response) is bytes else response.SerializeToString()
             data = _framed(payload)
-            if not self.send_data_now(call.stream_id, data):
-                await self.send_data(call.stream_id, data)
+            if self.send_response_now(call.stream_id, _RESPONSE_BLOCK, data, _OK_TRAILERS_BLOCK):
+                self._answered(call)
+                return
+            self._headers_once(call)
+            await self.send_data(call.stream_id, data)
         except BaseException as exc:
             self._end(call, exc)
         else:
@@ -310,7 +348,7 @@ class _Connection(Http2Connection):
 
         async def requests() -> AsyncIterator[Any]:
             while (message := await queue.get()) is not None:
-                yield _parse(call, message)
+                yield self._request(call, message)
 
         try:
             self._arm(call)
@@ -335,13 +373,6 @@ def _framed(payload: bytes) -> bytes:
     return b"\x00" + len(payload).to_bytes(4, "big") + payload
 
 
-def _parse(call: _Call, message: bytes) -> Any:
-    try:
-        return call.method.request.FromString(message)
-    except DecodeError as exc:
-        raise BadRequest(f"the {call.name} request is not a valid {call.method.request.__name__} message") from exc
-
-
 def _message(text: str) -> bytes:
     """A ``grpc-message`` value: percent-encoded UTF-8, as the gRPC protocol asks."""
     return quote(text, safe=" !\"#$&'()*+,-./:;<=>?@[\\]^_`{|}~").encode("ascii")
@@ -355,8 +386,12 @@ class GrpcServer:
             name: _Method(function=function, request=message_type(f"{name}Request"), streaming=False)
             for name, function in service.unary_methods().items()
         }
+        infer_request = message_type("ModelInferRequest")
+        methods["ModelInfer"] = _Method(
+            function=service.model_infer_serialized, request=infer_request, streaming=False, learns=True
+        )
         methods["ModelStreamInfer"] = _Method(
-            function=service.model_stream_infer, request=message_type("ModelInferRequest"), streaming=True
+            function=service.model_stream_infer, request=infer_request, streaming=True
         )
         # The request paths taken, as they come: a call's path is looked up, not decoded and split.
         self.routes = {f"/{SERVICE_NAME}/{name}".encode(): (name, method) for name, method in methods.items()}

@@ -3,9 +3,9 @@
 `Http2Connection` is an asyncio protocol that checks the connection preface, parses frames, keeps the streams'
 states and both directions' flow-control windows, and answers SETTINGS, PING and protocol errors itself. A subclass
 gets a call per request (`request_received`), per piece of body (`body_received`), per end of body (`body_ended`) and
-per stream the client reset (`stream_reset`), and answers with `send_headers` and `send_data` (or `send_data_now`,
-which does not wait); frames are buffered and written by `flush` (once per batch of received bytes, and by the
-subclass after its sends).
+per stream the client reset (`stream_reset`), and answers with `send_headers` and `send_data` (or, for a whole
+small response at once, `send_response_now`, which does not wait); frames are buffered and written by `flush` (once
+per batch of received bytes, and by the subclass after its sends).
 
 Header blocks are decoded by the `hpack` library (dynamic table, Huffman). Header blocks sent never use the dynamic
 table (`header_block`: literals without indexing or static-table indexes), so they can be built once and reused, and
@@ -146,6 +146,7 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
         self._max_frame = _DEFAULT_FRAME
         self._recv_window = _WINDOW
         self._received = 0
+        self._stream_owed = False  # a stream has received half of its window since its last WINDOW_UPDATE
         self._waiters: list[asyncio.Future[None]] = []
         self._going_away = False
         self.closed = False
@@ -249,31 +250,32 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
             at = len(_PREFACE)
         size = len(buffer)
         while size - at >= 9:
-            head: tuple[int, int, int, int, int] = _HEAD.unpack_from(buffer, at)
-            high, low, kind, flags, stream_id = head
+            high, low, kind, flags, stream_id = _HEAD.unpack_from(buffer, at)
             length = high << 16 | low
             if length > _MAX_FRAME:
                 raise _ConnectionError(ErrorCode.FRAME_SIZE_ERROR, f"a frame of {length} bytes")
-            if size - at - 9 < length:
+            end: int = at + 9 + length
+            if end > size:
                 self._need = 9 + length
                 return at
-            payload = buffer[at + 9 : at + 9 + length]
-            at += 9 + length
+            payload = buffer[at + 9 : end]
+            at = end
             stream_id &= _MAX_WINDOW
             if not self._settled and kind != _SETTINGS:
                 raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "the first frame is not SETTINGS")
             if self._continuing is not None and kind != _CONTINUATION:
                 raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "a frame inside a header block")
+            # A call's frames first: its HEADERS and DATA, the client's WINDOW_UPDATEs for its response.
             if kind == _DATA:
                 self._data(stream_id, flags, payload)
             elif kind == _HEADERS:
                 self._headers(stream_id, flags, payload)
+            elif kind == _WINDOW_UPDATE:
+                self._window_update(stream_id, payload)
             elif kind == _CONTINUATION:
                 self._continuation(stream_id, flags, payload)
             elif kind == _SETTINGS:
                 self._settings(stream_id, flags, payload)
-            elif kind == _WINDOW_UPDATE:
-                self._window_update(stream_id, payload)
             elif kind == _PING:
                 if length != 8:
                     raise _ConnectionError(ErrorCode.FRAME_SIZE_ERROR, "a PING frame that is not 8 bytes")
@@ -346,7 +348,8 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
             stream.send_window += increment
             if not increment or stream.send_window > _MAX_WINDOW:
                 self._reset(stream_id, ErrorCode.PROTOCOL_ERROR if not increment else ErrorCode.FLOW_CONTROL_ERROR)
-        self._wake()
+        if self._waiters:  # usually none: the response went out at once
+            self._wake()
 
     def _rst_stream(self, stream_id: int, payload: bytes) -> None:
         if len(payload) != 4:
@@ -437,6 +440,8 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
             return
         stream.recv_window -= length
         stream.received += length
+        if stream.received >= _WINDOW // 2:
+            self._stream_owed = True
         if stream.recv_window < 0:
             self._reset(stream_id, ErrorCode.FLOW_CONTROL_ERROR)
             return
@@ -452,6 +457,9 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
             self._out.append(_frame(_WINDOW_UPDATE, 0, 0, self._received.to_bytes(4, "big")))
             self._recv_window += self._received
             self._received = 0
+        if not self._stream_owed:
+            return
+        self._stream_owed = False
         for stream_id, stream in self._streams.items():
             if stream.received >= _WINDOW // 2 and not stream.ended:
                 self._out.append(_frame(_WINDOW_UPDATE, 0, stream_id, stream.received.to_bytes(4, "big")))
@@ -494,17 +502,37 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
             if not stream.ended:
                 self._out.append(_frame(_RST_STREAM, 0, stream_id, ErrorCode.NO_ERROR.to_bytes(4, "big")))
 
-    def send_data_now(self, stream_id: int, data: bytes) -> bool:
-        """Buffer `data` in one DATA frame if the client's windows and frame size take it all now, without waiting
-        (the usual small response: no coroutine to await); False, with nothing buffered, if they do not (then
-        `send_data`). `StreamGone` if the stream or connection is gone."""
+    def send_response_now(self, stream_id: int, headers: bytes, data: bytes, trailers: bytes) -> bool:
+        """Buffer a whole response if the client's windows and frame size take `data` in one DATA frame now: a HEADERS
+        frame with the header block `headers`, the DATA frame, and a HEADERS frame with the block `trailers` that ends
+        the stream (as `send_headers`, `send_data` and `send_headers` with `end_stream` would, without waiting and in
+        fewer steps: the usual small response); False, with nothing buffered, if they do not (then those three).
+        `StreamGone` if the stream or connection is gone."""
         stream = self._streams.get(stream_id)
         if stream is None or self.closed:
             raise StreamGone(stream_id)
         size = len(data)
-        if size > self._send_window or size > stream.send_window or size > self._max_frame:
+        limit = self._max_frame
+        if size > self._send_window or size > stream.send_window or size > limit:
             return False
-        self._buffer_data(stream_id, stream, data, size)
+        if len(headers) > limit or len(trailers) > limit:
+            return False
+        self._send_window -= size
+        stream.send_window -= size
+        end = _END_HEADERS | _END_STREAM
+        self._out.extend(
+            (
+                _HEAD.pack(len(headers) >> 16, len(headers) & 0xFFFF, _HEADERS, _END_HEADERS, stream_id),
+                headers,
+                _HEAD.pack(size >> 16, size & 0xFFFF, _DATA, 0, stream_id),
+                data,
+                _HEAD.pack(len(trailers) >> 16, len(trailers) & 0xFFFF, _HEADERS, end, stream_id),
+                trailers,
+            )
+        )
+        del self._streams[stream_id]
+        if not stream.ended:
+            self._out.append(_frame(_RST_STREAM, 0, stream_id, ErrorCode.NO_ERROR.to_bytes(4, "big")))
         return True
 
     async def send_data(self, stream_id: int, data: bytes) -> None:
