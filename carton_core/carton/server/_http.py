@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 import zlib
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from operator import itemgetter
 from typing import Any, Protocol
 from urllib.parse import unquote
@@ -29,7 +29,7 @@ from ._bounded import remember
 from ._config import ModelConfig
 from ._datatypes import DATATYPE_OF
 from ._handle import metadata_shape
-from ._http_codec import InferBody, encode_infer_response, parse_infer_request
+from ._http_codec import InferBody, encode_infer_response, parse_infer_request, planned_request
 from ._http_messages import (
     AsgiAdapter,
     HttpRequest,
@@ -265,22 +265,22 @@ class HttpApp:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self._asgi(scope, receive, send)
 
-    async def handle(self, request: HttpRequest) -> HttpResponse:
-        """Answer one request; never raises for anything a client can send."""
+    def handle(self, request: HttpRequest) -> Coroutine[Any, Any, HttpResponse]:
+        """Answer one request (``await app.handle(request)``); the answer never raises for anything a client can
+        send."""
         target = self._targets.get(request.raw_path)
         if target is None:
             target = remember(self._targets, request.raw_path, _Target(split_path(request.raw_path)), _SEGMENTS_KEPT)
+        # An inference is `_infer`'s own coroutine, the way `_route` would take it there: it answers its refusals
+        # itself, so no coroutine around it is made and stepped through on every request.
+        repository = self.repository
+        if target.infer is not None and request.method == "POST" and repository is not None and self.forward is None:
+            return self._infer(repository, request, *target.infer)
+        return self._answer(request, target.segments)
+
+    async def _answer(self, request: HttpRequest, segments: list[str]) -> HttpResponse:
         try:
-            # An inference goes straight to `_infer`, the way `_route` would take it there.
-            repository = self.repository
-            if (
-                target.infer is not None
-                and request.method == "POST"
-                and repository is not None
-                and self.forward is None
-            ):
-                return await self._infer(repository, request, *target.infer)
-            return await self._route(request, target.segments)
+            return await self._route(request, segments)
         except _HttpError as exc:
             return self._reject(exc.status, str(exc))
         except ServerError as exc:
@@ -392,8 +392,12 @@ class HttpApp:
 
     # ---- inference (the hot path) --------------------------------------------------------------------------------
     async def _infer(self, repository: ModelRepository, request: HttpRequest, name: str, version: str) -> HttpResponse:
+        """Answer an inference request, refusals included."""
         started = time.perf_counter_ns()
-        served = repository.acquire(name, version)
+        try:
+            served = repository.acquire(name, version)
+        except ServerError as exc:
+            return self.refusal(exc)
         try:
             headers = request.headers
             body = request.body
@@ -402,10 +406,12 @@ class HttpApp:
             else:  # the usual small request: its body arrived with its head, as it was sent
                 body = whole_body(body, declared=headers.get(b"content-length"), limit=self.max_body_size)
             header_length = headers.get(b"inference-header-content-length")
-            if _json_bytes(body, header_length) < _OFF_LOOP_BYTES:
-                decoded = parse_infer_request(served, body, header_length)
-            else:  # JSON tensors: decoded on a thread, so that other requests and health probes keep answering
-                decoded = await asyncio.to_thread(parse_infer_request, served, body, header_length)
+            decoded = planned_request(served, body, header_length)  # the usual binary request, else None
+            if decoded is None:
+                if _json_bytes(body, header_length) < _OFF_LOOP_BYTES:
+                    decoded = parse_infer_request(served, body, header_length)
+                else:  # JSON tensors: decoded on a thread, so that other requests and health probes keep answering
+                    decoded = await asyncio.to_thread(parse_infer_request, served, body, header_length)
             decoded_at = time.perf_counter_ns()
             outputs, _ = await served.infer(decoded.inputs)
             inferred_at = time.perf_counter_ns()
@@ -416,7 +422,7 @@ class HttpApp:
             else:
                 header, parts = await asyncio.to_thread(encode_infer_response, served, decoded, selected)
         except Exception as exc:
-            raise request_failed(served, exc, repository.scrub, started_ns=started) from exc
+            return self.refusal(request_failed(served, exc, repository.scrub, started_ns=started))
         request_succeeded(served, started_ns=started, decoded_ns=decoded_at, inferred_ns=inferred_at)
         if parts:
             length = (b"inference-header-content-length", b"%d" % len(header))

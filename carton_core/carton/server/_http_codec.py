@@ -34,7 +34,7 @@ from ._json_numbers import WRITTEN_KINDS, array_text, element_type, nested_list,
 from ._repository import ServedVersion
 from .errors import BadRequest
 
-__all__ = ["InferBody", "encode_infer_response", "parse_infer_request"]
+__all__ = ["InferBody", "encode_infer_response", "parse_infer_request", "planned_request"]
 
 _DIGITS = re.compile(rb"^\s*[0-9]+\s*$")
 
@@ -311,11 +311,10 @@ _PLAN_HEADER_BYTES = 2048
 _PLANS = 256
 
 
-def parse_infer_request(served: ServedVersion, body: bytes | bytearray, header_length: bytes | None) -> InferBody:
-    """Decode an inference body for `served`; `BadRequest` naming the header, field or tensor at fault."""
+def planned_request(served: ServedVersion, body: bytes | bytearray, header_length: bytes | None) -> InferBody | None:
+    """The usual binary request: its body decoded for `served` when its header was already checked against it and the
+    body has the same length as then; else None (`parse_infer_request` decodes it, with the messages)."""
     if header_length is not None and header_length.isdigit():
-        # The usual binary request: a header already checked against `served`, and a body of the same length (else
-        # the full decoding below, which gives the messages).
         json_end = int(header_length)
         if 0 < json_end <= min(len(body), _PLAN_HEADER_BYTES):
             plan = served.request_plans.get(bytes(body[:json_end]))
@@ -327,6 +326,14 @@ def parse_infer_request(served: ServedVersion, body: bytes | bytearray, header_l
                     offset += size
                 outputs = list(plan.outputs) if plan.outputs is not None else None
                 return InferBody(id=plan.request_id, inputs=inputs, outputs=outputs, binary_default=plan.binary_default)
+    return None
+
+
+def parse_infer_request(served: ServedVersion, body: bytes | bytearray, header_length: bytes | None) -> InferBody:
+    """Decode an inference body for `served`; `BadRequest` naming the header, field or tensor at fault."""
+    planned = planned_request(served, body, header_length)
+    if planned is not None:
+        return planned
     decoded, plan = _parse_infer_request(served, body, header_length)
     if plan is not None:
         remember(served.request_plans, bytes(body[: int(header_length or 0)]), plan, _PLANS)

@@ -91,17 +91,13 @@ HttpHandler = Callable[[HttpRequest], Awaitable[HttpResponse]]
 JOIN_ON_A_THREAD_BYTES = 1 << 20
 
 
-def _check_declared(declared: bytes | None, limit: int) -> None:
+def whole_body(body: bytes | bytearray, *, declared: bytes | None, limit: int) -> bytes | bytearray:
+    """`collect_body` of a body that arrived whole, without an await."""
     if declared is not None:
         if not declared.strip().isdigit():
             raise BadRequest("Content-Length is not a number")
         if int(declared) > limit:
             raise RequestTooLarge(f"request body of {int(declared)} bytes is over the {limit}-byte limit")
-
-
-def whole_body(body: bytes | bytearray, *, declared: bytes | None, limit: int) -> bytes | bytearray:
-    """`collect_body` of a body that arrived whole, without an await."""
-    _check_declared(declared, limit)
     if len(body) > limit:
         raise RequestTooLarge(f"request body is over the {limit}-byte limit")
     return body
@@ -114,7 +110,7 @@ async def collect_body(
     so, and while reading otherwise (chunked bodies). Not decompressed."""
     if not callable(body):
         return whole_body(body, declared=declared, limit=limit)
-    _check_declared(declared, limit)
+    whole_body(b"", declared=declared, limit=limit)  # the declared length's checks, before any byte is read
     chunks: list[bytes] = []
     size = 0
     while True:

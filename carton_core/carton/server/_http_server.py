@@ -67,8 +67,9 @@ def _status_line(status: int) -> bytes:
     return line if line is not None else b"HTTP/1.1 %d \r\n" % status
 
 
-class _Exchange:
-    """One request on a connection, from its first byte to its answer."""
+class _Exchange(HttpRequest):
+    """One request on a connection, from its first byte to its answer: the `HttpRequest` its handler is given (its
+    body set when it is handed over), and the connection's state of it."""
 
     __slots__ = (
         "body_done",
@@ -77,17 +78,15 @@ class _Exchange:
         "continue_sent",
         "discard",
         "expect_continue",
-        "headers",
         "keep_alive",
-        "method",
-        "url",
         "waiter",
     )
 
-    def __init__(self) -> None:
+    def __init__(self) -> None:  # the request's fields are filled in as the parser reports them
         self.method = ""
-        self.url = b""
+        self.raw_path = b""
         self.headers: dict[bytes, bytes] = {}
+        self.body = b""
         self.chunks: list[bytes] = []
         self.body_done = False
         #: Its body's framing turned out malformed (chunked encoding): reading it is refused.
@@ -101,6 +100,14 @@ class _Exchange:
         self.waiter: asyncio.Future[None] | None = None
 
 
+def _body_left(exchange: _Exchange, response: HttpResponse) -> bool:
+    """Whether `response` leaves the request's body unread for good: a body refused (413), or one the client waits
+    for "100 Continue" to send and then may send or not. The connection cannot be reused either way."""
+    return not exchange.body_done and (
+        response.status == 413 or (exchange.expect_continue and not exchange.continue_sent)
+    )
+
+
 class _Connection(asyncio.Protocol):
     """One client connection (see the module's docstring for what it guarantees)."""
 
@@ -110,8 +117,9 @@ class _Connection(asyncio.Protocol):
         self.handler = server.handler
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpRequestParser(self)
-        #: The request being parsed (its headers or body may still be arriving).
+        #: The request being parsed (its headers or body may still be arriving), and its headers.
         self.parsing: _Exchange | None = None
+        self.headers: dict[bytes, bytes] = {}
         #: The request being answered, and the parsed ones waiting behind it.
         self.current: _Exchange | None = None
         self.queue: collections.deque[_Exchange] = collections.deque()
@@ -120,7 +128,7 @@ class _Connection(asyncio.Protocol):
         #: request would be made, registered and torn down again for every request), the request it is to answer
         #: next, and what it waits on when there is none.
         self.task: asyncio.Task[None] | None = None
-        self.next: tuple[_Exchange, HttpRequest] | None = None
+        self.next: _Exchange | None = None
         self.idle: asyncio.Future[None] | None = None
         self.reading_paused = False
         #: Reading is paused until the loop's next turn (`_READ_TURN_BYTES`), and what was read since the last pause.
@@ -214,17 +222,19 @@ class _Connection(asyncio.Protocol):
             self.loop.call_soon(self._next_turn)
 
     # ---- httptools callbacks -------------------------------------------------------------------------------------
-    def on_message_begin(self) -> None:
-        self.parsing = _Exchange()
-        self.head_bytes = 0
-
+    # httptools calls each of these that the protocol defines, a Python call per callback and per header: a request
+    # begins at its first piece of URL (the parser reports one before any header), so there is no `on_message_begin`,
+    # and a header goes into the dict of the request being parsed, kept on the connection.
     def on_url(self, url: bytes) -> None:
-        assert self.parsing is not None
-        self.parsing.url += url
+        exchange = self.parsing
+        if exchange is None:
+            exchange = self.parsing = _Exchange()
+            self.headers = exchange.headers
+            self.head_bytes = 0
+        exchange.raw_path += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        assert self.parsing is not None
-        self.parsing.headers[name.lower()] = value
+        self.headers[name.lower()] = value
 
     def on_headers_complete(self) -> None:
         exchange = self.parsing
@@ -274,21 +284,45 @@ class _Connection(asyncio.Protocol):
             self.reading_paused = False
             assert self.transport is not None
             self.transport.resume_reading()
-        request = HttpRequest(exchange.method, exchange.url, exchange.headers, body)
+        exchange.body = body
         if self.task is None:
-            self.task = self.loop.create_task(self._serve(exchange, request))
+            self.task = self.loop.create_task(self._serve(exchange))
             return
-        self.next = (exchange, request)
+        self.next = exchange
         idle = self.idle
         if idle is not None and not idle.done():
             idle.set_result(None)
 
-    async def _serve(self, exchange: _Exchange, request: HttpRequest) -> None:
-        """The connection's task: answer `request`, then each request `_start_next` hands over, until the
-        connection closes."""
+    async def _serve(self, exchange: _Exchange) -> None:
+        """The connection's task: answer `exchange`, then each request `_start_next` hands over, until the
+        connection closes. (The answer's steps are plain methods around the handler's await: a coroutine per
+        request would be made and stepped through on every request.)"""
         try:
             while True:
-                await self._answer(exchange, request)
+                try:
+                    response = await self.handler(exchange)
+                except Exception:
+                    _log.exception("the HTTP handler failed on %s %r", exchange.method, exchange.raw_path[:200])
+                    response = HttpResponse(
+                        500, [(b"content-type", b"text/plain; charset=utf-8")], [b"Internal Server Error"]
+                    )
+                if self.closed:
+                    self._finish(exchange)
+                else:
+                    if (
+                        (not exchange.body_done and _body_left(exchange, response))
+                        or exchange.broken
+                        or self.eof
+                        or self.server.closing
+                    ):
+                        exchange.keep_alive = False
+                    rest = self._write(exchange, response)
+                    if rest is not None:
+                        await rest
+                    if exchange.body_done and not self.closed:
+                        self._finish(exchange)
+                    else:
+                        self._answered(exchange, response)
                 if self.next is None:
                     if self.closed:
                         return
@@ -297,10 +331,10 @@ class _Connection(asyncio.Protocol):
                     self.idle = None
                     if self.next is None:  # woken by the connection's end
                         return
-                exchange, request = self.next
+                exchange = self.next
                 self.next = None
         except Exception:
-            # Not a handler's failure (`_answer` answers those with 500): the connection cannot go on.
+            # Not a handler's failure (answered with 500 above): the connection cannot go on.
             _log.exception("answering an HTTP request failed")
             if self.transport is not None:
                 self.transport.abort()
@@ -333,29 +367,14 @@ class _Connection(asyncio.Protocol):
 
         return read
 
-    async def _answer(self, exchange: _Exchange, request: HttpRequest) -> None:
-        try:
-            response = await self.handler(request)
-        except Exception:
-            _log.exception("the HTTP handler failed on %s %r", exchange.method, exchange.url[:200])
-            response = HttpResponse(500, [(b"content-type", b"text/plain; charset=utf-8")], [b"Internal Server Error"])
-        if self.closed:
-            self._finish(exchange)
-            return
-        refused_body = not exchange.body_done and response.status == 413
-        # A client that waits for "100 Continue" before sending its body and gets a final answer instead may send
-        # the body or not: the connection cannot be reused either way.
-        unsent_body = exchange.expect_continue and not exchange.continue_sent and not exchange.body_done
-        if refused_body or unsent_body or exchange.broken or self.eof or self.server.closing:
-            exchange.keep_alive = False
-        rest = self._write(exchange, response)
-        if rest is not None:
-            await rest
+    def _answered(self, exchange: _Exchange, response: HttpResponse) -> None:
+        """`response` is written: go on with the connection (see `_finish`), unless the request's body is left or
+        still arriving."""
         if self.closed:
             self._finish(exchange)
             return
         if not exchange.body_done:
-            if refused_body or unsent_body:
+            if _body_left(exchange, response):
                 self._linger()
                 return
             if exchange.keep_alive:
@@ -372,7 +391,7 @@ class _Connection(asyncio.Protocol):
         assert transport is not None
         parts = response.parts
         length = response.content_length()
-        head = [_status_line(response.status)]
+        head = [_STATUS_LINES.get(response.status) or _status_line(response.status)]
         for header in response.headers:
             head.append(b"%s: %s\r\n" % header)
         head.append(b"content-length: %d\r\n" % length)

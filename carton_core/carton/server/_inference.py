@@ -128,18 +128,25 @@ def check_requested(served: ServedVersion, requested: Iterable[str]) -> None:
             raise BadRequest(f"unexpected inference output {name!r} for model {served.model!r}")
 
 
+#: Fixed-size output dtypes met so far: the KServe datatype of each and the little-endian dtype it is sent in.
+_SENT_AS: dict[np.dtype[Any], tuple[str, np.dtype[Any]]] = {}
+
+
 def output_tensor(name: str, tensor: Tensor) -> tuple[str, np.ndarray, bytes | memoryview]:
     """An output's KServe datatype, its array, and its bytes (BYTES laid out; fixed-size types as a view)."""
     if not isinstance(tensor, np.ndarray):
         raise ServerError(f"output {name!r} is a nested tensor, which the KServe v2 protocol cannot carry")
-    try:
-        datatype = datatype_of_array(tensor, tensor=name)
-    except TypeError as exc:
-        raise ServerError(str(exc)) from exc
-    if datatype == "BYTES":
-        return datatype, tensor, encode_bytes_elements(tensor)
-    array = np.ascontiguousarray(tensor, dtype=tensor.dtype.newbyteorder("<"))
-    return datatype, array, array.data.cast("B")
+    sent = _SENT_AS.get(tensor.dtype)
+    if sent is None:
+        try:
+            datatype = datatype_of_array(tensor, tensor=name)
+        except TypeError as exc:
+            raise ServerError(str(exc)) from exc
+        if datatype == "BYTES":
+            return datatype, tensor, encode_bytes_elements(tensor)
+        sent = _SENT_AS[tensor.dtype] = (datatype, tensor.dtype.newbyteorder("<"))
+    array = np.ascontiguousarray(tensor, dtype=sent[1])
+    return sent[0], array, array.data.cast("B")
 
 
 def translate_error(exc: BaseException, scrub: Callable[[str], str], served: ServedVersion) -> ServerError:
@@ -187,7 +194,8 @@ def request_failed(
     """End a failed inference of `served` (HTTP or gRPC): release the version, count the failure, and return the
     error to answer with."""
     served.exit()
-    served.stats.record_failure(total_ns=time.perf_counter_ns() - started_ns)
+    now = time.perf_counter_ns()
+    served.stats.record_failure(total_ns=now - started_ns, now_ns=now)
     return translate_error(exc, scrub, served)
 
 
@@ -196,7 +204,7 @@ def request_succeeded(served: ServedVersion, *, started_ns: int, decoded_ns: int
     try:
         now = time.perf_counter_ns()
         served.stats.record_success(
-            total_ns=now - started_ns, input_ns=decoded_ns - started_ns, output_ns=now - inferred_ns
+            total_ns=now - started_ns, input_ns=decoded_ns - started_ns, output_ns=now - inferred_ns, now_ns=now
         )
     finally:
         served.exit()

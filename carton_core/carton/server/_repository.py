@@ -147,10 +147,11 @@ class ServedVersion:
             batch = self._batch_size(inputs)
             if self.batcher is not None:
                 return await self.batcher.submit(inputs, batch)
+            size = batch
+        else:
+            size = 1
         started = time.perf_counter_ns()
         outputs = await self.handle.infer(inputs)
-        first = next(iter(inputs.values()), None)
-        size = first.shape[0] if first is not None and first.ndim and self.config.max_batch_size else 1
         self.stats.record_execution(batch_size=size, infer_ns=time.perf_counter_ns() - started)
         return outputs, 0
 

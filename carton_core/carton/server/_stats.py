@@ -37,10 +37,6 @@ class _Histogram:
         self.buckets = [0] * (len(_BOUNDS_NS) + 1)  # per bucket, not cumulative; the last is +Inf
         self.sum_ns = 0
 
-    def observe(self, ns: int) -> None:
-        self.buckets[bisect_left(_BOUNDS_NS, ns)] += 1
-        self.sum_ns += ns
-
     def add_to(self, family: HistogramMetricFamily, labels: list[str]) -> None:
         cumulative, total = [], 0
         for label, count in zip(_BUCKET_LABELS, self.buckets, strict=True):
@@ -142,10 +138,6 @@ class _Duration:
         self.count = 0
         self.ns = 0
 
-    def add(self, ns: int, count: int = 1) -> None:
-        self.count += count
-        self.ns += ns
-
     def to_json(self) -> dict[str, int]:
         return {"count": self.count, "ns": self.ns}
 
@@ -164,13 +156,14 @@ class VersionStats:
 
     __slots__ = (
         "batches", "compute_infer", "compute_input", "compute_output", "execution_count", "fail", "inference_count",
-        "last_inference_ms", "model", "queue", "series", "success", "version",
+        "last_ns", "model", "queue", "series", "success", "version",
     )  # fmt: skip
 
     def __init__(self, model: str, version: str, metrics: ServerMetrics) -> None:
         self.model = model
         self.version = version
-        self.last_inference_ms = 0
+        #: `time.perf_counter_ns()` at the end of the last inference (None: none yet).
+        self.last_ns: int | None = None
         self.inference_count = 0
         self.execution_count = 0
         self.success = _Duration()
@@ -182,36 +175,74 @@ class VersionStats:
         self.batches: dict[int, _BatchStats] = {}
         self.series = metrics.series(model, version)
 
+    # The two updates below run on every request: their counters are written out in place (an attribute per
+    # counter, the histogram's bucket found with `bisect_left`), without a method call per duration or histogram,
+    # and the wall clock of `last_inference` is read only when the statistics are (`last_inference_ms`).
+
     def record_execution(self, *, batch_size: int, infer_ns: int, queue_ns: int = 0, requests: int = 1) -> None:
         """One model execution over `batch_size` elements gathered from `requests` requests."""
         self.execution_count += 1
         self.inference_count += batch_size
-        self.compute_infer.add(infer_ns, requests)
+        infer = self.compute_infer
+        infer.count += requests
+        infer.ns += infer_ns
+        series = self.series
         if queue_ns:
-            self.queue.add(queue_ns, requests)
-            self.series.queue.observe(queue_ns)
+            queue = self.queue
+            queue.count += requests
+            queue.ns += queue_ns
+            histogram = series.queue
+            histogram.buckets[bisect_left(_BOUNDS_NS, queue_ns)] += 1
+            histogram.sum_ns += queue_ns
         batch = self.batches.get(batch_size)
         if batch is None:
             batch = self.batches[batch_size] = _BatchStats()
-        batch.compute_infer.add(infer_ns)
-        self.series.executions += 1
-        self.series.compute.observe(infer_ns)
+        infer = batch.compute_infer
+        infer.count += 1
+        infer.ns += infer_ns
+        series.executions += 1
+        histogram = series.compute
+        histogram.buckets[bisect_left(_BOUNDS_NS, infer_ns)] += 1
+        histogram.sum_ns += infer_ns
 
-    def record_success(self, *, total_ns: int, input_ns: int, output_ns: int) -> None:
-        """Count a successful inference and its durations (nanoseconds: in total, decoding inputs, encoding outputs)."""
-        self.last_inference_ms = time.time_ns() // 1_000_000
-        self.success.add(total_ns)
-        self.compute_input.add(input_ns)
-        self.compute_output.add(output_ns)
-        self.series.success += 1
-        self.series.duration.observe(total_ns)
+    def record_success(self, *, total_ns: int, input_ns: int, output_ns: int, now_ns: int) -> None:
+        """Count a successful inference and its durations (nanoseconds: in total, decoding inputs, encoding outputs)
+        ending at `now_ns` (``time.perf_counter_ns()``)."""
+        self.last_ns = now_ns
+        success = self.success
+        success.count += 1
+        success.ns += total_ns
+        duration = self.compute_input
+        duration.count += 1
+        duration.ns += input_ns
+        duration = self.compute_output
+        duration.count += 1
+        duration.ns += output_ns
+        series = self.series
+        series.success += 1
+        histogram = series.duration
+        histogram.buckets[bisect_left(_BOUNDS_NS, total_ns)] += 1
+        histogram.sum_ns += total_ns
 
-    def record_failure(self, *, total_ns: int) -> None:
-        """Count a failed inference and how long it took (nanoseconds)."""
-        self.last_inference_ms = time.time_ns() // 1_000_000
-        self.fail.add(total_ns)
-        self.series.failure += 1
-        self.series.duration.observe(total_ns)
+    def record_failure(self, *, total_ns: int, now_ns: int) -> None:
+        """Count a failed inference and how long it took (nanoseconds), ending at `now_ns`
+        (``time.perf_counter_ns()``)."""
+        self.last_ns = now_ns
+        fail = self.fail
+        fail.count += 1
+        fail.ns += total_ns
+        series = self.series
+        series.failure += 1
+        histogram = series.duration
+        histogram.buckets[bisect_left(_BOUNDS_NS, total_ns)] += 1
+        histogram.sum_ns += total_ns
+
+    @property
+    def last_inference_ms(self) -> int:
+        """When the last inference ended, in milliseconds since the epoch (0: none yet)."""
+        if self.last_ns is None:
+            return 0
+        return (time.time_ns() - time.perf_counter_ns() + self.last_ns) // 1_000_000
 
     def to_json(self) -> dict[str, Any]:
         """The version's entry of ``model_stats`` as Triton's statistics extension lays it out."""
