@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -44,17 +45,34 @@ def _readonly(array: npt.NDArray[np.uint8]) -> npt.NDArray[np.uint8]:
     return view
 
 
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class _Work:
+    """A region's work arrays for one shape: ``shared`` (q, k, v, attended, projected, gate, up, activated) and
+    ``own`` (`_step.decode_step`'s), and the step's inputs as the helpers' loop reads them (`_serve`): ``ids``,
+    ``hidden`` (embeddings the caller gives), ``cos`` / ``sin``, ``steps`` and a ``logits`` of the logits' shape."""
+
+    shared: tuple[F32, ...]
+    own: tuple[Any, ...]
+    ids: npt.NDArray[np.int64]
+    hidden: F32
+    cos: F32
+    sin: F32
+    steps: npt.NDArray[np.int64]
+    logits: F32
+
+
 class DecodeRegion:
     """The tables and work arrays of one model's `_step.decode_step`, and the team that runs it."""
 
     def __init__(self, model: Any, payloads: list[CompiledPayload], threads: int) -> None:
         from numba.typed import List
 
-        from . import _step
+        from . import _serve, _step
         from ._compiled import activation_shapes
         from ._team import Team
 
         self._step = _step
+        self._serve = _serve
         self._activation_shapes = activation_shapes
         config = model.config
         self.head_dim = config.head_dim
@@ -79,7 +97,9 @@ class DecodeRegion:
         self.embedding = _embedding_payload(model.embedding)
         self._table = (_readonly(self.embedding.payload), self.embedding.meta) if self.embedding else no_table
         self._no_ids = np.zeros(0, np.int64)
-        self._buffers: dict[tuple[int, int], tuple[Any, ...]] = {}
+        self._buffers: dict[tuple[int, int, int], _Work] = {}
+        self._serving: tuple[tuple[Any, ...], tuple[Any, ...]] | None = None  # `_serves`'s last key and arguments
+
         self._lock = threading.Lock()
 
     @classmethod
@@ -110,13 +130,15 @@ class DecodeRegion:
             threads = min(most, MAX_THREADS)
         return cls(model, payloads, max(1, threads))
 
-    def _work(self, m: int, capacity: int) -> tuple[Any, ...]:
-        """Shared and per-thread work arrays for ``m`` rows and a cache of ``capacity`` slots (kept per shape)."""
-        found = self._buffers.get((m, capacity))
+    def _work(self, m: int, capacity: int, rotary: int) -> _Work:
+        """The work arrays for ``m`` rows, a cache of ``capacity`` slots and rotary tables ``[m, rotary]`` (kept
+        per shape)."""
+        found = self._buffers.get((m, capacity, rotary))
         if found is not None:
             return found
         if len(self._buffers) > 8:
             self._buffers.clear()
+            self._serving = None
         team, h, d = self.team.size, self.hidden, self.head_dim
         q_width, kv_width = self.heads * d, self.kv_heads * d
         blocks = max(-(-width // 32) for width in (h, q_width, self.inter))
@@ -146,8 +168,31 @@ class DecodeRegion:
             np.zeros((m, self.inter), np.float32),
             np.zeros((m, self.inter), np.float32),
         )
-        found = self._buffers[(m, capacity)] = (*shared, own)
+        found = self._buffers[(m, capacity, rotary)] = _Work(
+            shared=shared,
+            own=own,
+            ids=np.zeros(m, np.int64),
+            hidden=np.zeros((m, h), np.float32),
+            cos=np.zeros((m, rotary), np.float32),
+            sin=np.zeros((m, rotary), np.float32),
+            steps=np.zeros(self._serve.STEPS, np.int64),
+            logits=np.zeros((m, self.vocab), np.float32),
+        )
         return found
+
+    def _serves(
+        self, work: _Work, embedded: bool, keys: F32, values: F32, key_mask: npt.NDArray[np.bool_], scale: np.float32
+    ) -> tuple[Any, ...]:
+        """The arguments of the helpers' loop (`_serve.serve_steps`) for ``work`` and this cache (the same tuple
+        while they do not change, so that the helpers stay in their loop)."""
+        key = (work, embedded, keys, values, key_mask, scale)
+        if self._serving is not None and all(a is b for a, b in zip(self._serving[0], key, strict=True)):
+            return self._serving[1]
+        serves = (self.payloads, self.metas, self.widths, self.norms, self.final_norm, self.eps, self._table,
+                  self._no_ids if embedded else work.ids, work.hidden, work.cos, work.sin, keys, values, key_mask,
+                  work.steps, scale, *work.shared, work.hidden, self._head, work.logits, work.own)  # fmt: skip
+        self._serving = (key, serves)
+        return serves
 
     def step(
         self,
@@ -164,17 +209,25 @@ class DecodeRegion:
         """The final-normed hidden states ``[m, h]`` of the new tokens ``ids [m]`` and their logits ``[m, vocab]``
         (None when the output head is not a whole block matrix). ``hidden [m, h]``: the tokens' embeddings, or None
         to let the threads decode them from the quantized table (`embeds`); ``cos`` / ``sin [m, d / 2]``; the cache
-        ``keys`` / ``values [layers, m, kv, capacity, d]``."""
+        ``keys`` / ``values [layers, m, kv, capacity, d]``; ``scale``: the model's attention scale (the same every
+        step)."""
         m = ids.shape[0]
         out = np.empty((m, self.hidden), dtype=np.float32)
         logits = np.empty((m, self.vocab), dtype=np.float32)
         embedded = hidden is not None
         with self._lock:  # the work arrays serve one step at a time
-            work = self._work(m, keys.shape[3])
-            args = (self.payloads, self.metas, self.widths, self.norms, self.final_norm, self.eps, self._table,
-                    self._no_ids if embedded else ids, hidden if embedded else out, cos, sin, keys, values, key_mask,
-                    slot, scale, *work[:-1], out, self._head, logits, work[-1])  # fmt: skip
-            self.team.run(self._step.decode_step, args)
+            work = self._work(m, keys.shape[3], cos.shape[1])
+            # The step's inputs go into arrays the helpers' loop holds; its logits by address (`_serve`).
+            work.ids[:] = ids
+            work.cos[:] = cos
+            work.sin[:] = sin
+            if hidden is not None:
+                work.hidden[:] = hidden
+            work.steps[self._serve.SLOT_INDEX] = slot
+            work.steps[self._serve.LOGITS_ADDRESS] = logits.ctypes.data
+            serves = self._serves(work, embedded, keys, values, key_mask, scale)
+            args = (*serves[:14], slot, scale, *work.shared, out, self._head, logits, work.own)
+            self.team.run(self._step.decode_step, args, serve=self._serve.serve_steps, serves=serves)
         return out, (logits if self.vocab else None)
 
     def embeds(self, ids: npt.NDArray[np.int64]) -> bool:
