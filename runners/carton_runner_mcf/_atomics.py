@@ -42,8 +42,13 @@ from ._simd import Codegen
 __all__ = [
     "ABORT",
     "ARRIVALS",
+    "CLAIMED",
     "COUNTERS",
     "DEPARTURES",
+    "EPOCH",
+    "GENERATION",
+    "IDLE",
+    "SERVING",
     "SLOT",
     "WAIT_LIMIT_S",
     "atomic_add",

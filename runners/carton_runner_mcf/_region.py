@@ -96,6 +96,9 @@ class DecodeRegion:
         self._head = (_readonly(self.head.payload), self.head.meta) if self.head is not None else no_table
         self.embedding = _embedding_payload(model.embedding)
         self._table = (_readonly(self.embedding.payload), self.embedding.meta) if self.embedding else no_table
+        self._rows = self.embedding.rows if self.embedding is not None else 0
+        self._lookup = model.embedding
+        self._inv_freq = np.ascontiguousarray(model._inv_freq, dtype=np.float32)
         self._no_ids = np.zeros(0, np.int64)
         self._buffers: dict[tuple[int, int, int], _Work] = {}
         self._serving: tuple[tuple[Any, ...], tuple[Any, ...]] | None = None  # `_serves`'s last key and arguments
@@ -181,60 +184,49 @@ class DecodeRegion:
         return found
 
     def _serves(
-        self, work: _Work, embedded: bool, keys: F32, values: F32, key_mask: npt.NDArray[np.bool_], scale: np.float32
+        self, work: _Work, embeds: bool, keys: F32, values: F32, key_mask: npt.NDArray[np.bool_], scale: np.float32
     ) -> tuple[Any, ...]:
         """The arguments of the helpers' loop (`_serve.serve_steps`) for ``work`` and this cache (the same tuple
         while they do not change, so that the helpers stay in their loop)."""
-        key = (work, embedded, keys, values, key_mask, scale)
+        key = (work, embeds, keys, values, key_mask, scale)
         if self._serving is not None and all(a is b for a, b in zip(self._serving[0], key, strict=True)):
             return self._serving[1]
         serves = (self.payloads, self.metas, self.widths, self.norms, self.final_norm, self.eps, self._table,
-                  self._no_ids if embedded else work.ids, work.hidden, work.cos, work.sin, keys, values, key_mask,
+                  work.ids if embeds else self._no_ids, work.hidden, work.cos, work.sin, keys, values, key_mask,
                   work.steps, scale, *work.shared, work.hidden, self._head, work.logits, work.own)  # fmt: skip
         self._serving = (key, serves)
         return serves
 
     def step(
         self,
-        ids: npt.NDArray[np.int64],
-        hidden: F32 | None,
-        cos: F32,
-        sin: F32,
+        input_ids: npt.NDArray[np.int64],
+        positions: npt.NDArray[np.int64],
         keys: F32,
         values: F32,
         key_mask: npt.NDArray[np.bool_],
         slot: int,
         scale: np.float32,
     ) -> tuple[F32, F32 | None]:
-        """The final-normed hidden states ``[m, h]`` of the new tokens ``ids [m]`` and their logits ``[m, vocab]``
-        (None when the output head is not a whole block matrix). ``hidden [m, h]``: the tokens' embeddings, or None
-        to let the threads decode them from the quantized table (`embeds`); ``cos`` / ``sin [m, d / 2]``; the cache
-        ``keys`` / ``values [layers, m, kv, capacity, d]``; ``scale``: the model's attention scale (the same every
-        step)."""
-        m = ids.shape[0]
+        """The final-normed hidden states ``[m, h]`` of the new tokens ``input_ids [m, 1]`` at rotary ``positions
+        [m, 1]`` and their logits ``[m, vocab]`` (None when the output head is not a whole block matrix). The
+        threads decode the tokens' embeddings from a quantized table when they can (ids in range), else the model's
+        `Embedding` looks them up (and reports bad ids). The cache: ``keys`` / ``values [layers, m, kv, capacity,
+        d]``, its real slots ``key_mask [m, capacity]``, the new one ``slot``; ``scale``: the model's attention
+        scale (the same every step)."""
+        m = input_ids.shape[0]
         out = np.empty((m, self.hidden), dtype=np.float32)
         logits = np.empty((m, self.vocab), dtype=np.float32)
-        embedded = hidden is not None
         with self._lock:  # the work arrays serve one step at a time
-            work = self._work(m, keys.shape[3], cos.shape[1])
+            work = self._work(m, keys.shape[3], self._inv_freq.size)
             # The step's inputs go into arrays the helpers' loop holds; its logits by address (`_serve`).
-            work.ids[:] = ids
-            work.cos[:] = cos
-            work.sin[:] = sin
-            if hidden is not None:
-                work.hidden[:] = hidden
-            work.steps[self._serve.SLOT_INDEX] = slot
-            work.steps[self._serve.LOGITS_ADDRESS] = logits.ctypes.data
-            serves = self._serves(work, embedded, keys, values, key_mask, scale)
+            embeds = self._serve.prepare(input_ids, positions, self._inv_freq, self._rows, work.ids, work.cos,
+                                         work.sin, work.steps, slot, logits)  # fmt: skip
+            if not embeds:
+                work.hidden[:] = self._lookup(input_ids).reshape(m, -1)
+            serves = self._serves(work, embeds, keys, values, key_mask, scale)
             args = (*serves[:14], slot, scale, *work.shared, out, self._head, logits, work.own)
             self.team.run(self._step.decode_step, args, serve=self._serve.serve_steps, serves=serves)
         return out, (logits if self.vocab else None)
-
-    def embeds(self, ids: npt.NDArray[np.int64]) -> bool:
-        """Whether the threads can decode the embeddings of ``ids`` themselves (a quantized block table, ids in
-        range: anything else is left to the model's `Embedding`, which reports bad ids)."""
-        table = self.embedding
-        return table is not None and ids.size > 0 and int(ids.min()) >= 0 and int(ids.max()) < table.rows
 
 
 def _embedding_payload(embedding: object) -> CompiledPayload | None:

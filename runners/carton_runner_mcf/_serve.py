@@ -1,5 +1,6 @@
 """The helpers' compiled loop of decode steps (`_team`'s ``serve``): a helper of a `_region.DecodeRegion`'s team runs
-`_step.decode_step` for every step of a generation without returning to Python between them.
+`_step.decode_step` for every step of a generation without returning to Python between them; and what the caller
+computes before each step (`prepare`), in one compiled call.
 
 The loop's arguments are the step's, except the two that change every step: the new slot's index and the address
 of the step's logits (a new array each step, which the caller keeps alive until the run ends), read from ``steps``
@@ -9,13 +10,16 @@ are copied by the caller into arrays the loop holds.
 
 from __future__ import annotations
 
+import math
+
 import numba
+import numpy as np
 
 from ._atomics import await_run, leave, pointer_like
 from ._blocks import JIT
 from ._step import decode_step
 
-__all__ = ["LOGITS_ADDRESS", "SLOT_INDEX", "STEPS", "serve_steps"]
+__all__ = ["LOGITS_ADDRESS", "SLOT_INDEX", "STEPS", "prepare", "serve_steps"]
 
 #: ``steps[SLOT_INDEX]``: the new slot of the cache.
 SLOT_INDEX = 0
@@ -23,6 +27,27 @@ SLOT_INDEX = 0
 LOGITS_ADDRESS = 1
 #: Elements of ``steps``.
 STEPS = 2
+
+
+@numba.njit(**JIT)
+def prepare(input_ids, positions, inv_freq, rows, ids, cos, sin, steps, slot, logits):  # type: ignore[no-untyped-def]
+    """The caller's inputs of a step: ``ids [m]`` from ``input_ids [m, 1]``, the rotary tables ``cos`` / ``sin [m,
+    d / 2]`` of ``positions [m, 1]`` (the inverse frequencies ``inv_freq [d / 2]``), and into ``steps`` the new
+    ``slot`` and the address of ``logits``. Returns whether every id is a row of an embedding table of ``rows`` rows
+    (the threads can decode them)."""
+    known = rows > 0
+    for j in range(ids.size):
+        token = input_ids[j, 0]
+        ids[j] = token
+        known &= 0 <= token < rows
+        position = np.float32(positions[j, 0])
+        for i in range(inv_freq.size):
+            angle = position * inv_freq[i]
+            cos[j, i] = math.cos(angle)
+            sin[j, i] = math.sin(angle)
+    steps[SLOT_INDEX] = slot
+    steps[LOGITS_ADDRESS] = logits.ctypes.data
+    return known
 
 
 @numba.njit(**JIT)
