@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,6 +103,10 @@ class DecodeRegion:
         self._no_ids = np.zeros(0, np.int64)
         self._buffers: dict[tuple[int, int, int], _Work] = {}
         self._serving: tuple[tuple[Any, ...], tuple[Any, ...]] | None = None  # `_serves`'s last key and arguments
+        #: `decode_step`'s compiled entry for the argument types of the cache's arrays (`_entry`), and the types of
+        #: the last `_serves`.
+        self._entries: dict[tuple[Any, ...], Callable[..., int]] = {}
+        self._kinds: tuple[Any, ...] = ()
 
         self._lock = threading.Lock()
 
@@ -195,7 +200,24 @@ class DecodeRegion:
                   work.ids if embeds else self._no_ids, work.hidden, work.cos, work.sin, keys, values, key_mask,
                   work.steps, scale, *work.shared, work.hidden, self._head, work.logits, work.own)  # fmt: skip
         self._serving = (key, serves)
+        self._kinds = tuple(self._step.decode_step.typeof_pyval(array) for array in (keys, values, key_mask))
         return serves
+
+    def _entry(self) -> Callable[..., int]:
+        """How the caller calls `decode_step`: numba's dispatcher types every argument of every call (a few dozen,
+        on caches the step has just evicted), so once it has compiled or loaded the step for these arguments'
+        types (the same every step but for those of the cache's arrays) the caller calls that compiled entry."""
+        dispatcher: Callable[..., int] = self._step.decode_step
+        return self._entries.get(self._kinds, dispatcher)
+
+    def _found(self, args: tuple[Any, ...]) -> None:
+        """Keep the compiled entry the dispatcher has just used for ``args`` (`_entry`)."""
+        dispatcher = self._step.decode_step
+        team = self.team
+        kinds = tuple(dispatcher.typeof_pyval(value) for value in (*args, team.control, 0, team.size))
+        compiled = dispatcher.overloads.get(kinds)
+        if compiled is not None:
+            self._entries[self._kinds] = compiled.entry_point
 
     def step(
         self,
@@ -225,7 +247,10 @@ class DecodeRegion:
                 work.hidden[:] = self._lookup(input_ids).reshape(m, -1)
             serves = self._serves(work, embeds, keys, values, key_mask, scale)
             args = (*serves[:14], slot, scale, *work.shared, out, self._head, logits, work.own)
-            self.team.run(self._step.decode_step, args, serve=self._serve.serve_steps, serves=serves)
+            entry = self._entry()
+            self.team.run(entry, args, serve=self._serve.serve_steps, serves=serves)
+            if entry is self._step.decode_step:
+                self._found(args)
         return out, (logits if self.vocab else None)
 
 
