@@ -211,13 +211,13 @@ class DecodeRegion:
         return self._entries.get(self._kinds, dispatcher)
 
     def _found(self, args: tuple[Any, ...]) -> None:
-        """Keep the compiled entry the dispatcher has just used for ``args`` (`_entry`)."""
+        """Keep the compiled entry the dispatcher has just used for ``args`` (`_entry`; the dispatcher itself if it
+        is not found, so that this is looked for once)."""
         dispatcher = self._step.decode_step
         team = self.team
         kinds = tuple(dispatcher.typeof_pyval(value) for value in (*args, team.control, 0, team.size))
         compiled = dispatcher.overloads.get(kinds)
-        if compiled is not None:
-            self._entries[self._kinds] = compiled.entry_point
+        self._entries[self._kinds] = compiled.entry_point if compiled is not None else dispatcher
 
     def step(
         self,
@@ -249,7 +249,7 @@ class DecodeRegion:
             args = (*serves[:14], slot, scale, *work.shared, out, self._head, logits, work.own)
             entry = self._entry()
             self.team.run(entry, args, serve=self._serve.serve_steps, serves=serves)
-            if entry is self._step.decode_step:
+            if self._kinds not in self._entries:
                 self._found(args)
         return out, (logits if self.vocab else None)
 
