@@ -65,6 +65,7 @@ __all__ = [
     "leave",
     "pointer_like",
     "post",
+    "recall",
     "take",
     "take_share",
     "wait_departures",
@@ -344,6 +345,14 @@ def post(control, board, epoch):  # type: ignore[no-untyped-def]
     for i in range(control.size):
         control[i] = 0
     atomic_store(board, EPOCH, epoch)
+    atomic_add(board, GENERATION, 1)
+
+
+@numba.njit(**JIT)
+def recall(board):  # type: ignore[no-untyped-def]
+    """Every helper waiting in its compiled loop returns to Python: a run posted on no epoch's arguments (the team
+    is closing; no run's fields are touched)."""
+    atomic_store(board, EPOCH, -1)
     atomic_add(board, GENERATION, 1)
 
 

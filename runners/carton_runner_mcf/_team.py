@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ._atomics import ABORT, GENERATION, await_post, board_size, claim, control_size, post
+from ._atomics import ABORT, GENERATION, await_post, board_size, claim, control_size, post, recall
 
 __all__ = ["OK", "Team", "TeamFailed"]
 
@@ -47,8 +47,7 @@ class _Shared:
     """What the helpers see: the posted work and the board (kept apart from `Team` so helpers hold no reference to
     it and a dropped team is collected and stops them)."""
 
-    def __init__(self, size: int, control: npt.NDArray[np.int64]) -> None:
-        self.control = control
+    def __init__(self, size: int) -> None:
         self.condition = threading.Condition()
         #: (function, args, serve, serves, epoch) of the last run posted through the condition.
         self.work: tuple[Callable[..., Any], tuple[Any, ...], Callable[..., int] | None, Any, int] | None = None
@@ -97,7 +96,7 @@ class Team:
     def __init__(self, size: int, counters: int) -> None:
         self.size = size
         self.control = np.zeros(control_size(counters), dtype=np.int64)
-        self._shared = _Shared(size, self.control)
+        self._shared = _Shared(size)
         self._serving: tuple[Any, Any] = (None, None)  # the loop and arguments of ``_epoch``
         self._epoch = 0
         self._threads: list[threading.Thread] = []
@@ -179,6 +178,5 @@ class Team:
 def _close(shared: _Shared) -> None:
     with shared.condition:
         shared.closed = True
-        # A run on no epoch's arguments: a helper in its compiled loop returns to Python and sees the team closed.
-        post(shared.control, shared.board, -1)
+        recall(shared.board)  # a helper in its compiled loop returns to Python and sees the team closed
         shared.condition.notify_all()
