@@ -14,6 +14,12 @@ Work is handed out two ways: `take` gives units of one counter in turn to whiche
 product's chunks into one contiguous share per thread, which its owner takes from the front, and a thread done
 with its own share takes the others' chunks from their back, so a thread descheduled mid-phase holds up only the
 chunk it is working on.
+
+A team's caller posts each run on a ``board`` (`post`): the run's generation and the epoch of its arguments. A
+helper that runs many runs on the same arguments stays in a compiled loop between them (`await_run`), so it starts
+a run as soon as it is posted, without the GIL or a call through numba's dispatcher; it returns to Python when a run
+comes on other arguments, or after a few idle milliseconds in which no caller claimed it (`claim`), so that no core
+spins between generations.
 """
 
 from __future__ import annotations
@@ -36,17 +42,30 @@ from ._simd import Codegen
 __all__ = [
     "ABORT",
     "ARRIVALS",
+    "CLAIMED",
     "COUNTERS",
     "DEPARTURES",
+    "EPOCH",
+    "GENERATION",
+    "IDLE",
+    "SERVING",
     "SLOT",
     "WAIT_LIMIT_S",
     "atomic_add",
     "atomic_load",
     "atomic_store",
     "await_post",
+    "await_run",
     "barrier",
+    "board_size",
+    "claim",
+    "compare_exchange",
     "control_size",
     "depart",
+    "leave",
+    "pointer_like",
+    "post",
+    "recall",
     "take",
     "take_share",
     "wait_departures",
@@ -70,11 +89,26 @@ _SPINS = 300  # pause-hinted polls before yielding the core (tens of microsecond
 _YIELDS = 200  # sched_yield polls before napping
 _NAP_US = 50
 _IDLE_YIELDS = 2000  # sched_yield polls of a helper between runs before it sleeps (a few milliseconds when idle)
+#: ``board[GENERATION]``: the last run posted (runs are numbered from 1).
+GENERATION = 0
+#: ``board[EPOCH]``: the epoch of the arguments of the last run posted (same cache line: written just before it).
+EPOCH = 1
+#: A helper's state, ``board[SLOT * worker]``: not in its compiled loop, ...
+IDLE = 0
+#: ... waiting in its loop for the next run (it may still leave when idle), ...
+SERVING = 1
+#: ... or waiting in its loop, claimed by the caller for the next run (it will not leave before that run).
+CLAIMED = 2
 
 
 def control_size(counters: int) -> int:
     """Elements of a ``control`` array with ``counters`` work counters."""
     return COUNTERS + SLOT * counters
+
+
+def board_size(team: int) -> int:
+    """Elements of the ``board`` of a team of ``team`` threads (its fields, then one state per helper)."""
+    return SLOT * max(team, 1)
 
 
 def _element(context: Any, builder: ir.IRBuilder, array_type: Any, array: Any, index: Any) -> Any:
@@ -115,6 +149,32 @@ def atomic_store(typingctx: Any, array: Any, index: Any, value: Any) -> tuple[An
         return context.get_dummy_value()
 
     return types.none(array, index, value), codegen
+
+
+@intrinsic
+def compare_exchange(typingctx: Any, array: Any, index: Any, expected: Any, value: Any) -> tuple[Any, Codegen]:
+    """Set element ``index`` of a C-contiguous int64 array to ``value`` if it is ``expected``, atomically; returns
+    whether it was."""
+
+    def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: list[Any]) -> Any:
+        pointer = _element(context, builder, sig.args[0], args[0], args[1])
+        old = context.cast(builder, args[2], sig.args[2], types.int64)
+        new = context.cast(builder, args[3], sig.args[3], types.int64)
+        outcome = builder.cmpxchg(pointer, old, new, "seq_cst", "seq_cst")
+        return builder.extract_value(outcome, 1)
+
+    return types.boolean(array, index, expected, value), codegen
+
+
+@intrinsic
+def pointer_like(typingctx: Any, address: Any, array: Any) -> tuple[Any, Codegen]:
+    """``address`` (an int64) as a pointer to ``array``'s element type: how a helper's compiled loop reaches an
+    array the caller made for one run (`numba.carray` over it), the caller keeping it alive until the run ends."""
+
+    def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: list[Any]) -> Any:
+        return builder.inttoptr(args[0], context.get_value_type(sig.return_type))
+
+    return types.CPointer(array.dtype)(address, array), codegen
 
 
 _X86 = ("x86_64", "amd64", "i386", "i686")
@@ -276,3 +336,75 @@ def await_post(posted, seen):  # type: ignore[no-untyped-def]
             return True
         _sched_yield()
     return False
+
+
+@numba.njit(**JIT)
+def post(control, board, epoch):  # type: ignore[no-untyped-def]
+    """The caller posts the next run, on the arguments of ``epoch``: the run's fields of ``control`` are cleared and
+    its generation published (after the clearing, and after any store the caller made before this call)."""
+    for i in range(control.size):
+        control[i] = 0
+    atomic_store(board, EPOCH, epoch)
+    atomic_add(board, GENERATION, 1)
+
+
+@numba.njit(**JIT)
+def recall(board):  # type: ignore[no-untyped-def]
+    """Every helper waiting in its compiled loop returns to Python: a run posted on no epoch's arguments (the team
+    is closing; no run's fields are touched)."""
+    atomic_store(board, EPOCH, -1)
+    atomic_add(board, GENERATION, 1)
+
+
+@numba.njit(**JIT)
+def claim(board, team):  # type: ignore[no-untyped-def]
+    """The caller before a run on the last run's arguments: True when every helper waits in its compiled loop and
+    will not leave it before the next run is posted (it may then be posted without waking anyone), False when one
+    is not in it or is leaving (wake the helpers through Python)."""
+    claimed = True
+    for worker in range(1, team):  # every helper, even after one that left: a claimed one takes the next run anyway
+        claimed &= compare_exchange(board, SLOT * worker, SERVING, CLAIMED)
+    return claimed
+
+
+@numba.njit(**JIT)
+def _next_run(board, epoch, seen, state):  # type: ignore[no-untyped-def]
+    """`await_run`'s check: 0 while no run after ``seen`` is posted, the run's generation when it is on ``epoch``'s
+    arguments, -1 when it is not (the helper leaves its loop)."""
+    generation = atomic_load(board, GENERATION)
+    if generation <= seen:
+        return 0
+    if atomic_load(board, EPOCH) == epoch:
+        atomic_store(board, state, SERVING)
+        return generation
+    atomic_store(board, state, IDLE)
+    return -1
+
+
+@numba.njit(**JIT)
+def await_run(board, epoch, seen, worker):  # type: ignore[no-untyped-def]
+    """A helper in its compiled loop, after run ``seen`` on the arguments of ``epoch``: the generation of the next
+    run, or ``seen`` when the helper must return to Python: the next run is on other arguments (or the team is
+    closing), or no run came for a few milliseconds of spinning then yielding its core and no caller has claimed
+    it (`claim`). A helper entering its loop calls this with the generation before the one it was posted for."""
+    # The state is set to SERVING only when a run is taken: between runs it may be CLAIMED by the caller already.
+    state = SLOT * worker
+    while True:
+        for _ in range(_SPINS):
+            found = _next_run(board, epoch, seen, state)
+            if found != 0:
+                return found if found > 0 else seen
+            _pause()
+        for _ in range(_IDLE_YIELDS):
+            found = _next_run(board, epoch, seen, state)
+            if found != 0:
+                return found if found > 0 else seen
+            _sched_yield()
+        if compare_exchange(board, state, SERVING, IDLE):
+            return seen
+
+
+@numba.njit(**JIT)
+def leave(board, worker):  # type: ignore[no-untyped-def]
+    """A helper leaves its compiled loop other than through `await_run` (its run failed)."""
+    atomic_store(board, SLOT * worker, IDLE)

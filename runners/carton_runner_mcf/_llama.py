@@ -405,15 +405,11 @@ class LlamaModel:
         from ._team import TeamFailed
 
         batch = input_ids.shape[0]
-        ids = np.ascontiguousarray(input_ids.reshape(batch), dtype=np.int64)
-        cos, sin = (np.ascontiguousarray(part.reshape(batch, -1)) for part in self._rotary(positions))
-        hidden = None
-        if not region.embeds(ids):
-            hidden = np.ascontiguousarray(self.embedding(input_ids).reshape(batch, -1), dtype=np.float32)
         try:
             out, logits = region.step(
-                ids, hidden, cos, sin, cache.key_store, cache.value_store, cache.key_mask, cache.length, self._scale
-            )
+                input_ids.astype(np.int64, copy=False), positions.astype(np.int64, copy=False), cache.key_store,
+                cache.value_store, cache.key_mask, cache.length, self._scale,
+            )  # fmt: skip
         except TeamFailed as exc:
             warnings.warn(f"mcf runner: decode falls back to one call per operation: {exc}", RuntimeWarning, 2)
             self._region = None

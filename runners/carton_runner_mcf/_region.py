@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import threading
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -44,17 +46,34 @@ def _readonly(array: npt.NDArray[np.uint8]) -> npt.NDArray[np.uint8]:
     return view
 
 
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class _Work:
+    """A region's work arrays for one shape: ``shared`` (q, k, v, attended, projected, gate, up, activated) and
+    ``own`` (`_step.decode_step`'s), and the step's inputs as the helpers' loop reads them (`_serve`): ``ids``,
+    ``hidden`` (embeddings the caller gives), ``cos`` / ``sin``, ``steps`` and a ``logits`` of the logits' shape."""
+
+    shared: tuple[F32, ...]
+    own: tuple[Any, ...]
+    ids: npt.NDArray[np.int64]
+    hidden: F32
+    cos: F32
+    sin: F32
+    steps: npt.NDArray[np.int64]
+    logits: F32
+
+
 class DecodeRegion:
     """The tables and work arrays of one model's `_step.decode_step`, and the team that runs it."""
 
     def __init__(self, model: Any, payloads: list[CompiledPayload], threads: int) -> None:
         from numba.typed import List
 
-        from . import _step
+        from . import _serve, _step
         from ._compiled import activation_shapes
         from ._team import Team
 
         self._step = _step
+        self._serve = _serve
         self._activation_shapes = activation_shapes
         config = model.config
         self.head_dim = config.head_dim
@@ -78,8 +97,17 @@ class DecodeRegion:
         self._head = (_readonly(self.head.payload), self.head.meta) if self.head is not None else no_table
         self.embedding = _embedding_payload(model.embedding)
         self._table = (_readonly(self.embedding.payload), self.embedding.meta) if self.embedding else no_table
+        self._rows = self.embedding.rows if self.embedding is not None else 0
+        self._lookup = model.embedding
+        self._inv_freq = np.ascontiguousarray(model._inv_freq, dtype=np.float32)
         self._no_ids = np.zeros(0, np.int64)
-        self._buffers: dict[tuple[int, int], tuple[Any, ...]] = {}
+        self._buffers: dict[tuple[int, int, int], _Work] = {}
+        self._serving: tuple[tuple[Any, ...], tuple[Any, ...]] | None = None  # `_serves`'s last key and arguments
+        #: `decode_step`'s compiled entry for the argument types of the cache's arrays (`_entry`), and the types of
+        #: the last `_serves`.
+        self._entries: dict[tuple[Any, ...], Callable[..., int]] = {}
+        self._kinds: tuple[Any, ...] = ()
+
         self._lock = threading.Lock()
 
     @classmethod
@@ -110,13 +138,15 @@ class DecodeRegion:
             threads = min(most, MAX_THREADS)
         return cls(model, payloads, max(1, threads))
 
-    def _work(self, m: int, capacity: int) -> tuple[Any, ...]:
-        """Shared and per-thread work arrays for ``m`` rows and a cache of ``capacity`` slots (kept per shape)."""
-        found = self._buffers.get((m, capacity))
+    def _work(self, m: int, capacity: int, rotary: int) -> _Work:
+        """The work arrays for ``m`` rows, a cache of ``capacity`` slots and rotary tables ``[m, rotary]`` (kept
+        per shape)."""
+        found = self._buffers.get((m, capacity, rotary))
         if found is not None:
             return found
         if len(self._buffers) > 8:
             self._buffers.clear()
+            self._serving = None
         team, h, d = self.team.size, self.hidden, self.head_dim
         q_width, kv_width = self.heads * d, self.kv_heads * d
         blocks = max(-(-width // 32) for width in (h, q_width, self.inter))
@@ -146,42 +176,82 @@ class DecodeRegion:
             np.zeros((m, self.inter), np.float32),
             np.zeros((m, self.inter), np.float32),
         )
-        found = self._buffers[(m, capacity)] = (*shared, own)
+        found = self._buffers[(m, capacity, rotary)] = _Work(
+            shared=shared,
+            own=own,
+            ids=np.zeros(m, np.int64),
+            hidden=np.zeros((m, h), np.float32),
+            cos=np.zeros((m, rotary), np.float32),
+            sin=np.zeros((m, rotary), np.float32),
+            steps=np.zeros(self._serve.STEPS, np.int64),
+            logits=np.zeros((m, self.vocab), np.float32),
+        )
         return found
+
+    def _serves(
+        self, work: _Work, embeds: bool, keys: F32, values: F32, key_mask: npt.NDArray[np.bool_], scale: np.float32
+    ) -> tuple[Any, ...]:
+        """The arguments of the helpers' loop (`_serve.serve_steps`) for ``work`` and this cache (the same tuple
+        while they do not change, so that the helpers stay in their loop)."""
+        key = (work, embeds, keys, values, key_mask, scale)
+        if self._serving is not None and all(a is b for a, b in zip(self._serving[0], key, strict=True)):
+            return self._serving[1]
+        serves = (self.payloads, self.metas, self.widths, self.norms, self.final_norm, self.eps, self._table,
+                  work.ids if embeds else self._no_ids, work.hidden, work.cos, work.sin, keys, values, key_mask,
+                  work.steps, scale, *work.shared, work.hidden, self._head, work.logits, work.own)  # fmt: skip
+        self._serving = (key, serves)
+        self._kinds = tuple(self._step.decode_step.typeof_pyval(array) for array in (keys, values, key_mask))
+        return serves
+
+    def _entry(self) -> Callable[..., int]:
+        """How the caller calls `decode_step`: numba's dispatcher types every argument of every call (a few dozen,
+        on caches the step has just evicted), so once it has compiled or loaded the step for these arguments'
+        types (the same every step but for those of the cache's arrays) the caller calls that compiled entry."""
+        dispatcher: Callable[..., int] = self._step.decode_step
+        return self._entries.get(self._kinds, dispatcher)
+
+    def _found(self, args: tuple[Any, ...]) -> None:
+        """Keep the compiled entry the dispatcher has just used for ``args`` (`_entry`; the dispatcher itself if it
+        is not found, so that this is looked for once)."""
+        dispatcher = self._step.decode_step
+        team = self.team
+        kinds = tuple(dispatcher.typeof_pyval(value) for value in (*args, team.control, 0, team.size))
+        compiled = dispatcher.overloads.get(kinds)
+        self._entries[self._kinds] = compiled.entry_point if compiled is not None else dispatcher
 
     def step(
         self,
-        ids: npt.NDArray[np.int64],
-        hidden: F32 | None,
-        cos: F32,
-        sin: F32,
+        input_ids: npt.NDArray[np.int64],
+        positions: npt.NDArray[np.int64],
         keys: F32,
         values: F32,
         key_mask: npt.NDArray[np.bool_],
         slot: int,
         scale: np.float32,
     ) -> tuple[F32, F32 | None]:
-        """The final-normed hidden states ``[m, h]`` of the new tokens ``ids [m]`` and their logits ``[m, vocab]``
-        (None when the output head is not a whole block matrix). ``hidden [m, h]``: the tokens' embeddings, or None
-        to let the threads decode them from the quantized table (`embeds`); ``cos`` / ``sin [m, d / 2]``; the cache
-        ``keys`` / ``values [layers, m, kv, capacity, d]``."""
-        m = ids.shape[0]
+        """The final-normed hidden states ``[m, h]`` of the new tokens ``input_ids [m, 1]`` at rotary ``positions
+        [m, 1]`` and their logits ``[m, vocab]`` (None when the output head is not a whole block matrix). The
+        threads decode the tokens' embeddings from a quantized table when they can (ids in range), else the model's
+        `Embedding` looks them up (and reports bad ids). The cache: ``keys`` / ``values [layers, m, kv, capacity,
+        d]``, its real slots ``key_mask [m, capacity]``, the new one ``slot``; ``scale``: the model's attention
+        scale (the same every step)."""
+        m = input_ids.shape[0]
         out = np.empty((m, self.hidden), dtype=np.float32)
         logits = np.empty((m, self.vocab), dtype=np.float32)
-        embedded = hidden is not None
         with self._lock:  # the work arrays serve one step at a time
-            work = self._work(m, keys.shape[3])
-            args = (self.payloads, self.metas, self.widths, self.norms, self.final_norm, self.eps, self._table,
-                    self._no_ids if embedded else ids, hidden if embedded else out, cos, sin, keys, values, key_mask,
-                    slot, scale, *work[:-1], out, self._head, logits, work[-1])  # fmt: skip
-            self.team.run(self._step.decode_step, args)
+            work = self._work(m, keys.shape[3], self._inv_freq.size)
+            # The step's inputs go into arrays the helpers' loop holds; its logits by address (`_serve`).
+            embeds = self._serve.prepare(input_ids, positions, self._inv_freq, self._rows, work.ids, work.cos,
+                                         work.sin, work.steps, slot, logits)  # fmt: skip
+            if not embeds:
+                work.hidden[:] = self._lookup(input_ids).reshape(m, -1)
+            serves = self._serves(work, embeds, keys, values, key_mask, scale)
+            args = (*serves[:14], slot, scale, *work.shared, out, self._head, logits, work.own)
+            entry = self._entry()
+            self.team.run(entry, args, serve=self._serve.serve_steps, serves=serves)
+            if self._kinds not in self._entries:
+                self._found(args)
         return out, (logits if self.vocab else None)
-
-    def embeds(self, ids: npt.NDArray[np.int64]) -> bool:
-        """Whether the threads can decode the embeddings of ``ids`` themselves (a quantized block table, ids in
-        range: anything else is left to the model's `Embedding`, which reports bad ids)."""
-        table = self.embedding
-        return table is not None and ids.size > 0 and int(ids.min()) >= 0 and int(ids.max()) < table.rows
 
 
 def _embedding_payload(embedding: object) -> CompiledPayload | None:

@@ -1,10 +1,17 @@
 """A team of threads that run one compiled function together: the caller and ``size - 1`` persistent helpers.
 
-`Team.run(function, args)` resets the shared ``control`` array (`_atomics`), wakes the helpers, and calls
-``function(*args, control, worker, size)`` on every thread (the caller is worker 0). The function releases the GIL
-and hands out its work with `_atomics.take` and separates its phases with `_atomics.barrier`; helpers call
-`_atomics.depart` when done and the caller returns only after `_atomics.wait_departures`, so no helper still reads
-or writes a shared array when `run` returns.
+`Team.run(function, args)` posts a run on the team's ``board`` (`_atomics.post`: the shared ``control`` array
+reset, the run's generation published), and calls ``function(*args, control, worker, size)`` on every thread (the
+caller is worker 0). The function releases the GIL and hands out its work with `_atomics.take` and separates its
+phases with `_atomics.barrier`; helpers call `_atomics.depart` when done and the caller returns only after
+`_atomics.wait_departures`, so no helper still reads or writes a shared array when `run` returns.
+
+A run may also name a compiled ``serve`` loop and the arguments it ``serves``: a helper then calls
+``serve(serves, control, board, epoch, seen, worker, size)``, which runs the function for each run posted on those
+arguments and stays in compiled code between them (`_atomics.await_run`): the next run on the same ``serves``
+(compared by identity) is posted without the GIL or a condition (`_atomics.claim`), and the helper starts it at
+once. Per-run values reach it through arrays among ``serves`` that the caller fills before the run. The loop
+returns to Python when a run comes on other arguments, when the team closes, or after a few idle milliseconds.
 
 Plain Python threads, not a numba parallel region: every worker is an OS thread that exists for the team's life,
 so a barrier never waits on work that was queued behind another (a TBB task arena may run two iterations of a
@@ -24,7 +31,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ._atomics import ABORT, SLOT, await_post, control_size
+from ._atomics import ABORT, GENERATION, await_post, board_size, claim, control_size, post, recall
 
 __all__ = ["OK", "Team", "TeamFailed"]
 
@@ -37,39 +44,45 @@ class TeamFailed(RuntimeError):
 
 
 class _Shared:
-    """What the helpers see: the posted work and its generation (kept apart from `Team` so helpers hold no
-    reference to it and a dropped team is collected and stops them)."""
+    """What the helpers see: the posted work and the board (kept apart from `Team` so helpers hold no reference to
+    it and a dropped team is collected and stops them)."""
 
-    def __init__(self) -> None:
+    def __init__(self, size: int) -> None:
         self.condition = threading.Condition()
-        self.generation = 0
-        self.work: tuple[Callable[..., Any], tuple[Any, ...]] | None = None
+        #: (function, args, serve, serves, epoch) of the last run posted through the condition.
+        self.work: tuple[Callable[..., Any], tuple[Any, ...], Callable[..., int] | None, Any, int] | None = None
         self.closed = False
         self.failure: BaseException | None = None
-        #: ``posted[0]``: the generation, also written outside the condition so that a helper between runs can
-        #: poll it in compiled code without the GIL (`_atomics.await_post`) before it sleeps on the condition.
-        self.posted = np.zeros(SLOT, dtype=np.int64)
+        #: `_atomics.post`'s board: the last run's generation and epoch, and each helper's state. Written by the
+        #: caller outside the condition for a run its helpers' compiled loops take, under it otherwise.
+        self.board = np.zeros(board_size(size), dtype=np.int64)
 
 
 def _helper(shared: _Shared, control: npt.NDArray[np.int64], worker: int, size: int) -> None:
+    board = shared.board
     seen = 0
+    poll = True
     while True:
         # A step's runs follow each other within microseconds to a millisecond: a helper that polls for the next
         # one starts it at once, where a wake-up from the condition costs a futex wake and a trip through the
-        # scheduler per run. After a few idle milliseconds it sleeps.
-        if not await_post(shared.posted, seen):
+        # scheduler per run. After a few idle milliseconds it sleeps (a compiled loop has polled already).
+        if not (poll and await_post(board, seen)):
             with shared.condition:
-                while shared.generation == seen and not shared.closed:
+                while board[GENERATION] == seen and not shared.closed:
                     shared.condition.wait()
         with shared.condition:
             if shared.closed:
                 return
-            seen = shared.generation
+            generation = int(board[GENERATION])
             work = shared.work
         assert work is not None
-        function, args = work
+        function, args, serve, serves, epoch = work
         try:
-            function(*args, control, worker, size)
+            if serve is None:
+                function(*args, control, worker, size)
+                seen, poll = generation, True
+            else:
+                seen, poll = serve(serves, control, board, epoch, generation - 1, worker, size), False
         except BaseException as exc:
             shared.failure = exc
             control[ABORT] = 1
@@ -83,7 +96,9 @@ class Team:
     def __init__(self, size: int, counters: int) -> None:
         self.size = size
         self.control = np.zeros(control_size(counters), dtype=np.int64)
-        self._shared = _Shared()
+        self._shared = _Shared(size)
+        self._serving: tuple[Any, Any] = (None, None)  # the loop and arguments of ``_epoch``
+        self._epoch = 0
         self._threads: list[threading.Thread] = []
         self._broken = False
         self._lock = threading.Lock()  # one run at a time: the control array and the helpers serve one caller
@@ -104,13 +119,23 @@ class Team:
             thread.start()
             self._threads.append(thread)
 
-    def run(self, function: Callable[..., int], args: tuple[Any, ...]) -> None:
+    def run(
+        self,
+        function: Callable[..., int],
+        args: tuple[Any, ...],
+        *,
+        serve: Callable[..., int] | None = None,
+        serves: Any = None,
+    ) -> None:
         """``function(*args, control, worker, size)`` on every thread of the team; raises `TeamFailed` when a thread
-        failed or the run was aborted."""
+        failed or the run was aborted. With ``serve``, the helpers run it on ``serves`` instead (module docstring):
+        the same function on arguments that hold the same data as ``args`` for this run."""
         with self._lock:
-            self._run(function, args)
+            self._run(function, args, serve, serves)
 
-    def _run(self, function: Callable[..., int], args: tuple[Any, ...]) -> None:
+    def _run(
+        self, function: Callable[..., int], args: tuple[Any, ...], serve: Callable[..., int] | None, serves: Any
+    ) -> None:
         if self._broken:
             raise TeamFailed("the mcf runner's thread team failed earlier")
         if len(self._threads) != self.size - 1:
@@ -118,13 +143,18 @@ class Team:
         if not all(thread.is_alive() for thread in self._threads):
             self._broken = True
             raise TeamFailed("a thread of the mcf runner's team has stopped")
-        self.control[:] = 0
         shared = self._shared
-        if self.size > 1:
+        if self.size == 1:
+            self.control[:] = 0
+        elif serve is not None and self._serves(serve, serves) and claim(shared.board, self.size):
+            post(self.control, shared.board, self._epoch)
+        else:
             with shared.condition:
-                shared.work = (function, args)
-                shared.generation += 1
-                shared.posted[0] = shared.generation
+                if serve is None or not self._serves(serve, serves):
+                    self._epoch += 1
+                    self._serving = (serve, serves)
+                shared.work = (function, args, serve, serves, self._epoch)
+                post(self.control, shared.board, self._epoch)
                 shared.condition.notify_all()
         try:
             status = function(*args, self.control, 0, self.size)
@@ -136,6 +166,10 @@ class Team:
             self._broken = True
             raise TeamFailed("a run of the mcf runner's thread team was aborted") from shared.failure
 
+    def _serves(self, serve: Callable[..., int], serves: Any) -> bool:
+        """Whether the helpers' compiled loops of the current epoch run ``serve`` on ``serves``."""
+        return self._serving[0] is serve and self._serving[1] is serves
+
     def close(self) -> None:
         """Stop the helpers (they exit when idle; a team is also closed when collected)."""
         _close(self._shared)
@@ -144,5 +178,5 @@ class Team:
 def _close(shared: _Shared) -> None:
     with shared.condition:
         shared.closed = True
-        shared.posted[0] += 1
+        recall(shared.board)  # a helper in its compiled loop returns to Python and sees the team closed
         shared.condition.notify_all()

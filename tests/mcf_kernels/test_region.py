@@ -16,7 +16,7 @@ from carton_runner_mcf._llama import DecoderLayer, LlamaModel, positions_from_ma
 from carton_runner_mcf._weights import Embedding, FloatEmbedding, FloatLinear, Linear, QuantizedEmbedding
 
 numba = pytest.importorskip("numba", reason="numba is not installed (pip install 'carton-runtime[mcf]')")
-from carton_runner_mcf import _atomics, _region, _step, _team  # noqa: E402 - after the skip
+from carton_runner_mcf import _atomics, _region, _serve, _step, _team  # noqa: E402 - after the skip
 from carton_runner_mcf._packed import KERNELS_ENV, compiled_kernels  # noqa: E402
 
 pytestmark = pytest.mark.skipif(compiled_kernels("auto") is None, reason=f"{KERNELS_ENV} forces the numpy path")
@@ -123,6 +123,7 @@ def test_region_equals_the_step_of_one_call_per_operation(method: str) -> None:
     assert isinstance(one._region, _region.DecodeRegion) and one._region.team.size == 1
     by_two = _decode(two, True, batch=2)
     assert isinstance(two._region, _region.DecodeRegion)
+    assert two._region._entries  # after a step through numba's dispatcher, the caller calls the compiled entry
     _close(by_one, reference)
     # every row of every product, every head and norm is computed by the same compiled code whichever thread runs it
     np.testing.assert_array_equal(by_two, by_one)
@@ -136,7 +137,7 @@ def test_the_threads_decode_a_quantized_embedding_as_its_lookup_does(method: str
     region = _region.DecodeRegion.build(model, threads=2)
     assert region is not None and region.embedding is not None
     ids = np.array([0, 5, 96], dtype=np.int64)
-    assert region.embeds(ids) and not region.embeds(np.array([97])) and not region.embeds(np.array([-1]))
+    assert _prepare(region, ids) and not _prepare(region, np.array([97])) and not _prepare(region, np.array([-1]))
     rows = np.zeros((3, 80), np.float32)
     _step._embed((region.embedding.payload, region.embedding.meta), ids, np.zeros((1, region.embedding.width),
                  np.float32), rows)  # fmt: skip
@@ -145,6 +146,33 @@ def test_the_threads_decode_a_quantized_embedding_as_its_lookup_does(method: str
     by_one = _decode(model, _region.DecodeRegion.build(model, threads=1), batch=2)
     _close(by_one, reference)
     np.testing.assert_array_equal(_decode(model, region, batch=2), by_one)
+
+
+def _prepare(region: _region.DecodeRegion, ids: np.ndarray) -> bool:
+    """Whether the step's threads would decode the embeddings of ``ids`` themselves (`_serve.prepare`)."""
+    m = ids.size
+    cos, sin = np.zeros((m, region.head_dim // 2), np.float32), np.zeros((m, region.head_dim // 2), np.float32)
+    return bool(
+        _serve.prepare(ids.reshape(m, 1), np.zeros((m, 1), np.int64), np.ones(region.head_dim // 2, np.float32),
+                       region.embedding.rows if region.embedding else 0, np.zeros(m, np.int64), cos, sin,
+                       np.zeros(_serve.STEPS, np.int64), 0, np.zeros((m, 1), np.float32))
+    )  # fmt: skip
+
+
+def test_the_rotary_tables_of_a_step_are_the_models() -> None:
+    """`_serve.prepare` computes a step's rotary tables as the model's `_rotary` does (to the last bit or two)."""
+    model = _model("q4", 1, head_dim=64)
+    positions = np.array([[0], [1], [517], [30000]], np.int64)
+    half = model.config.head_dim // 2
+    cos, sin = np.zeros((4, half), np.float32), np.zeros((4, half), np.float32)
+    steps, logits = np.zeros(_serve.STEPS, np.int64), np.zeros((4, 3), np.float32)
+    ids = np.zeros(4, np.int64)
+    _serve.prepare(positions + 1, positions, model._inv_freq, 0, ids, cos, sin, steps, 9, logits)
+    want_cos, want_sin = model._rotary(positions)
+    np.testing.assert_allclose(cos, want_cos.reshape(4, half), rtol=0, atol=1e-6)
+    np.testing.assert_allclose(sin, want_sin.reshape(4, half), rtol=0, atol=1e-6)
+    np.testing.assert_array_equal(ids, positions[:, 0] + 1)
+    assert steps[_serve.SLOT_INDEX] == 9 and steps[_serve.LOGITS_ADDRESS] == logits.ctypes.data
 
 
 def test_the_step_keeps_its_logits_for_its_own_hidden_state_only() -> None:
