@@ -37,6 +37,11 @@ class _Histogram:
         self.buckets = [0] * (len(_BOUNDS_NS) + 1)  # per bucket, not cumulative; the last is +Inf
         self.sum_ns = 0
 
+    def observe(self, ns: int) -> None:
+        """Count one duration (the hot paths of `VersionStats` write this out in place)."""
+        self.buckets[bisect_left(_BOUNDS_NS, ns)] += 1
+        self.sum_ns += ns
+
     def add_to(self, family: HistogramMetricFamily, labels: list[str]) -> None:
         cumulative, total = [], 0
         for label, count in zip(_BUCKET_LABELS, self.buckets, strict=True):
@@ -138,6 +143,11 @@ class _Duration:
         self.count = 0
         self.ns = 0
 
+    def add(self, ns: int) -> None:
+        """Count one duration (the hot paths of `VersionStats` write this out in place)."""
+        self.count += 1
+        self.ns += ns
+
     def to_json(self) -> dict[str, int]:
         return {"count": self.count, "ns": self.ns}
 
@@ -175,9 +185,9 @@ class VersionStats:
         self.batches: dict[int, _BatchStats] = {}
         self.series = metrics.series(model, version)
 
-    # The two updates below run on every request: their counters are written out in place (an attribute per
-    # counter, the histogram's bucket found with `bisect_left`), without a method call per duration or histogram,
-    # and the wall clock of `last_inference` is read only when the statistics are (`last_inference_ms`).
+    # The two updates below run on every successful request: their counters are written out in place (an attribute
+    # per counter, the histogram's bucket found with `bisect_left`), without a method call per duration or
+    # histogram, and the wall clock of `last_inference` is read only when the statistics are (`last_inference_ms`).
 
     def record_execution(self, *, batch_size: int, infer_ns: int, queue_ns: int = 0, requests: int = 1) -> None:
         """One model execution over `batch_size` elements gathered from `requests` requests."""
@@ -228,14 +238,9 @@ class VersionStats:
         """Count a failed inference and how long it took (nanoseconds), ending at `now_ns`
         (``time.perf_counter_ns()``)."""
         self.last_ns = now_ns
-        fail = self.fail
-        fail.count += 1
-        fail.ns += total_ns
-        series = self.series
-        series.failure += 1
-        histogram = series.duration
-        histogram.buckets[bisect_left(_BOUNDS_NS, total_ns)] += 1
-        histogram.sum_ns += total_ns
+        self.fail.add(total_ns)
+        self.series.failure += 1
+        self.series.duration.observe(total_ns)
 
     @property
     def last_inference_ms(self) -> int:
