@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 from carton.server import Server
-from carton.server._grpc_plan import KnownRequest, RequestForms, varint
+from carton.server._grpc_plan import HEAD_LIMIT, KnownRequest, RequestForms, varint
 from carton.server._proto import message_class
 from google.protobuf.message import DecodeError
 
@@ -114,8 +114,10 @@ def test_bytes_not_of_the_form_are_parsed_by_upb() -> None:
             outputs=[{"name": "OUTPUT0", "parameters": {"classification": {"int64_param": 2}}}],
             raw_input_contents=[bytes(8)],
         ).SerializeToString(),
+        # A head longer than a form keeps (a long request id here).
+        _request([bytes(8)], request_id="x" * HEAD_LIMIT).SerializeToString(),
     ],
-    ids=["field after", "raw first", "no raw", "fewer raw", "classification"],
+    ids=["field after", "raw first", "no raw", "fewer raw", "classification", "long head"],
 )
 def test_layouts_never_learnt(message: bytes) -> None:
     forms = RequestForms(Request.FromString)

@@ -20,7 +20,7 @@ from google.protobuf.message import DecodeError
 
 from ._bounded import remember
 
-__all__ = ["KnownRequest", "RequestForm", "RequestForms", "ResponsePrefixes", "varint"]
+__all__ = ["HEAD_LIMIT", "KnownRequest", "RequestForm", "RequestForms", "ResponsePrefixes", "varint"]
 
 # Field tags (field number << 3 | length-delimited): ModelInferRequest.raw_input_contents (7),
 # ModelInferResponse.id (3) and ModelInferResponse.raw_output_contents (6).
@@ -34,6 +34,9 @@ _FORMS_OF_A_LENGTH = 4
 # Forms learnt in a row that no request used: past this many, a connection learns no more.
 _GIVE_UP = 32
 _PREFIXES = 256
+# The longest head learnt: a client's usual request has a short one (names, shapes, a few parameters), and a
+# connection keeps its forms, so a head as long as a whole message is not worth keeping.
+HEAD_LIMIT = 4096
 
 
 def varint(value: int) -> bytes:
@@ -120,7 +123,7 @@ class RequestForms:
             return None
         headers = [_RAW_INPUT_TAG + varint(len(data)) for data in raw]
         start = len(message) - sum(map(len, headers)) - sum(map(len, raw))
-        if start < 0:
+        if not 0 <= start <= HEAD_LIMIT:
             return None
         at = start
         inner, offsets = [], []
