@@ -289,21 +289,22 @@ class _Connection(Http2Connection):
         if call.timeout is not None:
             call.timer = asyncio.get_running_loop().call_later(call.timeout, _expire, call)
 
-    def _answered(self, call: _Call) -> None:
-        """`call`'s whole response is buffered (`send_response_now`): it is done."""
+    def _forget(self, call: _Call) -> None:
+        """`call` is over: its deadline is stopped and it is no longer the stream's call."""
         if call.timer is not None:
             call.timer.cancel()
         if self._calls.get(call.stream_id) is call:
             del self._calls[call.stream_id]
+
+    def _answered(self, call: _Call) -> None:
+        """`call`'s whole response is buffered (`send_response_now`): it is done."""
+        self._forget(call)
         self.flush()
 
     def _end(self, call: _Call, exc: BaseException | None) -> None:
         """End `call`, whose task finished (raising `exc`, if not None), with its status; re-raises a cancellation
         that is not the call's deadline (the client reset the stream, or the server is stopping)."""
-        if call.timer is not None:
-            call.timer.cancel()
-        if self._calls.get(call.stream_id) is call:
-            del self._calls[call.stream_id]
+        self._forget(call)
         if exc is None:
             self._finish(call, grpc.StatusCode.OK)
         elif isinstance(exc, asyncio.CancelledError):

@@ -498,9 +498,14 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
                 self._out.append(_frame(_CONTINUATION, 0, stream_id, piece))
             self._out.append(_frame(_CONTINUATION, _END_HEADERS, stream_id, pieces[-1]))
         if end_stream:
-            del self._streams[stream_id]
-            if not stream.ended:
-                self._out.append(_frame(_RST_STREAM, 0, stream_id, ErrorCode.NO_ERROR.to_bytes(4, "big")))
+            self._response_ended(stream_id, stream)
+
+    def _response_ended(self, stream_id: int, stream: _Stream) -> None:
+        """The response on `stream` is whole: the stream is done (a request still arriving is reset with NO_ERROR,
+        as RFC 9113 allows)."""
+        del self._streams[stream_id]
+        if not stream.ended:
+            self._out.append(_frame(_RST_STREAM, 0, stream_id, ErrorCode.NO_ERROR.to_bytes(4, "big")))
 
     def send_response_now(self, stream_id: int, headers: bytes, data: bytes, trailers: bytes) -> bool:
         """Buffer a whole response if the client's windows and frame size take `data` in one DATA frame now: a HEADERS
@@ -517,22 +522,14 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
             return False
         if len(headers) > limit or len(trailers) > limit:
             return False
-        self._send_window -= size
-        stream.send_window -= size
+        out = self._out
+        out.append(_HEAD.pack(len(headers) >> 16, len(headers) & 0xFFFF, _HEADERS, _END_HEADERS, stream_id))
+        out.append(headers)
+        self._buffer_data(stream_id, stream, data, size)
         end = _END_HEADERS | _END_STREAM
-        self._out.extend(
-            (
-                _HEAD.pack(len(headers) >> 16, len(headers) & 0xFFFF, _HEADERS, _END_HEADERS, stream_id),
-                headers,
-                _HEAD.pack(size >> 16, size & 0xFFFF, _DATA, 0, stream_id),
-                data,
-                _HEAD.pack(len(trailers) >> 16, len(trailers) & 0xFFFF, _HEADERS, end, stream_id),
-                trailers,
-            )
-        )
-        del self._streams[stream_id]
-        if not stream.ended:
-            self._out.append(_frame(_RST_STREAM, 0, stream_id, ErrorCode.NO_ERROR.to_bytes(4, "big")))
+        out.append(_HEAD.pack(len(trailers) >> 16, len(trailers) & 0xFFFF, _HEADERS, end, stream_id))
+        out.append(trailers)
+        self._response_ended(stream_id, stream)
         return True
 
     async def send_data(self, stream_id: int, data: bytes) -> None:
