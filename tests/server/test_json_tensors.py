@@ -38,7 +38,7 @@ def _post(port: int, path: str, body: bytes) -> tuple[int, bytes]:
 
 def test_health_answers_while_a_json_tensor_decodes(repository: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     decodes: list[tuple[float, float]] = []
-    decode = _http.parse_infer_request
+    decode = _http.unplanned_request
 
     def timed_decode(*args: Any) -> Any:
         started = time.perf_counter()
@@ -47,7 +47,7 @@ def test_health_answers_while_a_json_tensor_decodes(repository: Path, monkeypatc
         finally:
             decodes.append((started, time.perf_counter()))
 
-    monkeypatch.setattr(_http, "parse_infer_request", timed_decode)
+    monkeypatch.setattr(_http, "unplanned_request", timed_decode)
     count = 4_000_000
     body = (
         b'{"inputs": [{"name": "INPUT0", "shape": [1, %d], "datatype": "FP32", "data": [' % count

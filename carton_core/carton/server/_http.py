@@ -29,7 +29,7 @@ from ._bounded import remember
 from ._config import ModelConfig
 from ._datatypes import DATATYPE_OF
 from ._handle import metadata_shape
-from ._http_codec import InferBody, encode_infer_response, parse_infer_request, planned_request
+from ._http_codec import InferBody, encode_infer_response, planned_request, unplanned_request
 from ._http_messages import (
     AsgiAdapter,
     HttpRequest,
@@ -409,9 +409,9 @@ class HttpApp:
             decoded = planned_request(served, body, header_length)  # the usual binary request, else None
             if decoded is None:
                 if _json_bytes(body, header_length) < _OFF_LOOP_BYTES:
-                    decoded = parse_infer_request(served, body, header_length)
+                    decoded = unplanned_request(served, body, header_length)
                 else:  # JSON tensors: decoded on a thread, so that other requests and health probes keep answering
-                    decoded = await asyncio.to_thread(parse_infer_request, served, body, header_length)
+                    decoded = await asyncio.to_thread(unplanned_request, served, body, header_length)
             decoded_at = time.perf_counter_ns()
             outputs, _ = await served.infer(decoded.inputs)
             inferred_at = time.perf_counter_ns()

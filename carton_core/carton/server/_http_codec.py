@@ -34,7 +34,7 @@ from ._json_numbers import WRITTEN_KINDS, array_text, element_type, nested_list,
 from ._repository import ServedVersion
 from .errors import BadRequest
 
-__all__ = ["InferBody", "encode_infer_response", "parse_infer_request", "planned_request"]
+__all__ = ["InferBody", "encode_infer_response", "parse_infer_request", "planned_request", "unplanned_request"]
 
 _DIGITS = re.compile(rb"^\s*[0-9]+\s*$")
 
@@ -334,6 +334,12 @@ def parse_infer_request(served: ServedVersion, body: bytes | bytearray, header_l
     planned = planned_request(served, body, header_length)
     if planned is not None:
         return planned
+    return unplanned_request(served, body, header_length)
+
+
+def unplanned_request(served: ServedVersion, body: bytes | bytearray, header_length: bytes | None) -> InferBody:
+    """`parse_infer_request` of a body `planned_request` did not decode: decoded in full (and its plan kept when it
+    has one)."""
     decoded, plan = _parse_infer_request(served, body, header_length)
     if plan is not None:
         remember(served.request_plans, bytes(body[: int(header_length or 0)]), plan, _PLANS)
