@@ -50,19 +50,18 @@ def send_message(sock: zmq.Socket[Any], parts: Sequence[Any]) -> None:
 
 def recv_message(sock: zmq.Socket[Any]) -> list[zmq.Frame]:
     """Receive one message from `sock` (a plain `zmq.Socket`, as for `send_message`) as frames, without copies."""
-    frame: zmq.Frame = _recv(sock, 0, False)
-    frames = [frame]
-    while frame.more:
-        frame = _recv(sock, 0, False)
-        frames.append(frame)
-    return frames
+    return _recv_frames(sock, [])
 
 
 def recv_routed(sock: zmq.Socket[Any]) -> list[Any]:
     """Receive one message from a ROUTER `sock`: the sender's routing id as ``bytes``, then the message's frames as
     `recv_message` gives them. A ROUTER always delivers a routing id followed by at least one part, so the id needs
     no ``more`` check, and a copied receive of a few bytes costs less than making the `zmq.Frame` it would be."""
-    frames: list[Any] = [_recv(sock, 0, True)]
+    return _recv_frames(sock, [_recv(sock, 0, True)])
+
+
+def _recv_frames(sock: zmq.Socket[Any], frames: list[Any]) -> list[Any]:
+    """`frames` with the message's frames (the rest of it, after what `frames` holds) appended, without copies."""
     frame: zmq.Frame = _recv(sock, 0, False)
     frames.append(frame)
     while frame.more:
