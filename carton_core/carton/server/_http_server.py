@@ -32,6 +32,7 @@ from typing import Any, cast
 
 import httptools
 
+from ._http_heads import GIVE_UP, HEAD_LIMIT, HEADS, KnownHead, learn_head
 from ._http_messages import JOIN_ON_A_THREAD_BYTES, HttpHandler, HttpRequest, HttpResponse
 from .errors import BadRequest
 
@@ -82,10 +83,16 @@ class _Exchange(HttpRequest):
         "waiter",
     )
 
-    def __init__(self) -> None:  # the request's fields are filled in as the parser reports them
-        self.method = ""
-        self.raw_path = b""
-        self.headers: dict[bytes, bytes] = {}
+    def __init__(self, known: KnownHead | None = None) -> None:
+        # A request of a learnt head is made with its fields; the parser's are filled in as the parser reports them.
+        if known is None:
+            self.method = ""
+            self.raw_path = b""
+            self.headers: dict[bytes, bytes] = {}
+        else:
+            self.method = known.method
+            self.raw_path = known.raw_path
+            self.headers = known.headers  # read, never written, by handlers
         self.body = b""
         self.chunks: list[bytes] = []
         self.body_done = False
@@ -149,6 +156,18 @@ class _Connection(asyncio.Protocol):
         self.idle_timer: asyncio.TimerHandle | None = None
         #: Bytes received since the request being parsed began, while its head is incomplete.
         self.head_bytes = -1
+        #: The parser is between two messages and would take a next one: the last it parsed kept the connection
+        #: alive (after one that did not, or after an upgrade, it refuses or drops what follows).
+        self.fresh = True
+        #: Learnt request heads (`_http_heads`): a request that begins at a message boundary with one of these is
+        #: taken without the parser, which never sees it and stays at that boundary. While such a request's body
+        #: is arriving, the bytes of it still due.
+        self.known: dict[bytes, KnownHead] = {}
+        self.known_rest = 0
+        #: Heads learnt since one was last replayed, and what the parser is being fed when it is from a boundary
+        #: (the first request it begins there may be learnt).
+        self.unused = 0
+        self.learn_from: bytes | None = None
 
     # ---- asyncio.Protocol ----------------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -195,42 +214,130 @@ class _Connection(asyncio.Protocol):
         self.last_active = self.loop.time()
         if self.lingering or self.malformed:
             return
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            # An HTTP/1.1 request that also offers another protocol (websocket, h2c): answered as HTTP/1.1, and
-            # the connection is closed after it since the parser stops at the switch.
-            if self.parsing is not None:
-                self.parsing.keep_alive = False
-        except httptools.HttpParserError as exc:
-            self._bad_request(exc)
-            return
-        if self.head_bytes >= 0:
-            self.head_bytes += len(data)
-            if self.head_bytes > _MAX_HEAD_BYTES:
-                self._refuse_head()
+        if self.parsing is None and self.fresh and self.known:
+            # The usual request of a client that repeats itself: one whole request of a learnt head, nothing being
+            # answered (what `_replay`, then `_start_next`, do for it, in short).
+            end = data.find(b"\r\n\r\n", 0, HEAD_LIMIT) + 4
+            head = self.known.get(data[:end])
+            if head is None:
+                rest = data
+            elif len(data) - end == head.length and self.current is None and not self.queue:
+                self.unused = 0
+                exchange = self.current = _Exchange(head)
+                exchange.body = data[end:]
+                exchange.body_done = True
+                self._hand_over(exchange)
+                self._read(len(data))
                 return
+            else:
+                rest = self._replay(data)
+        else:
+            rest = self._replay(data) if self.known_rest else data
+        if rest:
+            if self.parsing is None and self.fresh and self.unused < GIVE_UP:
+                self.learn_from = rest
+            try:
+                self.parser.feed_data(rest)
+            except httptools.HttpParserUpgrade:
+                # An HTTP/1.1 request that also offers another protocol (websocket, h2c): answered as HTTP/1.1, and
+                # the connection is closed after it since the parser stops at the switch (and drops the rest of
+                # what it was fed).
+                self.fresh = False
+                if self.parsing is not None:
+                    self.parsing.keep_alive = False
+            except httptools.HttpParserError as exc:
+                self.learn_from = None
+                self._bad_request(exc)
+                return
+            self.learn_from = None
+            if self.head_bytes >= 0:
+                self.head_bytes += len(rest)
+                if self.head_bytes > _MAX_HEAD_BYTES:
+                    self._refuse_head()
+                    return
         if self.current is None and self.queue:
             self._start_next()
         elif self.queue and (len(self.queue) > _MAX_PIPELINED or self.queued_bytes > _MAX_PIPELINED_BYTES):
             self._pause_reading()
-        self.turn_bytes += len(data)
+        self._read(len(data))
+
+    def _read(self, size: int) -> None:
+        """`size` more bytes were read this turn: let the loop's other callbacks run once they come to
+        `_READ_TURN_BYTES`."""
+        self.turn_bytes += size
         if self.turn_bytes >= _READ_TURN_BYTES and not self.turn_paused and not self.reading_paused and not self.closed:
             self.turn_paused = True
             assert self.transport is not None
             self.transport.pause_reading()
             self.loop.call_soon(self._next_turn)
 
+    def _replay(self, data: bytes) -> bytes:
+        """Take the requests at the front of `data` whose heads are learnt (and the body of one still arriving) as
+        the parser would, without it; what is left, from the first byte of another head, is the parser's."""
+        at = 0
+        size = len(data)
+        known = self.known
+        while True:
+            rest = self.known_rest
+            if rest:
+                end = at + rest
+                if end >= size:
+                    self.known_rest = end - size
+                    self.on_body(data[at:] if at else data)
+                    if end == size:
+                        self.on_message_complete()
+                    return b""
+                self.known_rest = 0
+                self.on_body(data[at:end])
+                self.on_message_complete()
+                at = end
+            if at == size:
+                return b""
+            if not self.fresh:
+                return data[at:]
+            end = data.find(b"\r\n\r\n", at)
+            head = known.get(data[at : end + 4]) if end >= 0 else None
+            if head is None:
+                return data[at:] if at else data
+            self.unused = 0
+            at = end + 4
+            exchange = self.parsing = _Exchange(head)
+            self.queue.append(exchange)
+            if head.length:
+                self.known_rest = head.length
+            else:
+                self.on_message_complete()
+
+    def _learn(self, exchange: _Exchange) -> None:
+        """Keep the head of `exchange` (the first request the parser began at a boundary in `learn_from`) if it can
+        be replayed."""
+        data = self.learn_from
+        assert data is not None
+        self.learn_from = None
+        learnt = learn_head(
+            data, method=exchange.method, raw_path=exchange.raw_path, headers=exchange.headers,
+            keep_alive=exchange.keep_alive,
+        )  # fmt: skip
+        if learnt is None:
+            return
+        known = self.known
+        if len(known) >= HEADS:
+            del known[next(iter(known))]
+        known[learnt[0]] = learnt[1]
+        self.unused += 1
+
     # ---- httptools callbacks -------------------------------------------------------------------------------------
-    # httptools calls each of these that the protocol defines, a Python call per callback and per header: a request
-    # begins at its first piece of URL (the parser reports one before any header), so there is no `on_message_begin`,
-    # and a header goes into the dict of the request being parsed, kept on the connection.
+    # httptools calls each of these that the protocol defines, a Python call per callback and per header; a header
+    # goes into the dict of the request being parsed, kept on the connection. (A request whose head is learnt is
+    # taken by `_replay`, without any of these but the body's.)
+    def on_message_begin(self) -> None:
+        exchange = self.parsing = _Exchange()
+        self.headers = exchange.headers
+        self.head_bytes = 0
+
     def on_url(self, url: bytes) -> None:
         exchange = self.parsing
-        if exchange is None:
-            exchange = self.parsing = _Exchange()
-            self.headers = exchange.headers
-            self.head_bytes = 0
+        assert exchange is not None
         exchange.raw_path += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -246,6 +353,8 @@ class _Connection(asyncio.Protocol):
         expect = exchange.headers.get(b"expect")
         exchange.expect_continue = expect is not None and expect.lower() == b"100-continue"
         self.queue.append(exchange)
+        if self.learn_from is not None:
+            self._learn(exchange)
 
     def on_body(self, body: bytes) -> None:
         exchange = self.parsing
@@ -262,6 +371,7 @@ class _Connection(asyncio.Protocol):
         exchange = self.parsing
         assert exchange is not None
         self.parsing = None
+        self.fresh = exchange.keep_alive
         exchange.body_done = True
         if exchange.waiter is not None and not exchange.waiter.done():
             exchange.waiter.set_result(None)
@@ -285,6 +395,10 @@ class _Connection(asyncio.Protocol):
             assert self.transport is not None
             self.transport.resume_reading()
         exchange.body = body
+        self._hand_over(exchange)
+
+    def _hand_over(self, exchange: _Exchange) -> None:
+        """Give `exchange` (now `current`) to the connection's task."""
         if self.task is None:
             self.task = self.loop.create_task(self._serve(exchange))
             return
