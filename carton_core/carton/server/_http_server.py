@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import http
 import logging
 import socket
 from collections.abc import Coroutine
@@ -32,8 +31,9 @@ from typing import Any, cast
 
 import httptools
 
+from ._http_exchange import CLOSE_TAIL, KEEP_ALIVE_TAIL, STATUS_LINES, Exchange, body_left, status_line
 from ._http_heads import GIVE_UP, HEAD_LIMIT, HEADS, KnownHead, learn_head
-from ._http_messages import JOIN_ON_A_THREAD_BYTES, HttpHandler, HttpRequest, HttpResponse
+from ._http_messages import JOIN_ON_A_THREAD_BYTES, HttpHandler, HttpResponse
 from .errors import BadRequest
 
 __all__ = ["HttpServer", "serve_http"]
@@ -56,64 +56,6 @@ _LINGER_SECONDS = 2.0
 #: gathering them; the count may include up to one read's worth of the previous request).
 _MAX_HEAD_BYTES = 1 << 20
 
-_STATUS_LINES = {
-    status.value: b"HTTP/1.1 %d %s\r\n" % (status.value, status.phrase.encode()) for status in http.HTTPStatus
-}
-_KEEP_ALIVE_TAIL = b"\r\n"
-_CLOSE_TAIL = b"connection: close\r\n\r\n"
-
-
-def _status_line(status: int) -> bytes:
-    line = _STATUS_LINES.get(status)
-    return line if line is not None else b"HTTP/1.1 %d \r\n" % status
-
-
-class _Exchange(HttpRequest):
-    """One request on a connection, from its first byte to its answer: the `HttpRequest` its handler is given (its
-    body set when it is handed over), and the connection's state of it."""
-
-    __slots__ = (
-        "body_done",
-        "broken",
-        "chunks",
-        "continue_sent",
-        "discard",
-        "expect_continue",
-        "keep_alive",
-        "waiter",
-    )
-
-    def __init__(self, known: KnownHead | None = None) -> None:
-        # A request of a learnt head is made with its fields; the parser's are filled in as the parser reports them.
-        if known is None:
-            self.method = ""
-            self.raw_path = b""
-            self.headers: dict[bytes, bytes] = {}
-        else:
-            self.method = known.method
-            self.raw_path = known.raw_path
-            self.headers = known.headers  # read, never written, by handlers
-        self.body = b""
-        self.chunks: list[bytes] = []
-        self.body_done = False
-        #: Its body's framing turned out malformed (chunked encoding): reading it is refused.
-        self.broken = False
-        self.keep_alive = True
-        self.expect_continue = False
-        self.continue_sent = False
-        #: Set once the handler answered without reading all of the body: what still comes is dropped.
-        self.discard = False
-        #: The handler's read waiting for a chunk.
-        self.waiter: asyncio.Future[None] | None = None
-
-
-def _body_left(exchange: _Exchange, response: HttpResponse) -> bool:
-    """Whether `response` leaves the request's body unread for good: a body refused (413), or one the client waits
-    for "100 Continue" to send and then may send or not. The connection cannot be reused either way."""
-    return not exchange.body_done and (
-        response.status == 413 or (exchange.expect_continue and not exchange.continue_sent)
-    )
-
 
 class _Connection(asyncio.Protocol):
     """One client connection (see the module's docstring for what it guarantees)."""
@@ -125,17 +67,17 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpRequestParser(self)
         #: The request being parsed (its headers or body may still be arriving), and its headers.
-        self.parsing: _Exchange | None = None
+        self.parsing: Exchange | None = None
         self.headers: dict[bytes, bytes] = {}
         #: The request being answered, and the parsed ones waiting behind it.
-        self.current: _Exchange | None = None
-        self.queue: collections.deque[_Exchange] = collections.deque()
+        self.current: Exchange | None = None
+        self.queue: collections.deque[Exchange] = collections.deque()
         self.queued_bytes = 0
         #: The connection's one task, answering its requests one after another for as long as it lives (a task per
         #: request would be made, registered and torn down again for every request), the request it is to answer
         #: next, and what it waits on when there is none.
         self.task: asyncio.Task[None] | None = None
-        self.next: _Exchange | None = None
+        self.next: Exchange | None = None
         self.idle: asyncio.Future[None] | None = None
         self.reading_paused = False
         #: Reading is paused until the loop's next turn (`_READ_TURN_BYTES`), and what was read since the last pause.
@@ -223,7 +165,7 @@ class _Connection(asyncio.Protocol):
                 rest = data
             elif len(data) - end == head.length and self.current is None and not self.queue:
                 self.unused = 0
-                exchange = self.current = _Exchange(head)
+                exchange = self.current = Exchange(head)
                 exchange.body = data[end:]
                 exchange.body_done = True
                 self._hand_over(exchange)
@@ -303,14 +245,14 @@ class _Connection(asyncio.Protocol):
                 return data[at:] if at else data
             self.unused = 0
             at = end + 4
-            exchange = self.parsing = _Exchange(head)
+            exchange = self.parsing = Exchange(head)
             self.queue.append(exchange)
             if head.length:
                 self.known_rest = head.length
             else:
                 self.on_message_complete()
 
-    def _learn(self, exchange: _Exchange) -> None:
+    def _learn(self, exchange: Exchange) -> None:
         """Keep the head of `exchange` (the first request the parser began at a boundary in `learn_from`) if it can
         be replayed."""
         data = self.learn_from
@@ -333,7 +275,7 @@ class _Connection(asyncio.Protocol):
     # goes into the dict of the request being parsed, kept on the connection. (A request whose head is learnt is
     # taken by `_replay`, without any of these but the body's.)
     def on_message_begin(self) -> None:
-        exchange = self.parsing = _Exchange()
+        exchange = self.parsing = Exchange()
         self.headers = exchange.headers
         self.head_bytes = 0
 
@@ -399,7 +341,7 @@ class _Connection(asyncio.Protocol):
         exchange.body = body
         self._hand_over(exchange)
 
-    def _hand_over(self, exchange: _Exchange) -> None:
+    def _hand_over(self, exchange: Exchange) -> None:
         """Give `exchange` (now `current`) to the connection's task."""
         if self.task is None:
             self.task = self.loop.create_task(self._serve(exchange))
@@ -409,7 +351,7 @@ class _Connection(asyncio.Protocol):
         if idle is not None and not idle.done():
             idle.set_result(None)
 
-    async def _serve(self, exchange: _Exchange) -> None:
+    async def _serve(self, exchange: Exchange) -> None:
         """The connection's task: answer `exchange`, then each request `_start_next` hands over, until the
         connection closes. (The answer's steps are plain methods around the handler's await: a coroutine per
         request would be made and stepped through on every request.)"""
@@ -426,7 +368,7 @@ class _Connection(asyncio.Protocol):
                     self._finish(exchange)
                 else:
                     if (
-                        (not exchange.body_done and _body_left(exchange, response))
+                        (not exchange.body_done and body_left(exchange, response))
                         or exchange.broken
                         or self.eof
                         or self.server.closing
@@ -457,7 +399,7 @@ class _Connection(asyncio.Protocol):
         finally:
             self.task = None
 
-    def _reader(self, exchange: _Exchange) -> Any:
+    def _reader(self, exchange: Exchange) -> Any:
         # The pieces as the network delivered them, one per read: joining is left to the reader's caller, which does
         # it once for the whole body (`collect_body`, off the event loop for a large one).
         pending: collections.deque[bytes] = collections.deque()
@@ -483,14 +425,14 @@ class _Connection(asyncio.Protocol):
 
         return read
 
-    def _answered(self, exchange: _Exchange, response: HttpResponse) -> None:
+    def _answered(self, exchange: Exchange, response: HttpResponse) -> None:
         """`response` is written: go on with the connection (see `_finish`), unless the request's body is left or
         still arriving."""
         if self.closed:
             self._finish(exchange)
             return
         if not exchange.body_done:
-            if _body_left(exchange, response):
+            if body_left(exchange, response):
                 self._linger()
                 return
             if exchange.keep_alive:
@@ -499,7 +441,7 @@ class _Connection(asyncio.Protocol):
                 return
         self._finish(exchange)
 
-    def _write(self, exchange: _Exchange, response: HttpResponse) -> Coroutine[Any, Any, None] | None:
+    def _write(self, exchange: Exchange, response: HttpResponse) -> Coroutine[Any, Any, None] | None:
         """Write the response's head and as much of its body as goes without waiting; what is left to wait for
         (the parts of a large body, a full socket buffer) comes back as a coroutine. The usual response is written
         whole here, without one."""
@@ -507,11 +449,11 @@ class _Connection(asyncio.Protocol):
         assert transport is not None
         parts = response.parts
         length = response.content_length()
-        head = [_STATUS_LINES.get(response.status) or _status_line(response.status)]
+        head = [STATUS_LINES.get(response.status) or status_line(response.status)]
         for header in response.headers:
             head.append(b"%s: %s\r\n" % header)
         head.append(b"content-length: %d\r\n" % length)
-        head.append(_KEEP_ALIVE_TAIL if exchange.keep_alive else _CLOSE_TAIL)
+        head.append(KEEP_ALIVE_TAIL if exchange.keep_alive else CLOSE_TAIL)
         if exchange.method == "HEAD" or not length:
             transport.write(b"".join(head))
         elif length <= _JOIN_LIMIT:
@@ -540,7 +482,7 @@ class _Connection(asyncio.Protocol):
             await self.drained
             self.drained = None
 
-    def _finish(self, exchange: _Exchange) -> None:
+    def _finish(self, exchange: Exchange) -> None:
         """The answer to `exchange` is written (or cannot be): close, or go on with the next request."""
         self.current = None
         self.last_active = self.loop.time()
@@ -625,7 +567,7 @@ class _Connection(asyncio.Protocol):
             status, body = 400, b'{"error":"malformed HTTP request"}'
         self.transport.write(
             b"%scontent-type: application/json\r\ncontent-length: %d\r\n%s%s"
-            % (_status_line(status), len(body), _CLOSE_TAIL, body)
+            % (status_line(status), len(body), CLOSE_TAIL, body)
         )
         self._shut()
 
