@@ -36,7 +36,9 @@ REQUEST = HEAD + BODY
 
 
 async def echo(request: HttpRequest) -> HttpResponse:
-    """Everything the handler was given, written back."""
+    """Everything the handler was given, written back (/skip: answered without reading the body)."""
+    if request.raw_path == b"/skip":
+        return HttpResponse(200, [], [b"skipped"])
     try:
         body = await collect_body(request.body, declared=request.headers.get(b"content-length"), limit=8192)
     except ServerError as exc:
@@ -250,6 +252,14 @@ def test_a_malformed_request_after_a_learnt_one_gets_its_400() -> None:
         written, closed, shut, _ = transcript([REQUEST, bad], learn=True)
         assert written.count(b"HTTP/1.1 200 OK") == 2 and b"HTTP/1.1 400 Bad Request" in written
         assert closed or shut
+
+
+def test_a_body_left_unread_is_dropped_as_it_arrives() -> None:
+    skip = REQUEST.replace(b"/v2/models/identity/infer", b"/skip")
+    head = len(skip) - len(BODY)
+    for cut in (head, head + 1, head + 50, len(skip) - 1):
+        fed = same_as_parser([skip[:cut], skip[cut:] + skip + REQUEST], prime=skip)
+        assert fed == len(REQUEST)  # only the head learnt on this connection is taken without the parser
 
 
 def test_connection_close_is_honoured_after_learnt_requests() -> None:
