@@ -17,7 +17,9 @@ What it owes a client, per connection:
   the next pipelined request started only once the previous answer has drained;
 - a client that goes away mid-body gets its handler's read refused (`BadRequest`), one that goes away mid-response
   gets nothing more written; neither leaves a task behind or logs a traceback;
-- ``HEAD`` answered like ``GET`` without the body.
+- ``HEAD`` answered like ``GET`` without the body;
+- a request whose head repeats, byte for byte, one the parser took on this connection is taken without the parser,
+  exactly as the parser would have it (``_http_heads.py``); everything else is the parser's.
 """
 
 from __future__ import annotations
@@ -239,7 +241,7 @@ class _Connection(asyncio.Protocol):
                 return b""
             if not self.fresh:
                 return data[at:]
-            end = data.find(b"\r\n\r\n", at)
+            end = data.find(b"\r\n\r\n", at, at + HEAD_LIMIT)
             head = known.get(data[at : end + 4]) if end >= 0 else None
             if head is None:
                 return data[at:] if at else data
