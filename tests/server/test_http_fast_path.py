@@ -177,3 +177,43 @@ def test_remembered_response_headers_follow_each_outputs_shape_and_the_id(
         assert document == expected
         assert values.tolist() == x.ravel().tolist()
     assert len(served.response_heads) == 3
+
+
+@pytest.mark.parametrize(
+    ("outputs", "parameters", "binary_only"),
+    [
+        ([{"name": "OUTPUT0", "parameters": {"binary_data": True}}, {"name": "COUNT"}], {}, False),
+        (
+            [{"name": "COUNT", "parameters": {"binary_data": True}}, {"name": "OUTPUT0"}],
+            {"binary_data_output": True},
+            True,
+        ),
+        ([{"name": "COUNT", "parameters": {"binary_data": False}}], {"binary_data_output": True}, False),
+        (None, {"binary_data_output": True}, True),
+        (None, {}, False),
+    ],
+)
+def test_a_planned_request_answers_its_outputs_as_the_full_path_does(
+    app: tuple[HttpApp, asyncio.AbstractEventLoop, ModelRepository],
+    outputs: list[dict[str, object]] | None,
+    parameters: dict[str, object],
+    binary_only: bool,
+) -> None:
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    header: dict[str, object] = {
+        "inputs": [
+            {"name": "INPUT0", "shape": [2, 3], "datatype": "FP32", "parameters": {"binary_data_size": 24}},
+            {"name": "INPUT1", "shape": [2], "datatype": "INT32", "parameters": {"binary_data_size": 8}},
+        ],
+        "parameters": parameters,
+    }
+    if outputs is not None:
+        header["outputs"] = outputs
+    encoded = orjson.dumps(header)
+    body = encoded + x.tobytes() + np.array([7, 8], dtype="<i4").tobytes()
+    first = _infer(app, body, len(encoded))  # decoded in full, its plan kept
+    (plan,) = app[2].get("echo").request_plans.values()
+    assert plan.binary_only is binary_only
+    again = _infer(app, body, len(encoded))  # from the plan
+    assert first.status == again.status == 200
+    assert (first.headers, first.body()) == (again.headers, again.body())

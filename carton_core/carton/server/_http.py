@@ -415,9 +415,12 @@ class HttpApp:
             decoded_at = time.perf_counter_ns()
             outputs, _ = await served.infer(decoded.inputs)
             inferred_at = time.perf_counter_ns()
-            requested = list(map(_FIRST, decoded.outputs)) if decoded.outputs is not None else None
-            selected = select_outputs(served, outputs, requested)
-            if _json_output_bytes(decoded, selected) < _OFF_LOOP_BYTES:
+            if decoded.binary_only:  # a planned request (its outputs known binary): nothing to count
+                selected = select_outputs(served, outputs, decoded.names)
+            else:
+                requested = list(map(_FIRST, decoded.outputs)) if decoded.outputs is not None else None
+                selected = select_outputs(served, outputs, requested)
+            if decoded.binary_only or _json_output_bytes(decoded, selected) < _OFF_LOOP_BYTES:
                 header, parts = encode_infer_response(served, decoded, selected)
             else:
                 header, parts = await asyncio.to_thread(encode_infer_response, served, decoded, selected)

@@ -48,6 +48,9 @@ class InferBody:
     #: Requested outputs with their binary flag, or ``None`` for all outputs.
     outputs: list[tuple[str, bool]] | None
     binary_default: bool
+    #: Known from a plan: every output the response carries is binary, and the requested outputs' names (None: all).
+    binary_only: bool = False
+    names: tuple[str, ...] | None = None
 
 
 def _parameters(value: object, *, where: str) -> dict[str, Any]:
@@ -304,6 +307,9 @@ class _Plan:
     length: int
     outputs: tuple[tuple[str, bool], ...] | None
     binary_default: bool
+    #: Every output the response carries is binary, and the requested outputs' names (None: all).
+    binary_only: bool
+    names: tuple[str, ...] | None
 
 
 #: Headers at most this long are remembered (per model version, at most `_PLANS` of them).
@@ -325,7 +331,10 @@ def planned_request(served: ServedVersion, body: bytes | bytearray, header_lengt
                     inputs[name] = np.frombuffer(body, numpy_dtype, count, offset).reshape(shape)
                     offset += size
                 outputs = list(plan.outputs) if plan.outputs is not None else None
-                return InferBody(id=plan.request_id, inputs=inputs, outputs=outputs, binary_default=plan.binary_default)
+                return InferBody(
+                    id=plan.request_id, inputs=inputs, outputs=outputs, binary_default=plan.binary_default,
+                    binary_only=plan.binary_only, names=plan.names,
+                )  # fmt: skip
     return None
 
 
@@ -436,6 +445,8 @@ def _parse_infer_request(
         length=len(body),
         outputs=tuple(outputs) if outputs is not None else None,
         binary_default=binary_default,
+        binary_only=binary_default if outputs is None else all(binary for _, binary in outputs),
+        names=tuple(name for name, _ in outputs) if outputs is not None else None,
     )
 
 
@@ -447,28 +458,34 @@ def encode_infer_response(
     served: ServedVersion, request: InferBody, selected: list[tuple[str, Tensor]]
 ) -> tuple[bytes, list[bytes | memoryview]]:
     """The response's JSON header and the binary parts that follow it (empty when every output is JSON)."""
-    binary_of = dict(request.outputs) if request.outputs is not None else {}
-    default = request.binary_default
-    for name, _ in selected:
-        if not binary_of.get(name, default):
-            break
-    else:
-        # Every output binary (what tritonclient asks for): the header depends only on the request's id and the
-        # outputs' names, datatypes, shapes and sizes, which repeat from request to request. (Plain loops: on this
-        # path each comprehension would be one more function object and frame per request.)
-        laid_out = []
-        parts: list[bytes | memoryview] = []
-        described: list[Any] = [request.id]
-        for name, tensor in selected:
-            datatype, array, data = output_tensor(name, tensor)
-            laid_out.append((name, datatype, array, data))
-            parts.append(data)
-            described.append((name, datatype, array.shape, len(data)))
-        key = tuple(described)
-        header = served.response_heads.get(key)
-        if header is None:
-            header = remember(served.response_heads, key, _binary_header(served, request, laid_out), _PLANS)
-        return header, parts
+    if not request.binary_only:
+        binary_of = dict(request.outputs) if request.outputs is not None else {}
+        default = request.binary_default
+        for name, _ in selected:
+            if not binary_of.get(name, default):
+                return _json_response(served, request, selected)
+    # Every output binary (what tritonclient asks for): the header depends only on the request's id and the
+    # outputs' names, datatypes, shapes and sizes, which repeat from request to request. (Plain loops: on this
+    # path each comprehension would be one more function object and frame per request.)
+    laid_out = []
+    parts: list[bytes | memoryview] = []
+    described: list[Any] = [request.id]
+    for name, tensor in selected:
+        datatype, array, data = output_tensor(name, tensor)
+        laid_out.append((name, datatype, array, data))
+        parts.append(data)
+        described.append((name, datatype, array.shape, len(data)))
+    key = tuple(described)
+    header = served.response_heads.get(key)
+    if header is None:
+        header = remember(served.response_heads, key, _binary_header(served, request, laid_out), _PLANS)
+    return header, parts
+
+
+def _json_response(
+    served: ServedVersion, request: InferBody, selected: list[tuple[str, Tensor]]
+) -> tuple[bytes, list[bytes | memoryview]]:
+    """`encode_infer_response` of a response with an output in JSON."""
     encoded = _encode_response(served, request, selected, apart=True)
     if encoded is None:  # the request's id or an output's name held a placeholder's text
         encoded = _encode_response(served, request, selected, apart=False)

@@ -17,14 +17,15 @@ What it owes a client, per connection:
   the next pipelined request started only once the previous answer has drained;
 - a client that goes away mid-body gets its handler's read refused (`BadRequest`), one that goes away mid-response
   gets nothing more written; neither leaves a task behind or logs a traceback;
-- ``HEAD`` answered like ``GET`` without the body.
+- ``HEAD`` answered like ``GET`` without the body;
+- a request whose head repeats, byte for byte, one the parser took on this connection is taken without the parser,
+  exactly as the parser would have it (``_http_heads.py``); everything else is the parser's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import http
 import logging
 import socket
 from collections.abc import Coroutine
@@ -32,7 +33,9 @@ from typing import Any, cast
 
 import httptools
 
-from ._http_messages import JOIN_ON_A_THREAD_BYTES, HttpHandler, HttpRequest, HttpResponse
+from ._http_exchange import CLOSE_TAIL, KEEP_ALIVE_TAIL, STATUS_LINES, Exchange, body_left, status_line
+from ._http_heads import GIVE_UP, HEAD_LIMIT, HEADS, KnownHead, learn_head
+from ._http_messages import JOIN_ON_A_THREAD_BYTES, HttpHandler, HttpResponse
 from .errors import BadRequest
 
 __all__ = ["HttpServer", "serve_http"]
@@ -55,58 +58,6 @@ _LINGER_SECONDS = 2.0
 #: gathering them; the count may include up to one read's worth of the previous request).
 _MAX_HEAD_BYTES = 1 << 20
 
-_STATUS_LINES = {
-    status.value: b"HTTP/1.1 %d %s\r\n" % (status.value, status.phrase.encode()) for status in http.HTTPStatus
-}
-_KEEP_ALIVE_TAIL = b"\r\n"
-_CLOSE_TAIL = b"connection: close\r\n\r\n"
-
-
-def _status_line(status: int) -> bytes:
-    line = _STATUS_LINES.get(status)
-    return line if line is not None else b"HTTP/1.1 %d \r\n" % status
-
-
-class _Exchange(HttpRequest):
-    """One request on a connection, from its first byte to its answer: the `HttpRequest` its handler is given (its
-    body set when it is handed over), and the connection's state of it."""
-
-    __slots__ = (
-        "body_done",
-        "broken",
-        "chunks",
-        "continue_sent",
-        "discard",
-        "expect_continue",
-        "keep_alive",
-        "waiter",
-    )
-
-    def __init__(self) -> None:  # the request's fields are filled in as the parser reports them
-        self.method = ""
-        self.raw_path = b""
-        self.headers: dict[bytes, bytes] = {}
-        self.body = b""
-        self.chunks: list[bytes] = []
-        self.body_done = False
-        #: Its body's framing turned out malformed (chunked encoding): reading it is refused.
-        self.broken = False
-        self.keep_alive = True
-        self.expect_continue = False
-        self.continue_sent = False
-        #: Set once the handler answered without reading all of the body: what still comes is dropped.
-        self.discard = False
-        #: The handler's read waiting for a chunk.
-        self.waiter: asyncio.Future[None] | None = None
-
-
-def _body_left(exchange: _Exchange, response: HttpResponse) -> bool:
-    """Whether `response` leaves the request's body unread for good: a body refused (413), or one the client waits
-    for "100 Continue" to send and then may send or not. The connection cannot be reused either way."""
-    return not exchange.body_done and (
-        response.status == 413 or (exchange.expect_continue and not exchange.continue_sent)
-    )
-
 
 class _Connection(asyncio.Protocol):
     """One client connection (see the module's docstring for what it guarantees)."""
@@ -118,17 +69,17 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpRequestParser(self)
         #: The request being parsed (its headers or body may still be arriving), and its headers.
-        self.parsing: _Exchange | None = None
+        self.parsing: Exchange | None = None
         self.headers: dict[bytes, bytes] = {}
         #: The request being answered, and the parsed ones waiting behind it.
-        self.current: _Exchange | None = None
-        self.queue: collections.deque[_Exchange] = collections.deque()
+        self.current: Exchange | None = None
+        self.queue: collections.deque[Exchange] = collections.deque()
         self.queued_bytes = 0
         #: The connection's one task, answering its requests one after another for as long as it lives (a task per
         #: request would be made, registered and torn down again for every request), the request it is to answer
         #: next, and what it waits on when there is none.
         self.task: asyncio.Task[None] | None = None
-        self.next: _Exchange | None = None
+        self.next: Exchange | None = None
         self.idle: asyncio.Future[None] | None = None
         self.reading_paused = False
         #: Reading is paused until the loop's next turn (`_READ_TURN_BYTES`), and what was read since the last pause.
@@ -149,6 +100,18 @@ class _Connection(asyncio.Protocol):
         self.idle_timer: asyncio.TimerHandle | None = None
         #: Bytes received since the request being parsed began, while its head is incomplete.
         self.head_bytes = -1
+        #: The parser is between two messages and would take a next one: the last it parsed kept the connection
+        #: alive (after one that did not, or after an upgrade, it refuses or drops what follows).
+        self.fresh = True
+        #: Learnt request heads (`_http_heads`): a request that begins at a message boundary with one of these is
+        #: taken without the parser, which never sees it and stays at that boundary. While such a request's body
+        #: is arriving, the bytes of it still due.
+        self.known: dict[bytes, KnownHead] = {}
+        self.known_rest = 0
+        #: Heads learnt since one was last replayed, and what the parser is being fed when it is from a boundary
+        #: (the first request it begins there may be learnt).
+        self.unused = 0
+        self.learn_from: bytes | None = None
 
     # ---- asyncio.Protocol ----------------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -195,42 +158,132 @@ class _Connection(asyncio.Protocol):
         self.last_active = self.loop.time()
         if self.lingering or self.malformed:
             return
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            # An HTTP/1.1 request that also offers another protocol (websocket, h2c): answered as HTTP/1.1, and
-            # the connection is closed after it since the parser stops at the switch.
-            if self.parsing is not None:
-                self.parsing.keep_alive = False
-        except httptools.HttpParserError as exc:
-            self._bad_request(exc)
-            return
-        if self.head_bytes >= 0:
-            self.head_bytes += len(data)
-            if self.head_bytes > _MAX_HEAD_BYTES:
-                self._refuse_head()
+        if self.parsing is None and self.fresh and self.known:
+            # The usual request of a client that repeats itself: one whole request of a learnt head, nothing being
+            # answered (what `_replay`, then `_start_next`, do for it, in short).
+            end = data.find(b"\r\n\r\n", 0, HEAD_LIMIT) + 4
+            head = self.known.get(data[:end])
+            if head is None:
+                rest = data
+            elif len(data) - end == head.length and self.current is None and not self.queue:
+                self.unused = 0
+                exchange = self.current = Exchange(head)
+                exchange.body = data[end:]
+                exchange.body_done = True
+                self._hand_over(exchange)
+                self.turn_bytes += len(data)
+                if self.turn_bytes >= _READ_TURN_BYTES:  # (`_read`'s test first: a call fewer per request)
+                    self._read(0)
                 return
+            else:
+                rest = self._replay(data)
+        else:
+            rest = self._replay(data) if self.known_rest else data
+        if rest:
+            if self.parsing is None and self.fresh and self.unused < GIVE_UP:
+                self.learn_from = rest
+            try:
+                self.parser.feed_data(rest)
+            except httptools.HttpParserUpgrade:
+                # An HTTP/1.1 request that also offers another protocol (websocket, h2c): answered as HTTP/1.1, and
+                # the connection is closed after it since the parser stops at the switch (and drops the rest of
+                # what it was fed).
+                self.fresh = False
+                if self.parsing is not None:
+                    self.parsing.keep_alive = False
+            except httptools.HttpParserError as exc:
+                self.learn_from = None
+                self._bad_request(exc)
+                return
+            self.learn_from = None
+            if self.head_bytes >= 0:
+                self.head_bytes += len(rest)
+                if self.head_bytes > _MAX_HEAD_BYTES:
+                    self._refuse_head()
+                    return
         if self.current is None and self.queue:
             self._start_next()
         elif self.queue and (len(self.queue) > _MAX_PIPELINED or self.queued_bytes > _MAX_PIPELINED_BYTES):
             self._pause_reading()
-        self.turn_bytes += len(data)
+        self._read(len(data))
+
+    def _read(self, size: int) -> None:
+        """`size` more bytes were read this turn: let the loop's other callbacks run once they come to
+        `_READ_TURN_BYTES`."""
+        self.turn_bytes += size
         if self.turn_bytes >= _READ_TURN_BYTES and not self.turn_paused and not self.reading_paused and not self.closed:
             self.turn_paused = True
             assert self.transport is not None
             self.transport.pause_reading()
             self.loop.call_soon(self._next_turn)
 
+    def _replay(self, data: bytes) -> bytes:
+        """Take the requests at the front of `data` whose heads are learnt (and the body of one still arriving) as
+        the parser would, without it; what is left, from the first byte of another head, is the parser's."""
+        at = 0
+        size = len(data)
+        known = self.known
+        while True:
+            rest = self.known_rest
+            if rest:
+                end = at + rest
+                if end >= size:
+                    self.known_rest = end - size
+                    self.on_body(data[at:] if at else data)
+                    if end == size:
+                        self.on_message_complete()
+                    return b""
+                self.known_rest = 0
+                self.on_body(data[at:end])
+                self.on_message_complete()
+                at = end
+            if at == size:
+                return b""
+            if not self.fresh:
+                return data[at:]
+            end = data.find(b"\r\n\r\n", at, at + HEAD_LIMIT)
+            head = known.get(data[at : end + 4]) if end >= 0 else None
+            if head is None:
+                return data[at:] if at else data
+            self.unused = 0
+            at = end + 4
+            exchange = self.parsing = Exchange(head)
+            self.queue.append(exchange)
+            if head.length:
+                self.known_rest = head.length
+            else:
+                self.on_message_complete()
+
+    def _learn(self, exchange: Exchange) -> None:
+        """Keep the head of `exchange` (the first request the parser began at a boundary in `learn_from`) if it can
+        be replayed."""
+        data = self.learn_from
+        assert data is not None
+        self.learn_from = None
+        learnt = learn_head(
+            data, method=exchange.method, raw_path=exchange.raw_path, headers=exchange.headers,
+            keep_alive=exchange.keep_alive,
+        )  # fmt: skip
+        if learnt is None:
+            return
+        known = self.known
+        if len(known) >= HEADS:
+            del known[next(iter(known))]
+        known[learnt[0]] = learnt[1]
+        self.unused += 1
+
     # ---- httptools callbacks -------------------------------------------------------------------------------------
-    # httptools calls each of these that the protocol defines, a Python call per callback and per header: a request
-    # begins at its first piece of URL (the parser reports one before any header), so there is no `on_message_begin`,
-    # and a header goes into the dict of the request being parsed, kept on the connection.
+    # httptools calls each of these that the protocol defines, a Python call per callback and per header; a header
+    # goes into the dict of the request being parsed, kept on the connection. (A request whose head is learnt is
+    # taken by `_replay`, without any of these but the body's.)
+    def on_message_begin(self) -> None:
+        exchange = self.parsing = Exchange()
+        self.headers = exchange.headers
+        self.head_bytes = 0
+
     def on_url(self, url: bytes) -> None:
         exchange = self.parsing
-        if exchange is None:
-            exchange = self.parsing = _Exchange()
-            self.headers = exchange.headers
-            self.head_bytes = 0
+        assert exchange is not None
         exchange.raw_path += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -246,6 +299,8 @@ class _Connection(asyncio.Protocol):
         expect = exchange.headers.get(b"expect")
         exchange.expect_continue = expect is not None and expect.lower() == b"100-continue"
         self.queue.append(exchange)
+        if self.learn_from is not None:
+            self._learn(exchange)
 
     def on_body(self, body: bytes) -> None:
         exchange = self.parsing
@@ -262,6 +317,7 @@ class _Connection(asyncio.Protocol):
         exchange = self.parsing
         assert exchange is not None
         self.parsing = None
+        self.fresh = exchange.keep_alive
         exchange.body_done = True
         if exchange.waiter is not None and not exchange.waiter.done():
             exchange.waiter.set_result(None)
@@ -285,6 +341,10 @@ class _Connection(asyncio.Protocol):
             assert self.transport is not None
             self.transport.resume_reading()
         exchange.body = body
+        self._hand_over(exchange)
+
+    def _hand_over(self, exchange: Exchange) -> None:
+        """Give `exchange` (now `current`) to the connection's task."""
         if self.task is None:
             self.task = self.loop.create_task(self._serve(exchange))
             return
@@ -293,7 +353,7 @@ class _Connection(asyncio.Protocol):
         if idle is not None and not idle.done():
             idle.set_result(None)
 
-    async def _serve(self, exchange: _Exchange) -> None:
+    async def _serve(self, exchange: Exchange) -> None:
         """The connection's task: answer `exchange`, then each request `_start_next` hands over, until the
         connection closes. (The answer's steps are plain methods around the handler's await: a coroutine per
         request would be made and stepped through on every request.)"""
@@ -310,7 +370,7 @@ class _Connection(asyncio.Protocol):
                     self._finish(exchange)
                 else:
                     if (
-                        (not exchange.body_done and _body_left(exchange, response))
+                        (not exchange.body_done and body_left(exchange, response))
                         or exchange.broken
                         or self.eof
                         or self.server.closing
@@ -341,7 +401,7 @@ class _Connection(asyncio.Protocol):
         finally:
             self.task = None
 
-    def _reader(self, exchange: _Exchange) -> Any:
+    def _reader(self, exchange: Exchange) -> Any:
         # The pieces as the network delivered them, one per read: joining is left to the reader's caller, which does
         # it once for the whole body (`collect_body`, off the event loop for a large one).
         pending: collections.deque[bytes] = collections.deque()
@@ -367,14 +427,14 @@ class _Connection(asyncio.Protocol):
 
         return read
 
-    def _answered(self, exchange: _Exchange, response: HttpResponse) -> None:
+    def _answered(self, exchange: Exchange, response: HttpResponse) -> None:
         """`response` is written: go on with the connection (see `_finish`), unless the request's body is left or
         still arriving."""
         if self.closed:
             self._finish(exchange)
             return
         if not exchange.body_done:
-            if _body_left(exchange, response):
+            if body_left(exchange, response):
                 self._linger()
                 return
             if exchange.keep_alive:
@@ -383,7 +443,7 @@ class _Connection(asyncio.Protocol):
                 return
         self._finish(exchange)
 
-    def _write(self, exchange: _Exchange, response: HttpResponse) -> Coroutine[Any, Any, None] | None:
+    def _write(self, exchange: Exchange, response: HttpResponse) -> Coroutine[Any, Any, None] | None:
         """Write the response's head and as much of its body as goes without waiting; what is left to wait for
         (the parts of a large body, a full socket buffer) comes back as a coroutine. The usual response is written
         whole here, without one."""
@@ -391,11 +451,11 @@ class _Connection(asyncio.Protocol):
         assert transport is not None
         parts = response.parts
         length = response.content_length()
-        head = [_STATUS_LINES.get(response.status) or _status_line(response.status)]
+        head = [STATUS_LINES.get(response.status) or status_line(response.status)]
         for header in response.headers:
             head.append(b"%s: %s\r\n" % header)
         head.append(b"content-length: %d\r\n" % length)
-        head.append(_KEEP_ALIVE_TAIL if exchange.keep_alive else _CLOSE_TAIL)
+        head.append(KEEP_ALIVE_TAIL if exchange.keep_alive else CLOSE_TAIL)
         if exchange.method == "HEAD" or not length:
             transport.write(b"".join(head))
         elif length <= _JOIN_LIMIT:
@@ -424,7 +484,7 @@ class _Connection(asyncio.Protocol):
             await self.drained
             self.drained = None
 
-    def _finish(self, exchange: _Exchange) -> None:
+    def _finish(self, exchange: Exchange) -> None:
         """The answer to `exchange` is written (or cannot be): close, or go on with the next request."""
         self.current = None
         self.last_active = self.loop.time()
@@ -509,7 +569,7 @@ class _Connection(asyncio.Protocol):
             status, body = 400, b'{"error":"malformed HTTP request"}'
         self.transport.write(
             b"%scontent-type: application/json\r\ncontent-length: %d\r\n%s%s"
-            % (_status_line(status), len(body), _CLOSE_TAIL, body)
+            % (status_line(status), len(body), CLOSE_TAIL, body)
         )
         self._shut()
 
