@@ -58,7 +58,7 @@ from ._reaper import kill_tree, reap_children, set_child_subreaper, set_parent_d
 from ._runner import LoadContext, PackContext, PackResult, Runner
 from ._shm import SHM_AVAILABLE, FdChannel
 from ._templates import Plan
-from ._zmqio import new_context, recv_message, recv_routed, send_message
+from ._zmqio import new_context, recv_message, recv_routed, send_message, send_routed
 from .errors import ErrorCode, FrameError, InvalidOutput, ProtocolError, RunnerFault, VersionMismatch
 
 __all__ = ["DEFAULT_INLINE_MAX_SECONDS", "INLINE_MAX_ENV", "error_code", "error_reply", "import_entry", "main"]
@@ -265,7 +265,7 @@ class _Server:
         # is matched as bytes and its tensors read by the template's plan, without making the message or a `Received`.
         matched = self.codec.match(frames[1])
         if matched is not None and runner is not None and inline:
-            send_message(self.router, [ident, *self._infer(matched[0], matched[1], frames[2:])])
+            send_routed(self.router, ident, self._infer(matched[0], matched[1], frames[2:]))
             return
         try:
             received = self.codec.decode(frames, 1)
@@ -276,7 +276,7 @@ class _Server:
         match request:
             case Infer() if runner is not None:
                 if inline:
-                    send_message(self.router, [ident, *self._infer(request.id, None, received)])
+                    send_routed(self.router, ident, self._infer(request.id, None, received))
                 else:
                     self._to_pool(ident, received)
             case Infer():

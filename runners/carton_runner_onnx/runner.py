@@ -14,7 +14,7 @@ from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument
 from ._errors import InvalidRunnerOption, OnnxRunnerError
 from ._files import check_external_data, find_model_file
 from ._options import GraphOptimization, OnnxOptions, parse_options
-from ._specs import Binding, bind, spec_from_node_arg
+from ._specs import ORT_TYPES, Binding, bind, spec_from_node_arg
 
 __all__ = ["OnnxRunner"]
 
@@ -25,6 +25,8 @@ _LEVELS = {
     GraphOptimization.LAYOUT: "ORT_ENABLE_LAYOUT",
     GraphOptimization.ALL: "ORT_ENABLE_ALL",
 }
+# Graph output types that onnxruntime's `run` always returns as a numeric (or bool) numpy array, passed on as they are.
+_ARRAY_OUTPUTS = frozenset(ORT_TYPES) - {"tensor(string)"} | {"tensor(bool)", "tensor(float16)"}
 
 
 class OnnxRunner(Runner):
@@ -39,6 +41,13 @@ class OnnxRunner(Runner):
         self._graph_inputs = dict(self._binding.inputs)
         self._graph_outputs = [graph_name for _, graph_name in self._binding.outputs]
         self._output_names = tuple(name for name, _ in self._binding.outputs)
+        # When every input keeps its graph name, a dict of exactly the model's inputs as arrays is the feeds itself;
+        # when every output is a numeric tensor, onnxruntime's list of arrays is the outputs once named.
+        self._feeds_as_given = all(name == graph_name for name, graph_name in self._binding.inputs)
+        output_types = {arg.name: arg.type for arg in self._session.get_outputs()}
+        self._arrays_out = all(output_types.get(graph_name) in _ARRAY_OUTPUTS for graph_name in self._graph_outputs)
+        # A one-output model's outputs are made as a display (`dict(zip(...))` is the slower generic path).
+        self._single_output = self._output_names[0] if len(self._output_names) == 1 else None
         # Passed to every `run`: given None, onnxruntime's binding first tries (and fails) to find a module-local
         # `RunOptions` type for it, raising and clearing an AttributeError on every call; a real one binds at once.
         # It is only read during a run, so concurrent runs share it.
@@ -47,22 +56,35 @@ class OnnxRunner(Runner):
     def infer(self, inputs: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
         # The usual call, written out here (every request's path): exactly the model's inputs, checked in one pass.
         graph_inputs = self._graph_inputs
-        feeds: dict[str, Any] = {}
-        if len(inputs) == len(graph_inputs):
+        feeds: Mapping[str, Any] = {}
+        if len(inputs) != len(graph_inputs):
+            feeds = self._feeds(inputs)
+        elif self._feeds_as_given and type(inputs) is dict:
+            feeds = inputs
+            for name, value in inputs.items():
+                if type(value) is not np.ndarray or name not in graph_inputs:
+                    feeds = self._feeds(inputs)
+                    break
+        else:
+            built: dict[str, Any] = {}
+            feeds = built
             for name, value in inputs.items():
                 graph_name = graph_inputs.get(name)
                 if graph_name is None or type(value) is not np.ndarray:
                     feeds = self._feeds(inputs)
                     break
-                feeds[graph_name] = value
-        else:
-            feeds = self._feeds(inputs)
+                built[graph_name] = value
         try:
             results = self._session.run(self._graph_outputs, feeds, self._run_options)
         except InvalidArgument as exc:  # a dtype, rank or dimension the graph does not take: the caller's inputs
             raise InvalidInput(f"onnxruntime refused the inputs: {exc}") from exc
         except Exception as exc:  # onnxruntime's other pybind errors (Fail, ...) share no public base
             raise OnnxRunnerError(f"onnxruntime failed to run the model: {exc}") from exc
+        if self._arrays_out:
+            single = self._single_output
+            if single is not None:
+                return {single: results[0]}
+            return dict(zip(self._output_names, results))  # noqa: B905 - one result per name asked for
         outputs = {}
         for name, value in zip(self._output_names, results, strict=True):
             # What onnxruntime returns for every numeric tensor goes out as it is.

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import threading
+import types
 from pathlib import Path
 
 import numpy as np
@@ -62,6 +63,34 @@ def test_mlp_matches_inference_session_bit_for_bit(tmp_path: Path, batch: int) -
     assert list(outputs) == ["probs"]
     assert outputs["probs"].dtype == np.float32
     assert np.array_equal(outputs["probs"], _reference(path, {"x": x})[0])
+
+
+def test_numeric_outputs_and_inputs_in_any_mapping_come_back_as_the_session_gives_them(tmp_path: Path) -> None:
+    # Every numeric dtype, no strings: the outputs are onnxruntime's arrays, named; the inputs are fed as given.
+    path = write_identity_all_dtypes(tmp_path)
+    names = [name for name in DTYPES if name != "string"]
+    runner = _load(
+        tmp_path,
+        inputs=[TensorSpec(name=f"in_{name}", dtype=DType(name), shape=("n", "*")) for name in DTYPES],
+        outputs=[TensorSpec(name=f"out_{name}", dtype=DType(name), shape=("n", "*")) for name in reversed(names)],
+    )
+    feeds = {f"in_{name}": sample(name, (2, 3)) for name in DTYPES}
+    expected = dict(zip([f"out_{name}" for name in names], _reference_selected(path, feeds, names), strict=True))
+    for given in (feeds, types.MappingProxyType(feeds)):
+        outputs = runner.infer(given)
+        assert list(outputs) == [f"out_{name}" for name in reversed(names)]
+        for name, value in outputs.items():
+            assert type(value) is np.ndarray and np.array_equal(value, expected[name]), name
+    with pytest.raises(InvalidInput, match="nested tensor") as raised:
+        runner.infer({**feeds, "in_int8": [sample("int8", (2, 3))]})
+    assert raised.value.tensor == "in_int8"
+    with pytest.raises(InvalidInput, match="unknown input"):
+        runner.infer({**{key: value for key, value in feeds.items() if key != "in_int8"}, "other": feeds["in_int8"]})
+
+
+def _reference_selected(path: Path, feeds: dict, names: list[str]) -> list:
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return session.run([f"out_{name}" for name in names], feeds)
 
 
 def test_every_carton_dtype_round_trips(tmp_path: Path) -> None:
