@@ -46,7 +46,7 @@ class OnnxRunner(Runner):
         self._feeds_as_given = all(name == graph_name for name, graph_name in self._binding.inputs)
         output_types = {arg.name: arg.type for arg in self._session.get_outputs()}
         self._arrays_out = all(output_types.get(graph_name) in _ARRAY_OUTPUTS for graph_name in self._graph_outputs)
-        # A one-output model's outputs are made as a display (`dict(zip(...))` is the slower generic path).
+        # A one-output model's outputs are made by a dict display (`dict(zip(...))` is the slower generic path).
         self._single_output = self._output_names[0] if len(self._output_names) == 1 else None
         # Passed to every `run`: given None, onnxruntime's binding first tries (and fails) to find a module-local
         # `RunOptions` type for it, raising and clearing an AttributeError on every call; a real one binds at once.
