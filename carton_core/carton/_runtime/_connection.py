@@ -43,7 +43,7 @@ from carton_protocol import (
 )
 from zmq.backend import zmq_poll
 
-__all__ = ["AsyncChannel", "CallTimeout", "Connection", "PeerGone"]
+__all__ = ["Answer", "AsyncChannel", "CallTimeout", "Connection", "PeerGone"]
 
 # Without a pidfd, a waiting call checks the process this often.
 _LIVENESS_SLICE_MS = 100
@@ -324,6 +324,11 @@ def _shared_async_context() -> zmq.Context[Any]:
         return _async_context[1]
 
 
+#: What an `AsyncChannel` call's future holds: (plan, data frames) for a reply in a learnt header template, else the
+#: reply as `Received`.
+Answer = tuple[Any, list[zmq.Frame]] | Received
+
+
 class AsyncChannel:
     """The wire to one runner for one asyncio event loop; used only from that loop's thread.
 
@@ -333,7 +338,12 @@ class AsyncChannel:
     read after a send is needed even when no other reply is due: a new ZeroMQ pipe starts with its reader counted as
     awake, so the first reply into it sends no signal at all; the read that finds the pipe empty is what makes the
     next reply signal. (Skipping it when nothing else was due left a call waiting for good; reading once per loop
-    step instead of once per send cost more than it saved: docs/performance.md.)
+    step instead of once per send cost more than it saved: docs/performance.md.) A wake-up's reads stop once no
+    call is left waiting (nor given up with its reply still due): whatever comes after that is no one's, and the
+    next send's read collects it.
+
+    A reply in a learnt header template (the usual one) reaches its call as the plan that reads it and its data
+    frames, with no message decoded; anything else as the `Received`.
     """
 
     def __init__(self, connection: Connection, loop: asyncio.AbstractEventLoop) -> None:
@@ -341,7 +351,7 @@ class AsyncChannel:
         self.closed = False
         self._connection = connection
         self._codec = connection.codec
-        self._pending: dict[int, asyncio.Future[Received]] = {}
+        self._pending: dict[int, asyncio.Future[Answer]] = {}
         # Requests given up (cancelled) whose shared-memory input the runner may still read: released on their reply.
         self._orphans: dict[int, Callable[[], None]] = {}
         self._loop = weakref.ref(loop)
@@ -369,14 +379,15 @@ class AsyncChannel:
 
     def send(
         self, parts: Sequence[Any], request_id: int, *, timeout: float | None
-    ) -> tuple[asyncio.Future[Received], asyncio.TimerHandle | None]:
-        """Send a ready request; its reply comes in the future (PeerGone, CallTimeout or ProtocolError instead).
+    ) -> tuple[asyncio.Future[Answer], asyncio.TimerHandle | None]:
+        """Send a ready request; its reply comes in the future (PeerGone, CallTimeout or ProtocolError instead): the
+        plan and data frames of a reply in a learnt header template, else the `Received`.
         The caller awaits the future and then always calls `forget` with both: no coroutine of the channel's own
         stands between the caller and the send, one frame fewer on each step of the call."""
         if self.closed:
             raise PeerGone
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[Received] = loop.create_future()
+        future: asyncio.Future[Answer] = loop.create_future()
         self._pending[request_id] = future
         timer = None if timeout is None else loop.call_later(timeout, self._expire, request_id)
         try:
@@ -421,6 +432,17 @@ class AsyncChannel:
                 raise
 
     def _dispatch(self, frames: list[zmq.Frame]) -> None:
+        matched = self._codec.match(frames[0])
+        if matched is not None:
+            # An infer reply in a learnt layout: its tensors are in its frames, no shared memory to free.
+            waiting = self._pending.pop(matched[0], None)
+            if waiting is not None and not waiting.done():
+                waiting.set_result((matched[1], frames[1:]))
+            else:
+                release = self._orphans.pop(matched[0], None)
+                if release is not None:
+                    release()
+            return
         try:
             received = self._codec.decode(frames)
         except ProtocolError as exc:

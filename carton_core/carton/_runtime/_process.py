@@ -460,7 +460,7 @@ class RunnerProcess:
             try:
                 future, timer = channel.send(outgoing.parts, outgoing.id, timeout=timeout)
                 try:
-                    received = await future
+                    answer = await future
                 finally:
                     channel.forget(outgoing.id, timer)
             except asyncio.CancelledError:
@@ -470,8 +470,12 @@ class RunnerProcess:
             except BaseException:
                 outgoing.done()
                 raise
-            outgoing.done()
-            return self._outputs(connection, received)
+            if outgoing.segment is not None:
+                outgoing.done()
+            if type(answer) is tuple:
+                plan = answer[0]
+                return plan.decode(answer[1]), plan
+            return self._outputs(connection, answer)  # type: ignore[arg-type]  # a Received
         except CallTimeout as exc:
             # Killing the runner's tree waits for it to go: not on the loop.
             failure = await asyncio.to_thread(self._failure, exc, Operation.INFER, timeout, "infer timeout")
