@@ -15,6 +15,7 @@ import functools
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, NamedTuple
 
+import msgspec
 import numpy as np
 from carton_protocol import DType, Shape, Tensor, TensorSpec
 
@@ -201,7 +202,8 @@ class _Known:
         self.replies: set[object] = set()
 
 
-class Checked(NamedTuple):
+# A struct, made in C: a NamedTuple's `__new__` is a Python function, on every call's path.
+class Checked(msgspec.Struct, gc=False):
     """What `Signature.prepare_inputs` learnt of a call's inputs, for `Signature.check_outputs`."""
 
     bindings: dict[str, _Binding]
