@@ -87,6 +87,7 @@ class Model:
         self._lock = threading.Lock()
         self._closed = False
         self._workers = tuple(_Worker(i) for i in range(settings.workers))
+        self._balanced = len(self._workers) > 1  # calls counted in and out per worker, to pick the least busy
         self._finalizer = weakref.finalize(self, _close_workers, self._workers)
         # A process `load` started while the carton was being extracted; the first worker takes it.
         self._prestarted = prestarted if settings.wrap is None else None
@@ -235,9 +236,9 @@ class Model:
             return worker
 
     def _release(self, worker: _Worker) -> None:
-        if len(self._workers) > 1:
-            with self._lock:
-                worker.in_flight -= 1
+        """Count a call `_acquire` let in out again (only several workers keep counts: `_balanced`)."""
+        with self._lock:
+            worker.in_flight -= 1
 
     def _process_for(self, worker: _Worker) -> RunnerProcess:
         """The worker's live process, restarting it if it died (one restart at a time per worker)."""
@@ -313,7 +314,8 @@ class Model:
                 layout_key=checked.layout_key,
             )
         finally:
-            self._release(worker)
+            if self._balanced:
+                self._release(worker)
             if self._spare_due:
                 self._replenish_spare()
         return self._signature.check_outputs(outputs, checked, reply_layout)
@@ -333,7 +335,8 @@ class Model:
                 tensors, timeout=limit, layout_key=checked.layout_key
             )
         finally:
-            self._release(worker)
+            if self._balanced:
+                self._release(worker)
             if self._spare_due:
                 self._replenish_spare()
         return self._signature.check_outputs(outputs, checked, reply_layout)

@@ -390,7 +390,9 @@ class RunnerProcess:
         layout in the same way, when the reply was read by a learnt plan (else None)."""
         connection = self._enter("infer")
         try:
-            outgoing = self._encode(connection, tensors, layout_key)
+            outgoing = connection.codec.encode_inline(connection.next_id(), tensors, layout_key)
+            if outgoing is None:
+                outgoing = self._encode(connection, tensors, layout_key)
             try:
                 reply = connection.infer(outgoing.parts, outgoing.id, timeout=timeout)
             finally:
