@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 import msgspec
@@ -124,13 +124,15 @@ class _Codec:
                 message = msgspec.structs.replace(message, drop=(*message.drop, *dropped))
         return encode(message)
 
-    def encode_tensors(self, request_id: int, tensors: Mapping[str, Tensor]) -> Outgoing:
-        """An infer message carrying `tensors`; `FrameError` naming a tensor the wire cannot carry."""
+    def encode_tensors(
+        self, request_id: int, tensors: Mapping[str, Tensor], layout_key: Hashable | None = None
+    ) -> Outgoing:
+        """An infer message carrying `tensors`; `FrameError` naming a tensor the wire cannot carry. `layout_key`
+        (optional) stands for `tensors`' layout, as `encode_inline` says."""
+        outgoing = self.encode_inline(request_id, tensors, layout_key)
+        if outgoing is not None:
+            return outgoing
         pool = self._pool
-        if pool is None or not pool.dropped:
-            parts = self._templates.encode(request_id, tensors, self._threshold)
-            if parts is not None:
-                return Outgoing(request_id, parts)
         encoded = encode_tensors(tensors, pool=pool, threshold=self._threshold)
         try:
             data = self.encode(self._infer(id=request_id, tensors=encoded.entries))
@@ -139,6 +141,22 @@ class _Codec:
                 pool.release(encoded.segment.id)
             raise
         return Outgoing(request_id, [data, *encoded.frames], encoded.segment, pool)
+
+    def encode_inline(
+        self, request_id: int, tensors: Mapping[str, Tensor], layout_key: Hashable | None = None
+    ) -> Outgoing | None:
+        """The infer message carrying `tensors` when it is quick to make and copies nothing into shared memory (every
+        tensor a small plain array, in a layout sent before), else None (`encode_tensors` makes it then).
+
+        `layout_key`, when given, is a hashable object that stands for the layout of `tensors`: the caller vouches
+        that they are plain numpy arrays and that the same key always comes with the same names, dtypes and shapes,
+        in the same order. It spares building and hashing that layout once more."""
+        pool = self._pool
+        if pool is None or not pool.dropped:
+            parts = self._templates.encode(request_id, tensors, self._threshold, layout_key)
+            if parts is not None:
+                return Outgoing(request_id, parts)
+        return None
 
     # --- receiving -------------------------------------------------------------------------------------------
     def match(self, header: Any) -> tuple[int, Plan] | None:

@@ -19,7 +19,7 @@ Only the codec (`carton_protocol._codec`) uses these caches: its callers never s
 from __future__ import annotations
 
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -131,27 +131,41 @@ class Templates:
             (REQUEST_PREFIX, REPLY_PREFIX) if sends is Infer else (REPLY_PREFIX, REQUEST_PREFIX)
         )
         self._limits = limits
-        self._encode: dict[Layout, tuple[bytes, int] | None] = {}
+        self._encode: dict[Hashable, tuple[bytes, int] | None] = {}
         self._decode: dict[bytes, Plan] = {}
 
     # --- sending ---------------------------------------------------------------------------------------------
-    def encode(self, request_id: int, tensors: Mapping[str, Tensor], threshold: int) -> list[Any] | None:
+    def encode(
+        self, request_id: int, tensors: Mapping[str, Tensor], threshold: int, layout_key: Hashable | None = None
+    ) -> list[Any] | None:
         """The parts of an infer message numbered `request_id` (its header, then the arrays as data frames) when
-        `tensors` are plain contiguous arrays all under `threshold` bytes in a layout seen before, else None."""
-        key = []
-        for name, value in tensors.items():
-            if type(value) is not np.ndarray or not value.flags.c_contiguous:
-                return None
-            key.append((name, value.dtype, value.shape))
-        layout = tuple(key)
-        cached = self._encode.get(layout, _UNKNOWN)
+        `tensors` are plain contiguous arrays all under `threshold` bytes in a layout seen before, else None.
+
+        `layout_key`, when given, stands for `tensors`' layout: the caller vouches that they are plain numpy arrays
+        and that the same key always comes with the same names, dtypes and shapes in the same order. The cache is then
+        looked up by it, without building and hashing the layout (the host checks inputs by the same layout first)."""
+        if layout_key is None:
+            entries = []
+            for name, value in tensors.items():
+                if type(value) is not np.ndarray or not value.flags.c_contiguous:
+                    return None
+                entries.append((name, value.dtype, value.shape))
+            layout_key = layout = tuple(entries)
+            cached = self._encode.get(layout, _UNKNOWN)
+        else:
+            for value in tensors.values():
+                if not value.flags.c_contiguous:  # type: ignore[union-attr]  # an ndarray, as the caller vouches
+                    return None
+            cached = self._encode.get(layout_key, _UNKNOWN)
+            if cached is _UNKNOWN:
+                layout = tuple((name, value.dtype, value.shape) for name, value in tensors.items())  # type: ignore[union-attr]
         if cached is _UNKNOWN:
-            cached = self._learn_encoding(layout)
+            cached = self._learn_encoding(layout_key, layout)
         if cached is None or cached[1] >= threshold:
             return None
         return [self._prefix + pack_id(request_id) + cached[0], *tensors.values()]
 
-    def _learn_encoding(self, layout: Layout) -> tuple[bytes, int] | None:
+    def _learn_encoding(self, key: Hashable, layout: Layout) -> tuple[bytes, int] | None:
         entries = []
         largest = 0
         result: tuple[bytes, int] | None = None
@@ -170,7 +184,7 @@ class Templates:
             result = (packed[len(self._prefix) + 1 :], largest)
         if len(self._encode) >= _MAX_TEMPLATES:
             self._encode.clear()
-        self._encode[layout] = result
+        self._encode[key] = result
         return result
 
     # --- receiving -------------------------------------------------------------------------------------------

@@ -42,6 +42,44 @@ def test_calls_run_on_the_loop_without_a_thread_pool(start_runner: Start) -> Non
     results[0]["x"][0, 0] = 5.0  # outputs are the caller's to write
 
 
+def test_no_reply_is_left_unread_whatever_the_order_of_sends_and_replies(start_runner: Start) -> None:
+    """ZeroMQ's descriptor is edge-triggered, and a drain that answered every call stops without asking the socket
+    again: every way a reply can come (alone after the loop went idle, while other calls are being sent, in bursts
+    of many, after a call was given up) must still wake its call. A reply left unread would hang its call; the
+    generous `wait_for` turns that into a failure instead of a stuck test."""
+    runner = start_runner("ConcurrentEcho", threads=4)
+    rng = np.random.default_rng(7)
+
+    async def one(i: int, sleep: float) -> int:
+        outputs = await runner.infer_async({"sleep": np.array([sleep]), "i": np.array([i])})
+        return int(outputs["i"][0])
+
+    async def main() -> None:
+        # One call at a time, the loop idle in between: each reply comes into a pipe the last call left awake.
+        for i in range(30):
+            assert await one(i, 0.0) == i
+            await asyncio.sleep(0.002 * (i % 3))
+        # Bursts: replies (some at once, some after a sleep) arrive while the rest of the burst is still being sent.
+        for burst in range(20):
+            size = int(rng.integers(1, 40))
+            sleeps = rng.choice([0.0, 0.0, 0.001, 0.005], size=size)
+            ids = [1000 * burst + k for k in range(size)]
+            assert await asyncio.gather(*(one(i, float(t)) for i, t in zip(ids, sleeps, strict=True))) == ids
+            # A call started while the burst's last replies are still arriving, and one after the loop went idle.
+            assert await one(-burst, 0.0) == -burst
+        # A call given up (its reply comes later, to nobody), then calls on either side of that reply.
+        slow = asyncio.ensure_future(one(-1, 0.05))
+        await asyncio.sleep(0.01)
+        slow.cancel()
+        assert await one(7, 0.0) == 7
+        await asyncio.sleep(0.1)
+        assert await one(8, 0.0) == 8
+        assert not channels(runner)[0]._pending and not channels(runner)[0]._orphans
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+    assert runner.alive
+
+
 def test_each_loop_gets_its_own_channel_and_a_finished_loop_releases_it(start_runner: Start) -> None:
     runner = start_runner("Echo")
     x = {"x": np.arange(4, dtype=np.int64)}

@@ -40,6 +40,25 @@ def test_template_headers_are_the_bytes_of_the_full_encoder(request_id: int) -> 
             assert parts[1:] == list(tensors.values())
 
 
+@pytest.mark.parametrize("request_id", IDS)
+def test_a_layout_key_gives_the_same_bytes_as_the_layout(request_id: int) -> None:
+    """A caller's key for the layout (the host's input check entry) only changes what the cache is looked up by:
+    byte for byte the message the layout itself gives, learning or cached; a key never stands in for the checks
+    that depend on the arrays (a non-contiguous array, or one at the threshold, still misses)."""
+    tensors = {"x": np.ones((1, 16), np.float32), "mask": np.array([True, False]), "n": np.zeros((), np.int64)}
+    expected = encode(Infer(id=request_id, tensors=encode_tensors(tensors, pool=None, threshold=1 << 62).entries))
+    templates, key = Templates(limits=DEFAULT_LIMITS, sends=Infer), object()
+    for _ in range(2):  # learning, then cached
+        parts = templates.encode(request_id, tensors, 1 << 62, key)
+        assert parts is not None
+        assert parts[0] == expected
+        assert parts[1:] == list(tensors.values())
+    assert templates.encode(request_id, tensors, 65, key) == [expected, *tensors.values()]
+    assert templates.encode(request_id, tensors, 64, key) is None  # "x" is 64 bytes: shared memory's
+    strided = {"x": np.ones((1, 32), np.float32)[:, ::2], "mask": tensors["mask"], "n": tensors["n"]}
+    assert templates.encode(request_id, strided, 1 << 62, key) is None
+
+
 def test_the_documented_infer_request_comes_out_of_the_template() -> None:
     templates = Templates(limits=DEFAULT_LIMITS, sends=Infer)
     parts = templates.encode(3, {"x": np.array([[1.0, 2.0]], np.float32)}, 1 << 62)

@@ -54,6 +54,29 @@ def test_a_layout_seen_before_is_held_to_the_same_rules() -> None:
             sig.prepare_inputs({"x": np.zeros((2, 3), object)})
 
 
+def test_a_reply_layout_passes_at_once_only_after_the_inputs_it_passed_after() -> None:
+    """A reply read by a learnt plan comes with the plan, which stands for its layout: it passes at once after the
+    same input layout, and is checked in full after any other (whose symbol bindings may differ)."""
+    sig = Signature([ts("x", "float32", ("batch", 3))], [ts("y", "float32", ("batch", "width"))])
+    plan = object()  # what the codec hands back: one object per reply layout
+    _, checked = sig.prepare_inputs({"x": np.zeros((2, 3), np.float32)})
+    assert checked.layout_key is not None
+    assert sig.check_outputs({"y": np.zeros((2, 5), np.float32)}, checked, plan)["y"].shape == (2, 5)
+    assert plan in checked.layout_key.replies
+    _, again = sig.prepare_inputs({"x": np.zeros((2, 3), np.float32)})
+    assert again.layout_key is checked.layout_key  # one entry per input layout: the key the codec looks up
+    assert sig.check_outputs({"y": np.zeros((2, 5), np.float32)}, again, plan)["y"].shape == (2, 5)
+    # Other inputs bind "batch" to 4: the same reply layout breaks it, and is not taken as known.
+    _, other = sig.prepare_inputs({"x": np.zeros((4, 3), np.float32)})
+    with pytest.raises(InvalidOutput, match="symbol 'batch' is already 4"):
+        sig.check_outputs({"y": np.zeros((2, 5), np.float32)}, other, plan)
+    # Inputs that are not all plain arrays have no layout key: a reply layout is never taken as known then.
+    _, listed = sig.prepare_inputs([np.zeros((4, 3), np.float32)])
+    assert listed.layout_key is None
+    with pytest.raises(InvalidOutput, match="symbol 'batch' is already 4"):
+        sig.check_outputs({"y": np.zeros((2, 5), np.float32)}, listed, plan)
+
+
 def test_the_caller_dict_is_not_what_the_model_holds() -> None:
     inputs = {"x": np.zeros((2, 3), np.float32), "y": np.arange(2), "s": np.array("hi")}
     for _ in range(2):

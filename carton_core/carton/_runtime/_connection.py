@@ -24,7 +24,7 @@ import select
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import msgspec
@@ -43,7 +43,7 @@ from carton_protocol import (
 )
 from zmq.backend import zmq_poll
 
-__all__ = ["AsyncChannel", "CallTimeout", "Connection", "PeerGone"]
+__all__ = ["Answer", "AsyncChannel", "CallTimeout", "Connection", "PeerGone"]
 
 # Without a pidfd, a waiting call checks the process this often.
 _LIVENESS_SLICE_MS = 100
@@ -168,9 +168,12 @@ class Connection:
         send_message(state.socket, parts)
         return state
 
-    def infer(self, parts: Sequence[Any], request_id: int, *, timeout: float | None) -> dict[str, Tensor] | Received:
-        """`exchange` for an infer request: the reply's tensors when it came in a header template (the usual reply),
-        else its `Received` (an error, or tensors the full decoder reads: `outputs`)."""
+    def infer(
+        self, parts: Sequence[Any], request_id: int, *, timeout: float | None
+    ) -> tuple[dict[str, Tensor], Hashable] | Received:
+        """`exchange` for an infer request: the reply's tensors and the plan that read them when it came in a header
+        template (the usual reply; the same plan always reads the same layout), else its `Received` (an error, or
+        tensors the full decoder reads: `outputs`)."""
         if timeout is not None or self._pidfd is None or self._exited:
             return self.exchange(parts, request_id, timeout=timeout)
         # Every call's path: a send and a blocking receive (as in `exchange`), and a reply in a header template read
@@ -182,7 +185,8 @@ class Connection:
                 frames = recv_message(sock)
                 matched = codec.match(frames[0])
                 if matched is not None and matched[0] == request_id:
-                    return matched[1].decode(frames[1:])
+                    plan = matched[1]
+                    return plan.decode(frames[1:]), plan
                 reply = self._received(codec.decode(frames), request_id, sock)
                 if reply is not None:
                     return reply
@@ -320,6 +324,11 @@ def _shared_async_context() -> zmq.Context[Any]:
         return _async_context[1]
 
 
+#: What an `AsyncChannel` call's future holds: (plan, data frames) for a reply in a learnt header template, else the
+#: reply as `Received`.
+Answer = tuple[Any, list[zmq.Frame]] | Received
+
+
 class AsyncChannel:
     """The wire to one runner for one asyncio event loop; used only from that loop's thread.
 
@@ -329,7 +338,12 @@ class AsyncChannel:
     read after a send is needed even when no other reply is due: a new ZeroMQ pipe starts with its reader counted as
     awake, so the first reply into it sends no signal at all; the read that finds the pipe empty is what makes the
     next reply signal. (Skipping it when nothing else was due left a call waiting for good; reading once per loop
-    step instead of once per send cost more than it saved: docs/performance.md.)
+    step instead of once per send cost more than it saved: docs/performance.md.) A wake-up's reads stop once no
+    call is left waiting (nor given up with its reply still due): whatever comes after that is no one's, and the
+    next send's read collects it.
+
+    A reply in a learnt header template (the usual one) reaches its call as the plan that reads it and its data
+    frames, with no message decoded; anything else as the `Received`.
     """
 
     def __init__(self, connection: Connection, loop: asyncio.AbstractEventLoop) -> None:
@@ -337,7 +351,7 @@ class AsyncChannel:
         self.closed = False
         self._connection = connection
         self._codec = connection.codec
-        self._pending: dict[int, asyncio.Future[Received]] = {}
+        self._pending: dict[int, asyncio.Future[Answer]] = {}
         # Requests given up (cancelled) whose shared-memory input the runner may still read: released on their reply.
         self._orphans: dict[int, Callable[[], None]] = {}
         self._loop = weakref.ref(loop)
@@ -363,22 +377,32 @@ class AsyncChannel:
         # A loop that ends (asyncio.run returns) before the runner does: its channel's socket and pidfd go with it.
         self._finalizer = weakref.finalize(loop, _close_quietly, sock, self._pidfd)
 
-    async def call(self, parts: Sequence[Any], request_id: int, *, timeout: float | None) -> Received:
-        """Send a ready request and wait for its reply. Raises PeerGone, CallTimeout or ProtocolError."""
+    def send(
+        self, parts: Sequence[Any], request_id: int, *, timeout: float | None
+    ) -> tuple[asyncio.Future[Answer], asyncio.TimerHandle | None]:
+        """Send a ready request; its reply comes in the future (PeerGone, CallTimeout or ProtocolError instead): the
+        plan and data frames of a reply in a learnt header template, else the `Received`.
+        The caller awaits the future and then always calls `forget` with both: no coroutine of the channel's own
+        stands between the caller and the send, one frame fewer on each step of the call."""
         if self.closed:
             raise PeerGone
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[Received] = loop.create_future()
+        future: asyncio.Future[Answer] = loop.create_future()
         self._pending[request_id] = future
         timer = None if timeout is None else loop.call_later(timeout, self._expire, request_id)
         try:
             send_message(self._sock, parts)
             self._drain()
-            return await future
-        finally:
-            del self._pending[request_id]
-            if timer is not None:
-                timer.cancel()
+        except BaseException:
+            self.forget(request_id, timer)
+            raise
+        return future, timer
+
+    def forget(self, request_id: int, timer: asyncio.TimerHandle | None) -> None:
+        """The call `send` started is over (answered, failed, timed out or cancelled)."""
+        self._pending.pop(request_id, None)
+        if timer is not None:
+            timer.cancel()
 
     def orphan(self, request_id: int, release: Callable[[], None]) -> None:
         """Run `release` when the reply to `request_id`, a call given up, arrives (or the channel closes)."""
@@ -398,11 +422,27 @@ class AsyncChannel:
         try:
             while zmq_poll(readable, 0):
                 self._dispatch(recv_message(sock))
+                if not self._pending and not self._orphans:
+                    # Every call is answered: a message still coming is no one's, and stops here. Not asking the
+                    # socket again leaves its pipe counted as awake, so what arrives next may not signal; the next
+                    # `send` asks before its call waits, and reads it then.
+                    return
         except zmq.ZMQError:
             if not self.closed:
                 raise
 
     def _dispatch(self, frames: list[zmq.Frame]) -> None:
+        matched = self._codec.match(frames[0])
+        if matched is not None:
+            # An infer reply in a learnt layout: its tensors are in its frames, no shared memory to free.
+            waiting = self._pending.pop(matched[0], None)
+            if waiting is not None and not waiting.done():
+                waiting.set_result((matched[1], frames[1:]))
+            else:
+                release = self._orphans.pop(matched[0], None)
+                if release is not None:
+                    release()
+            return
         try:
             received = self._codec.decode(frames)
         except ProtocolError as exc:
@@ -410,12 +450,14 @@ class AsyncChannel:
             self._fail_all(exc)
             return
         message = received.message
+        pending = self._pending
         if message.id == -1 and isinstance(message, ErrorReply):
-            for future in self._pending.values():
+            for future in pending.values():
                 if not future.done():
                     future.set_result(received)
+            pending.clear()
             return
-        waiting = self._pending.get(message.id)
+        waiting = pending.pop(message.id, None)
         if waiting is None or waiting.done():
             self._discard(received)
             return

@@ -37,6 +37,9 @@ _MEMORY_FAILURE = re.compile(
 _LINE_CHARS = 300
 # waitid's "the id is a pidfd" (Linux 5.4, Python 3.9); None where either is missing.
 _P_PIDFD: int | None = getattr(os, "P_PIDFD", None)
+# What `running` asks of the pidfd: has it exited, without waiting and without reaping it.
+_PEEK = os.WEXITED | os.WNOHANG | os.WNOWAIT
+_waitid = os.waitid
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,7 +139,7 @@ class Resources:
         pidfd = self.pidfd
         if pidfd is not None and self.exit is None and _P_PIDFD is not None:
             try:
-                if os.waitid(_P_PIDFD, pidfd, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+                if _waitid(_P_PIDFD, pidfd, _PEEK) is None:
                     return True
             except OSError:  # closed meanwhile, or reaped through another handle: `poll` knows
                 pass

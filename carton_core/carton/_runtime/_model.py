@@ -87,6 +87,7 @@ class Model:
         self._lock = threading.Lock()
         self._closed = False
         self._workers = tuple(_Worker(i) for i in range(settings.workers))
+        self._balanced = len(self._workers) > 1  # calls counted in and out per worker, to pick the least busy
         self._finalizer = weakref.finalize(self, _close_workers, self._workers)
         # A process `load` started while the carton was being extracted; the first worker takes it.
         self._prestarted = prestarted if settings.wrap is None else None
@@ -235,9 +236,9 @@ class Model:
             return worker
 
     def _release(self, worker: _Worker) -> None:
-        if len(self._workers) > 1:
-            with self._lock:
-                worker.in_flight -= 1
+        """Count a call `_acquire` let in out again (only several workers keep counts: `_balanced`)."""
+        with self._lock:
+            worker.in_flight -= 1
 
     def _process_for(self, worker: _Worker) -> RunnerProcess:
         """The worker's live process, restarting it if it died (one restart at a time per worker)."""
@@ -301,36 +302,44 @@ class Model:
         return (`InvalidOutput`). Thread-safe; ``timeout`` (seconds) overrides the model's per-request limit
         (`LoadSettings.request_timeout`).
         """
-        tensors, bindings = self._signature.prepare_inputs(inputs)
+        tensors, checked = self._signature.prepare_inputs(inputs)
         worker = self._acquire()
         try:
             process = worker.process
             if process is None or not process.alive:
                 process = self._process_for(worker)
-            outputs = process.infer(tensors, timeout=self._settings.request_timeout if timeout is None else timeout)
+            outputs, reply_layout = process.infer_with_layouts(
+                tensors,
+                timeout=self._settings.request_timeout if timeout is None else timeout,
+                layout_key=checked.layout_key,
+            )
         finally:
-            self._release(worker)
+            if self._balanced:
+                self._release(worker)
             if self._spare_due:
                 self._replenish_spare()
-        return self._signature.check_outputs(outputs, bindings)
+        return self._signature.check_outputs(outputs, checked, reply_layout)
 
     async def infer_async(
         self, inputs: Mapping[str, object] | Sequence[object], *, timeout: float | None = None
     ) -> dict[str, Tensor]:
         """`infer` for asyncio: the event loop is never blocked (restarts included)."""
-        tensors, bindings = self._signature.prepare_inputs(inputs)
+        tensors, checked = self._signature.prepare_inputs(inputs)
         worker = self._acquire()
         try:
             process = worker.process
             if process is None or not process.alive:
                 process = await asyncio.to_thread(self._process_for, worker)
             limit = self._settings.request_timeout if timeout is None else timeout
-            outputs = await process.infer_async(tensors, timeout=limit)
+            outputs, reply_layout = await process.infer_async_with_layouts(
+                tensors, timeout=limit, layout_key=checked.layout_key
+            )
         finally:
-            self._release(worker)
+            if self._balanced:
+                self._release(worker)
             if self._spare_due:
                 self._replenish_spare()
-        return self._signature.check_outputs(outputs, bindings)
+        return self._signature.check_outputs(outputs, checked, reply_layout)
 
     def run_self_tests(self) -> tuple[SelfTestResult, ...]:
         """Run carton.toml's ``[[self_test]]`` entries; floats compare with allclose, everything else exactly.

@@ -19,7 +19,7 @@ import signal
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -379,36 +379,47 @@ class RunnerProcess:
     def infer(self, tensors: Mapping[str, Tensor], *, timeout: float | None = None) -> dict[str, Tensor]:
         """Run one inference; thread-safe. Outputs are ordinary numpy arrays the caller owns. ``timeout`` is in
         seconds (``None``: no limit); a runner that does not answer within it is killed (`RunnerTimeout`)."""
+        return self.infer_with_layouts(tensors, timeout=timeout)[0]
+
+    def infer_with_layouts(
+        self, tensors: Mapping[str, Tensor], *, timeout: float | None = None, layout_key: Hashable | None = None
+    ) -> tuple[dict[str, Tensor], Hashable | None]:
+        """`infer` for a caller that keys its own checks by layout (`Model`). `layout_key`, when given, stands for
+        `tensors`' layout (plain numpy arrays; the same key always comes with the same names, dtypes and shapes),
+        so the request's header template is found by it. Returns the outputs and an object standing for their
+        layout in the same way, when the reply was read by a learnt plan (else None)."""
         connection = self._enter("infer")
         try:
-            outgoing = self._encode(connection, tensors)
+            outgoing = connection.codec.encode_inline(connection.next_id(), tensors, layout_key)
+            if outgoing is None:
+                outgoing = self._encode(connection, tensors, layout_key)
             try:
                 reply = connection.infer(outgoing.parts, outgoing.id, timeout=timeout)
             finally:
                 if outgoing.segment is not None:
                     outgoing.done()
-            if isinstance(reply, dict):
+            if type(reply) is tuple:
                 return reply
-            return self._outputs(connection, reply)
+            return self._outputs(connection, reply)  # type: ignore[arg-type]  # a Received
         except _FOREIGN as exc:
             raise self._failure(exc, Operation.INFER, timeout, "infer timeout") from _cause(exc)
         finally:
             self._leave()
 
     @staticmethod
-    def _encode(connection: Connection, tensors: Mapping[str, Tensor]) -> Outgoing:
+    def _encode(connection: Connection, tensors: Mapping[str, Tensor], layout_key: Hashable | None) -> Outgoing:
         """The request carrying `tensors`; what the wire cannot carry is the caller's `InvalidInput`."""
         try:
-            return connection.codec.encode_tensors(connection.next_id(), tensors)
+            return connection.codec.encode_tensors(connection.next_id(), tensors, layout_key)
         except ProtocolError as exc:
             raise InvalidInput(str(exc)) from exc
 
-    def _outputs(self, connection: Connection, received: Received) -> dict[str, Tensor]:
+    def _outputs(self, connection: Connection, received: Received) -> tuple[dict[str, Tensor], Hashable | None]:
         reply = received.message
         match reply:
             case InferReply():
                 try:
-                    return connection.outputs(received)
+                    return connection.outputs(received), received.plan
                 except ProtocolError as exc:
                     raise RunnerProtocolError(f"runner {self.spec.entry} sent malformed infer outputs: {exc}") from exc
             case ErrorReply():
@@ -426,19 +437,34 @@ class RunnerProcess:
         late reply is discarded. Requests of at least `_ASYNC_COPY_BYTES` (whose copies into and out of shared
         memory would stall the loop) and hosts without pidfd run `infer` on this runner's thread pool instead.
         """
-        channel = self._async_channel(tensors)
-        if channel is None:
-            loop = asyncio.get_running_loop()
-            call = functools.partial(self.infer, tensors, timeout=timeout)
-            return await loop.run_in_executor(self._async_pool(), call)
+        return (await self.infer_async_with_layouts(tensors, timeout=timeout))[0]
+
+    async def infer_async_with_layouts(
+        self, tensors: Mapping[str, Tensor], *, timeout: float | None = None, layout_key: Hashable | None = None
+    ) -> tuple[dict[str, Tensor], Hashable | None]:
+        """`infer_async` with layouts, as `infer_with_layouts`."""
         # Not counted in flight: the loop's channel owns its socket, which `close` does not tear down under it.
         connection = self._resources.connection
         if connection is None or self._closed:
             raise ModelClosed(f"runner {self.spec.entry} is closed; cannot infer")
+        channel = self._async_channel()
+        outgoing = None
+        if channel is not None:
+            # A small request in a layout sent before copies nothing: no need to count what it would copy.
+            outgoing = connection.codec.encode_inline(connection.next_id(), tensors, layout_key)
+            if outgoing is None and connection.codec.copied_bytes(tensors) < _ASYNC_COPY_BYTES:
+                outgoing = self._encode(connection, tensors, None)
+        if channel is None or outgoing is None:
+            loop = asyncio.get_running_loop()
+            call = functools.partial(self.infer_with_layouts, tensors, timeout=timeout, layout_key=layout_key)
+            return await loop.run_in_executor(self._async_pool(), call)
         try:
-            outgoing = self._encode(connection, tensors)
             try:
-                received = await channel.call(outgoing.parts, outgoing.id, timeout=timeout)
+                future, timer = channel.send(outgoing.parts, outgoing.id, timeout=timeout)
+                try:
+                    answer = await future
+                finally:
+                    channel.forget(outgoing.id, timer)
             except asyncio.CancelledError:
                 # The runner may still be reading the input: what it lies in is freed only once its reply is in.
                 channel.orphan(outgoing.id, outgoing.done)
@@ -446,8 +472,12 @@ class RunnerProcess:
             except BaseException:
                 outgoing.done()
                 raise
-            outgoing.done()
-            return self._outputs(connection, received)
+            if outgoing.segment is not None:
+                outgoing.done()
+            if type(answer) is tuple:
+                plan = answer[0]
+                return plan.decode(answer[1]), plan
+            return self._outputs(connection, answer)  # type: ignore[arg-type]  # a Received
         except CallTimeout as exc:
             # Killing the runner's tree waits for it to go: not on the loop.
             failure = await asyncio.to_thread(self._failure, exc, Operation.INFER, timeout, "infer timeout")
@@ -455,18 +485,13 @@ class RunnerProcess:
         except _FOREIGN as exc:
             raise self._failure(exc, Operation.INFER, timeout, "infer timeout") from _cause(exc)
 
-    def _async_channel(self, tensors: Mapping[str, Tensor]) -> AsyncChannel | None:
-        """This loop's channel to the runner, or None when the call should run on the thread pool instead."""
+    def _async_channel(self) -> AsyncChannel | None:
+        """This loop's channel to the runner, or None when calls should run on the thread pool instead."""
         loop = asyncio.get_running_loop()
         last = self._last_channel
         if last is not None and last[0]() is loop and not last[1].closed:
-            channel: AsyncChannel | None = last[1]
-        else:
-            channel = self._new_async_channel(loop)
-        connection = self._resources.connection
-        if channel is None or connection is None or connection.codec.copied_bytes(tensors) >= _ASYNC_COPY_BYTES:
-            return None
-        return channel
+            return last[1]
+        return self._new_async_channel(loop)
 
     def _new_async_channel(self, loop: asyncio.AbstractEventLoop) -> AsyncChannel | None:
         connection = self._resources.connection

@@ -12,9 +12,10 @@ nested tensor is not bound).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, NamedTuple
 
+import msgspec
 import numpy as np
 from carton_protocol import DType, Shape, Tensor, TensorSpec
 
@@ -188,11 +189,26 @@ _Layout = tuple[tuple[str, np.dtype[Any], tuple[int, ...]], ...]
 _MAX_LAYOUTS = 256
 
 
-class Checked(NamedTuple):
+class _Known:
+    """An input layout that passed: the symbol bindings it made, and the reply layouts whose outputs passed after it.
+
+    Hashed by identity, it is the one key a call's layout is looked up by: the codec's request template is found by
+    it too (`Checked.layout_key`), and a reply read by a learnt plan is checked by that plan's identity."""
+
+    __slots__ = ("bindings", "replies")
+
+    def __init__(self, bindings: dict[str, _Binding]) -> None:
+        self.bindings = bindings
+        self.replies: set[object] = set()
+
+
+# A struct, made in C: a NamedTuple's `__new__` is a Python function, on every call's path.
+class Checked(msgspec.Struct, gc=False):
     """What `Signature.prepare_inputs` learnt of a call's inputs, for `Signature.check_outputs`."""
 
     bindings: dict[str, _Binding]
     layout: _Layout | None  # None when some input was not a plain numpy array
+    layout_key: _Known | None = None  # the inputs' layout as one hashable object (None with `layout`)
 
 
 def _layout(tensors: Mapping[str, object]) -> _Layout | None:
@@ -220,7 +236,7 @@ class Signature:
         self._outputs = {spec.name: _Checker(spec, "output", InvalidOutput) for spec in outputs}
         self.input_names = tuple(self._inputs)
         self.output_names = tuple(self._outputs)
-        self._input_layouts: dict[_Layout, dict[str, _Binding]] = {}
+        self._input_layouts: dict[_Layout, _Known] = {}
         self._output_layouts: set[tuple[_Layout, _Layout]] = set()
 
     def prepare_inputs(self, inputs: Mapping[str, object] | Sequence[object]) -> tuple[dict[str, Tensor], Checked]:
@@ -230,12 +246,12 @@ class Signature:
             if layout is not None:
                 known = self._input_layouts.get(layout)
                 if known is not None:
-                    return dict(inputs), Checked(dict(known), layout)
+                    return dict(inputs), Checked(dict(known.bindings), layout, known)
                 tensors, bindings = self._check_inputs(inputs)
                 if len(self._input_layouts) >= _MAX_LAYOUTS:
                     self._input_layouts.clear()
-                self._input_layouts[layout] = dict(bindings)
-                return tensors, Checked(bindings, layout)
+                known = self._input_layouts[layout] = _Known(dict(bindings))
+                return tensors, Checked(bindings, layout, known)
         tensors, bindings = self._check_inputs(inputs)
         return tensors, Checked(bindings, None)
 
@@ -265,20 +281,31 @@ class Signature:
             checker.check(tensors[name], bindings)
         return tensors, bindings
 
-    def check_outputs(self, outputs: Mapping[str, object], checked: Checked) -> dict[str, Tensor]:
-        """Check what the runner returned, continuing the inputs' symbol bindings."""
+    def check_outputs(
+        self, outputs: Mapping[str, object], checked: Checked, reply_layout: Hashable | None = None
+    ) -> dict[str, Tensor]:
+        """Check what the runner returned, continuing the inputs' symbol bindings. `reply_layout`, when given, stands
+        for the outputs' layout (the same object always comes with the same names, dtypes and shapes of plain
+        arrays: the plan a learnt reply header was read by), and a layout that passed after the same inputs before
+        passes at once."""
+        known = checked.layout_key
+        if reply_layout is not None and known is not None and reply_layout in known.replies:
+            return outputs  # type: ignore[return-value]  # a dict of arrays, laid out as when it passed
         inputs = checked.layout
         layout = _layout(outputs) if inputs is not None and type(outputs) is dict else None
         if inputs is None or layout is None:
             return self._check_outputs(outputs, checked.bindings)
         key = (inputs, layout)
         if key in self._output_layouts:
-            return outputs  # type: ignore[return-value]  # a dict of arrays (`_layout` checked it)
-        tensors = self._check_outputs(outputs, checked.bindings)
-        if len(self._output_layouts) >= _MAX_LAYOUTS:
-            self._output_layouts.clear()
-        self._output_layouts.add(key)
-        return tensors
+            tensors = outputs  # a dict of arrays (`_layout` checked it)
+        else:
+            tensors = self._check_outputs(outputs, checked.bindings)
+            if len(self._output_layouts) >= _MAX_LAYOUTS:
+                self._output_layouts.clear()
+            self._output_layouts.add(key)
+        if reply_layout is not None and known is not None and len(known.replies) < _MAX_LAYOUTS:
+            known.replies.add(reply_layout)
+        return tensors  # type: ignore[return-value]
 
     def _check_outputs(self, outputs: Mapping[str, object], bindings: dict[str, _Binding]) -> dict[str, Tensor]:
         tensors: dict[str, Tensor] = {}
