@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine, Generator
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
@@ -224,7 +224,7 @@ class _Connection(Http2Connection):
             data = pending[0]
             size = len(data) - _PREFIX
             if not data[0] and int.from_bytes(data[1:_PREFIX], "big") == size <= self._server.max_message_size:
-                call.task = asyncio.get_running_loop().create_task(self._run_unary(call, data[_PREFIX:]))
+                self._start(call, self._run_unary(call, data[_PREFIX:]))
                 return
         try:
             messages = _split_messages(call, self._server.max_message_size)
@@ -233,7 +233,20 @@ class _Connection(Http2Connection):
         except _Failure as failure:
             self._refuse(call, failure)
             return
-        call.task = asyncio.get_running_loop().create_task(self._run_unary(call, messages[0]))
+        self._start(call, self._run_unary(call, messages[0]))
+
+    def _start(self, call: _Call, coroutine: Coroutine[Any, Any, None]) -> None:
+        """Run a unary call's coroutine up to its first suspension now, and give it a task only if it suspends.
+
+        Most calls of a fast model answer without suspending, and then need no task; one that suspends goes on in
+        a task (`_Stepped`) that a client's RST_STREAM or the deadline cancels as any call's."""
+        try:
+            yielded = coroutine.send(None)
+        except StopIteration:
+            return
+        except asyncio.CancelledError:  # raised by the call's own code (nothing can cancel it here): as a task's
+            return
+        call.task = asyncio.get_running_loop().create_task(_Stepped(coroutine, yielded))
 
     def stream_reset(self, stream_id: int) -> None:
         call = self._calls.pop(stream_id, None)
@@ -285,7 +298,7 @@ class _Connection(Http2Connection):
             raise BadRequest(f"the {call.name} request is not a valid {call.method.request.__name__} message") from exc
 
     def _arm(self, call: _Call) -> None:
-        """Start the call's deadline, from its task (a task cancelled before it starts would never answer)."""
+        """Start the call's deadline, from its coroutine (a task cancelled before it starts would never answer)."""
         if call.timeout is not None:
             call.timer = asyncio.get_running_loop().call_later(call.timeout, _expire, call)
 
@@ -360,6 +373,56 @@ class _Connection(Http2Connection):
             self._end(call, exc)
         else:
             self._end(call, None)
+
+
+_TAKEN = object()
+
+
+class _Stepped(Coroutine[Any, Any, None]):
+    """A coroutine that was stepped once outside any task (`_Connection._start`), for a task to go on with: the
+    task's first step gets what that step yielded (the future it awaits), later ones go to the coroutine."""
+
+    __slots__ = ("_coroutine", "_first")
+
+    def __init__(self, coroutine: Coroutine[Any, Any, None], first: Any) -> None:
+        self._coroutine = coroutine
+        self._first = first
+
+    def send(self, value: Any) -> Any:
+        first = self._first
+        if first is _TAKEN:
+            return self._coroutine.send(value)
+        self._first = _TAKEN
+        return first
+
+    def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
+        first = self._first
+        if first is not _TAKEN:
+            # Cancelled before the task's first step: the future the coroutine awaits is cancelled, as a task's
+            # cancellation cancels the future it waits for.
+            self._first = _TAKEN
+            if isinstance(first, asyncio.Future):
+                first.cancel()
+        if val is None and tb is None:
+            return self._coroutine.throw(typ)
+        return self._coroutine.throw(typ, val, tb)
+
+    def close(self) -> None:
+        self._coroutine.close()
+
+    def __await__(self) -> Generator[Any, Any, None]:
+        # What a task does step by step (a task never awaits it; the `Coroutine` protocol asks for it).
+        try:
+            value = self.send(None)
+            while True:
+                try:
+                    sent = yield value
+                except BaseException as exc:  # thrown in: passed on, as a task would
+                    value = self.throw(exc)
+                else:
+                    value = self.send(sent)
+        except StopIteration:
+            return
 
 
 def _expire(call: _Call) -> None:
