@@ -212,6 +212,21 @@ class _Connection(Http2Connection):
         for message in messages:
             call.queue.put_nowait(message)
 
+    def body_ending(self, stream_id: int, data: bytes) -> None:
+        call = self._calls.get(stream_id)
+        # The usual unary request: its whole body in one DATA frame, one uncompressed message within the limit.
+        if (
+            call is not None
+            and call.queue is None
+            and not call.pending
+            and not call.done
+            and not data[0]
+            and int.from_bytes(data[1:_PREFIX], "big") == len(data) - _PREFIX <= self._server.max_message_size
+        ):
+            self._start(call, self._run_unary(call, data[_PREFIX:]))
+            return
+        super().body_ending(stream_id, data)
+
     def body_ended(self, stream_id: int) -> None:
         call = self._calls.get(stream_id)
         if call is None or call.done:

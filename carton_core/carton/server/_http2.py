@@ -168,6 +168,14 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
     def body_ended(self, stream_id: int) -> None:
         """The request's body is complete (the client's END_STREAM)."""
 
+    def body_ending(self, stream_id: int, data: bytes) -> None:
+        """The last piece of a request's body arrived (its DATA frame ended the stream): `body_received`, then
+        `body_ended` if the stream is still open (a subclass may take the two in one step)."""
+        stream = self._streams.get(stream_id)
+        self.body_received(stream_id, data)
+        if stream is not None and self._streams.get(stream_id) is stream:
+            self.body_ended(stream_id)
+
     @abc.abstractmethod
     def stream_reset(self, stream_id: int) -> None:
         """The client reset the stream, or the connection ended under it: its request is abandoned."""
@@ -452,10 +460,14 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
         if stream.recv_window < 0:
             self._reset(stream_id, ErrorCode.FLOW_CONTROL_ERROR)
             return
-        stream.ended = bool(flags & _END_STREAM)
+        if not flags & _END_STREAM:
+            if payload:
+                self.body_received(stream_id, payload)
+            return
+        stream.ended = True
         if payload:
-            self.body_received(stream_id, payload)
-        if stream.ended and self._streams.get(stream_id) is stream:
+            self.body_ending(stream_id, payload)
+        else:
             self.body_ended(stream_id)
 
     def _give_back(self) -> None:
