@@ -144,6 +144,7 @@ class _Connection(Http2Connection):
         self._server = server
         self._calls: dict[int, _Call] = {}
         self._forms = RequestForms(message_type("ModelInferRequest").FromString)
+        self._suspending: set[str] = set()  # the methods whose calls on this connection have suspended
         # The headers of the last call routed (held, so `is` cannot match another dict at the same address), its
         # method and deadline: a client's calls repeat their header block, which the frame layer gives as one dict.
         self._last_routed: tuple[dict[bytes, bytes], str, _Method, float | None] | None = None
@@ -251,16 +252,23 @@ class _Connection(Http2Connection):
         self._start(call, self._run_unary(call, messages[0]))
 
     def _start(self, call: _Call, coroutine: Coroutine[Any, Any, None]) -> None:
-        """Run a unary call's coroutine up to its first suspension now, and give it a task only if it suspends.
+        """Run a unary call: up to its first suspension now, and in a task only if it suspends; or, for a method
+        whose calls on this connection have suspended before (a model in its runner), in a task at once.
 
-        Most calls of a fast model answer without suspending, and then need no task; one that suspends goes on in
-        a task (`_Stepped`) that a client's RST_STREAM or the deadline cancels as any call's."""
+        A call that answers without suspending (a method answered from the server's state, a model in the server's
+        process) needs no task. One that suspends goes on in a task (`_Stepped`) that a client's RST_STREAM or the
+        deadline cancels as any call's; but a task that takes over a stepped coroutine costs more per step than one
+        that runs it from the start, so a method known to suspend is not stepped first."""
+        if call.name in self._suspending:
+            call.task = asyncio.get_running_loop().create_task(coroutine)
+            return
         try:
             yielded = coroutine.send(None)
         except StopIteration:
             return
         except asyncio.CancelledError:  # raised by the call's own code (nothing can cancel it here): as a task's
             return
+        self._suspending.add(call.name)
         call.task = asyncio.get_running_loop().create_task(_Stepped(coroutine, yielded))
 
     def stream_reset(self, stream_id: int) -> None:
