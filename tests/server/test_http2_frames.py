@@ -320,9 +320,8 @@ def test_a_call_past_its_deadline_is_answered_deadline_exceeded(peer: Peer) -> N
 
 
 def test_a_call_reset_in_the_same_read_as_its_request_is_cancelled_and_released(server: Server, peer: Peer) -> None:
-    # A connection's first call of a method runs up to its first suspension (inside the model) as its request is
-    # read, so the RST_STREAM that came with it cancels a call already under way: it answers nothing, and releases
-    # the version it holds.
+    # A call runs up to its first suspension (inside the model) as its request is read, so the RST_STREAM that came
+    # with it cancels a call already under way: it answers nothing, and releases the version it holds.
     (served,) = server.repository.versions("identity")
     failed = served.stats.fail.count
     peer.start()
@@ -343,19 +342,20 @@ def test_a_call_reset_in_the_same_read_as_its_request_is_cancelled_and_released(
         assert time.monotonic() < deadline, "the cancelled call released its version"
         time.sleep(0.01)
     assert served.stats.fail.count == failed + 1 and served.stats.series.in_flight == 0
-    # Its later calls go to a task at once: one reset before that task starts never runs, so it holds nothing and is
-    # not counted.
+    # Again on the same connection, the call's coroutine now driven from a known layout (`RequestForms`).
     peer.send(
         frame(HEADERS, END_HEADERS, 5, peer.request_block("ModelInfer")),
         frame(DATA, END_STREAM, 5, infer_request(np.ones((1, 4), dtype=np.float32))),
         frame(RST_STREAM, 0, 5, (8).to_bytes(4, "big")),
+        frame(HEADERS, END_HEADERS, 7, peer.request_block("ServerLive")),
+        frame(DATA, END_STREAM, 7, message(b"")),
     )
-    for stream_id in (7, 9):  # two round trips: the cancelled task has had its turn on the loop by the second
-        peer.send(frame(HEADERS, END_HEADERS, stream_id, peer.request_block("ServerLive")))
-        peer.send(frame(DATA, END_STREAM, stream_id, message(b"")))
-        frames = []
-        while not frames or frames[-1] != (HEADERS, END_HEADERS | END_STREAM, stream_id):
-            kind, flags, sid, _ = peer.frame()
-            frames.append((kind, flags, sid))
-        assert [sid for _, _, sid in frames if sid] == [stream_id] * 3
-    assert served.stats.fail.count == failed + 1 and served.in_flight == 0
+    frames = []
+    while not frames or frames[-1] != (HEADERS, END_HEADERS | END_STREAM, 7):
+        kind, flags, stream_id, _ = peer.frame()
+        frames.append((kind, flags, stream_id))
+    assert [stream_id for _, _, stream_id in frames if stream_id] == [7, 7, 7]
+    while served.in_flight or served.stats.fail.count == failed + 1:
+        assert time.monotonic() < deadline, "the second cancelled call released its version"
+        time.sleep(0.01)
+    assert served.stats.fail.count == failed + 2 and served.stats.series.in_flight == 0

@@ -3,8 +3,9 @@
 `._http2` does HTTP/2 (frames, HPACK through the `hpack` library, stream states, flow control, pings); this module
 is the glue between it and `GrpcService`: the gRPC framing of messages (a 5-byte prefix: compressed flag and
 length), the response's ``grpc-status``/``grpc-message`` trailers, ``grpc-timeout`` deadlines, the message size
-limit, and a task per call that a client's ``RST_STREAM`` cancels. Why not grpcio's server: docs/server.md, "The
-gRPC server".
+limit, and the calls, which a client's ``RST_STREAM`` cancels: a unary call without a task (`_Driven`; the code it
+runs must not need a current task), a streamed call in a task. Why not grpcio's server: docs/server.md, "The gRPC
+server".
 
 Requests are parsed once, by the committed stubs' ``FromString``; responses are serialized once. A request that is
 not a valid message is answered ``INVALID_ARGUMENT``, one over the size limit ``RESOURCE_EXHAUSTED``, an unknown
@@ -14,9 +15,10 @@ method ``UNIMPLEMENTED``, a compressed message (no compression is offered) ``UNI
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import socket
-from collections.abc import AsyncIterator, Callable, Coroutine, Generator
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
@@ -96,7 +98,7 @@ class _Call:
         self.pending: list[bytes] = []
         self.size = 0
         self.need = _PREFIX  # pending bytes that make the next whole message (its prefix, once that is known)
-        self.task: asyncio.Task[None] | None = None
+        self.task: asyncio.Task[None] | _Driven | None = None  # a streamed call's task, a unary call's `_Driven`
         self.queue: asyncio.Queue[bytes | None] | None = None
         self.timeout = timeout
         self.timer: asyncio.TimerHandle | None = None
@@ -137,14 +139,13 @@ def _split_messages(call: _Call, limit: int) -> list[bytes]:
 
 
 class _Connection(Http2Connection):
-    """One client connection: carton's HTTP/2 frame layer, a task per call."""
+    """One client connection: carton's HTTP/2 frame layer, its calls."""
 
     def __init__(self, server: GrpcServer) -> None:
         super().__init__()
         self._server = server
         self._calls: dict[int, _Call] = {}
         self._forms = RequestForms(message_type("ModelInferRequest").FromString)
-        self._suspending: set[str] = set()  # the methods whose calls on this connection have suspended
         # The headers of the last call routed (held, so `is` cannot match another dict at the same address), its
         # method and deadline: a client's calls repeat their header block, which the frame layer gives as one dict.
         self._last_routed: tuple[dict[bytes, bytes], str, _Method, float | None] | None = None
@@ -158,7 +159,7 @@ class _Connection(Http2Connection):
         super().connection_lost(exc)  # each call's stream is reset: its task is cancelled
 
     @property
-    def calls(self) -> list[asyncio.Task[None]]:
+    def calls(self) -> list[asyncio.Task[None] | _Driven]:
         return [call.task for call in self._calls.values() if call.task is not None]
 
     # ---- requests ------------------------------------------------------------------------------------------------
@@ -252,24 +253,16 @@ class _Connection(Http2Connection):
         self._start(call, self._run_unary(call, messages[0]))
 
     def _start(self, call: _Call, coroutine: Coroutine[Any, Any, None]) -> None:
-        """Run a unary call: up to its first suspension now, and in a task only if it suspends; or, for a method
-        whose calls on this connection have suspended before (a model in its runner), in a task at once.
-
-        A call that answers without suspending (a method answered from the server's state, a model in the server's
-        process) needs no task. One that suspends goes on in a task (`_Stepped`) that a client's RST_STREAM or the
-        deadline cancels as any call's; but a task that takes over a stepped coroutine costs more per step than one
-        that runs it from the start, so a method known to suspend is not stepped first."""
-        if call.name in self._suspending:
-            call.task = asyncio.get_running_loop().create_task(coroutine)
-            return
+        """Run a unary call up to its first suspension now (in a context of its own, as a task would); `_Driven`
+        goes on with it, without a task, if it suspends."""
+        context = contextvars.copy_context()
         try:
-            yielded = coroutine.send(None)
+            yielded = context.run(coroutine.send, None)
         except StopIteration:
             return
         except asyncio.CancelledError:  # raised by the call's own code (nothing can cancel it here): as a task's
             return
-        self._suspending.add(call.name)
-        call.task = asyncio.get_running_loop().create_task(_Stepped(coroutine, yielded))
+        call.task = _Driven(coroutine, context, yielded)
 
     def stream_reset(self, stream_id: int) -> None:
         call = self._calls.pop(stream_id, None)
@@ -398,54 +391,81 @@ class _Connection(Http2Connection):
             self._end(call, None)
 
 
-_TAKEN = object()
+class _Driven:
+    """A unary call's coroutine run on the loop without a task: stepped now, then each time a future it awaits is
+    done, as a task steps its coroutine (in a context of its own, a `CancelledError` thrown in on `cancel`).
 
+    A task costs its creation, its registration in asyncio's set of tasks and a loop turn for its first step; most
+    calls need none of it (a method answered from the server's state answers in its first step), and a call to a
+    model in its runner awaits one future, the runner's reply."""
 
-class _Stepped(Coroutine[Any, Any, None]):
-    """A coroutine that was stepped once outside any task (`_Connection._start`), for a task to go on with: the
-    task's first step gets what that step yielded (the future it awaits), later ones go to the coroutine."""
+    __slots__ = ("_context", "_coroutine", "_done", "_finished", "_thrown", "_waiting")
 
-    __slots__ = ("_coroutine", "_first")
-
-    def __init__(self, coroutine: Coroutine[Any, Any, None], first: Any) -> None:
+    def __init__(self, coroutine: Coroutine[Any, Any, None], context: contextvars.Context, yielded: Any) -> None:
+        """Go on with `coroutine`, whose first step (run in `context`, which its later steps share) yielded
+        `yielded`."""
         self._coroutine = coroutine
-        self._first = first
+        self._context = context
+        self._waiting: asyncio.Future[Any] | None = None
+        self._thrown: BaseException | None = None  # to throw in at the next step (a cancellation, a bad yield)
+        self._done = False
+        self._finished: asyncio.Future[None] | None = None  # made when `finished` is first asked for
+        self._wait(yielded)
 
-    def send(self, value: Any) -> Any:
-        first = self._first
-        if first is _TAKEN:
-            return self._coroutine.send(value)
-        self._first = _TAKEN
-        return first
-
-    def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
-        first = self._first
-        if first is not _TAKEN:
-            # Cancelled before the task's first step: the future the coroutine awaits is cancelled, as a task's
-            # cancellation cancels the future it waits for.
-            self._first = _TAKEN
-            if isinstance(first, asyncio.Future):
-                first.cancel()
-        if val is None and tb is None:
-            return self._coroutine.throw(typ)
-        return self._coroutine.throw(typ, val, tb)
-
-    def close(self) -> None:
-        self._coroutine.close()
-
-    def __await__(self) -> Generator[Any, Any, None]:
-        # What a task does step by step (a task never awaits it; the `Coroutine` protocol asks for it).
+    def step(self, _: object = None) -> None:
+        """Run the coroutine up to its next suspension (or its end); called in its context, as a task's steps are."""
+        self._waiting = None
         try:
-            value = self.send(None)
-            while True:
-                try:
-                    sent = yield value
-                except BaseException as exc:  # thrown in: passed on, as a task would
-                    value = self.throw(exc)
-                else:
-                    value = self.send(sent)
-        except StopIteration:
+            thrown = self._thrown
+            if thrown is not None:
+                self._thrown = None
+                yielded = self._coroutine.throw(thrown)
+            else:
+                yielded = self._coroutine.send(None)
+        except (StopIteration, asyncio.CancelledError):  # answered; or cancelled, which the call's code handled
+            self._end()
             return
+        except BaseException:
+            self._end()
+            raise
+        self._wait(yielded)
+
+    def _wait(self, yielded: Any) -> None:
+        """Step again when what the coroutine yielded says: a future it awaits is done, or the loop's next turn."""
+        if getattr(yielded, "_asyncio_future_blocking", None):  # an asyncio future, awaited
+            yielded._asyncio_future_blocking = False
+            yielded.add_done_callback(self.step, context=self._context)
+            self._waiting = yielded
+        elif yielded is None:  # a bare yield (`asyncio.sleep(0)`): the next turn of the loop
+            asyncio.get_running_loop().call_soon(self.step, context=self._context)
+        else:
+            self._thrown = RuntimeError(f"a gRPC call yielded {yielded!r}, not a future")  # as a task refuses it
+            asyncio.get_running_loop().call_soon(self.step, context=self._context)
+
+    def _end(self) -> None:
+        self._done = True
+        if self._finished is not None and not self._finished.done():
+            self._finished.set_result(None)
+
+    def done(self) -> bool:
+        return self._done
+
+    def cancel(self) -> None:
+        """Cancel the call: the future it awaits is cancelled (the call's `await` raises `CancelledError`), or, if
+        that is already done, `CancelledError` is thrown in at its next step."""
+        if self._done:
+            return
+        waiting = self._waiting
+        if waiting is None or not waiting.cancel():
+            self._thrown = asyncio.CancelledError()
+
+    def finished(self) -> asyncio.Future[None]:
+        """A future done when the call is (for the server's close to wait on)."""
+        if self._finished is None:
+            self._finished = asyncio.get_running_loop().create_future()
+            if self._done:
+                self._finished.set_result(None)
+        return self._finished
 
 
 def _expire(call: _Call) -> None:
@@ -496,11 +516,15 @@ class GrpcServer:
             self._server.close()
         for connection in list(self.connections):
             connection.goaway()
-        running = [task for connection in self.connections for task in connection.calls]
+        running = {
+            call if isinstance(call, asyncio.Task) else call.finished(): call
+            for connection in self.connections
+            for call in connection.calls
+        }
         if running:
             _, late = await asyncio.wait(running, timeout=grace)
-            for task in late:
-                task.cancel()
+            for future in late:
+                running[future].cancel()
             if late:
                 await asyncio.wait(late, timeout=grace)
         for connection in list(self.connections):
