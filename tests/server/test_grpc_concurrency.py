@@ -178,3 +178,24 @@ def test_errors_from_the_threaded_paths_keep_their_status(threaded_server: Serve
         client.infer("nosuch", [_input(arange((1, 4)))])
     assert caught.value.status() == str(grpc.StatusCode.NOT_FOUND)
     assert client.is_server_ready() and client.is_model_ready("identity")
+
+
+def test_a_call_past_its_deadline_inside_the_model_is_cancelled_and_released(
+    threaded_server: Server, loader: _Loader
+) -> None:
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{threaded_server.grpc_port}")
+    handle = loader.handles["identity"]
+    (served,) = threaded_server.repository.versions("identity")
+    failed = served.stats.fail.count
+    handle.delay = 0.5
+    try:
+        with pytest.raises(InferenceServerException) as caught:
+            client.infer("identity", [_input(arange((1, 4)))], client_timeout=0.05)
+    finally:
+        handle.delay = 0.0
+    assert caught.value.status() == str(grpc.StatusCode.DEADLINE_EXCEEDED)
+    _wait_for(lambda: served.stats.fail.count == failed + 1, "the call counted as failed")
+    _wait_for(lambda: served.in_flight == 0, "the version released")
+    np.testing.assert_array_equal(
+        client.infer("identity", [_input(arange((1, 3)))]).as_numpy("OUTPUT0"), arange((1, 3)) * 2
+    )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import socket
 import struct
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -316,3 +317,45 @@ def test_a_call_past_its_deadline_is_answered_deadline_exceeded(peer: Peer) -> N
     assert peer.frame_of(3) == (HEADERS, END_HEADERS, RESPONSE_BLOCK)
     assert peer.frame_of(3) == (DATA, 0, message(b"\x08\x01"))
     assert peer.frame_of(3) == (HEADERS, END_HEADERS | END_STREAM, OK_TRAILERS_BLOCK)
+
+
+def test_a_call_reset_in_the_same_read_as_its_request_is_cancelled_and_released(server: Server, peer: Peer) -> None:
+    # A call runs up to its first suspension (inside the model) as its request is read, so the RST_STREAM that came
+    # with it cancels a call already under way: it answers nothing, and releases the version it holds.
+    (served,) = server.repository.versions("identity")
+    failed = served.stats.fail.count
+    peer.start()
+    peer.send(
+        frame(HEADERS, END_HEADERS, 1, peer.request_block("ModelInfer")),
+        frame(DATA, END_STREAM, 1, infer_request(np.ones((1, 4), dtype=np.float32))),
+        frame(RST_STREAM, 0, 1, (8).to_bytes(4, "big")),  # CANCEL
+        frame(HEADERS, END_HEADERS, 3, peer.request_block("ServerLive")),
+        frame(DATA, END_STREAM, 3, message(b"")),
+    )
+    frames = []
+    while not frames or frames[-1] != (HEADERS, END_HEADERS | END_STREAM, 3):
+        kind, flags, stream_id, _ = peer.frame()
+        frames.append((kind, flags, stream_id))
+    assert [stream_id for _, _, stream_id in frames if stream_id] == [3, 3, 3]
+    deadline = time.monotonic() + 30
+    while served.in_flight or served.stats.fail.count == failed:
+        assert time.monotonic() < deadline, "the cancelled call released its version"
+        time.sleep(0.01)
+    assert served.stats.fail.count == failed + 1 and served.stats.series.in_flight == 0
+    # Again on the same connection, the call's coroutine now driven from a known layout (`RequestForms`).
+    peer.send(
+        frame(HEADERS, END_HEADERS, 5, peer.request_block("ModelInfer")),
+        frame(DATA, END_STREAM, 5, infer_request(np.ones((1, 4), dtype=np.float32))),
+        frame(RST_STREAM, 0, 5, (8).to_bytes(4, "big")),
+        frame(HEADERS, END_HEADERS, 7, peer.request_block("ServerLive")),
+        frame(DATA, END_STREAM, 7, message(b"")),
+    )
+    frames = []
+    while not frames or frames[-1] != (HEADERS, END_HEADERS | END_STREAM, 7):
+        kind, flags, stream_id, _ = peer.frame()
+        frames.append((kind, flags, stream_id))
+    assert [stream_id for _, _, stream_id in frames if stream_id] == [7, 7, 7]
+    while served.in_flight or served.stats.fail.count == failed + 1:
+        assert time.monotonic() < deadline, "the second cancelled call released its version"
+        time.sleep(0.01)
+    assert served.stats.fail.count == failed + 2 and served.stats.series.in_flight == 0

@@ -3,8 +3,9 @@
 `._http2` does HTTP/2 (frames, HPACK through the `hpack` library, stream states, flow control, pings); this module
 is the glue between it and `GrpcService`: the gRPC framing of messages (a 5-byte prefix: compressed flag and
 length), the response's ``grpc-status``/``grpc-message`` trailers, ``grpc-timeout`` deadlines, the message size
-limit, and a task per call that a client's ``RST_STREAM`` cancels. Why not grpcio's server: docs/server.md, "The
-gRPC server".
+limit, and the calls, which a client's ``RST_STREAM`` cancels: a unary call without a task (`_Driven`; the code it
+runs must not need a current task), a streamed call in a task. Why not grpcio's server: docs/server.md, "The gRPC
+server".
 
 Requests are parsed once, by the committed stubs' ``FromString``; responses are serialized once. A request that is
 not a valid message is answered ``INVALID_ARGUMENT``, one over the size limit ``RESOURCE_EXHAUSTED``, an unknown
@@ -14,9 +15,10 @@ method ``UNIMPLEMENTED``, a compressed message (no compression is offered) ``UNI
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import socket
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
@@ -96,7 +98,7 @@ class _Call:
         self.pending: list[bytes] = []
         self.size = 0
         self.need = _PREFIX  # pending bytes that make the next whole message (its prefix, once that is known)
-        self.task: asyncio.Task[None] | None = None
+        self.task: asyncio.Task[None] | _Driven | None = None  # a streamed call's task, a unary call's `_Driven`
         self.queue: asyncio.Queue[bytes | None] | None = None
         self.timeout = timeout
         self.timer: asyncio.TimerHandle | None = None
@@ -137,7 +139,7 @@ def _split_messages(call: _Call, limit: int) -> list[bytes]:
 
 
 class _Connection(Http2Connection):
-    """One client connection: carton's HTTP/2 frame layer, a task per call."""
+    """One client connection: carton's HTTP/2 frame layer, its calls."""
 
     def __init__(self, server: GrpcServer) -> None:
         super().__init__()
@@ -157,7 +159,7 @@ class _Connection(Http2Connection):
         super().connection_lost(exc)  # each call's stream is reset: its task is cancelled
 
     @property
-    def calls(self) -> list[asyncio.Task[None]]:
+    def calls(self) -> list[asyncio.Task[None] | _Driven]:
         return [call.task for call in self._calls.values() if call.task is not None]
 
     # ---- requests ------------------------------------------------------------------------------------------------
@@ -212,6 +214,21 @@ class _Connection(Http2Connection):
         for message in messages:
             call.queue.put_nowait(message)
 
+    def body_ending(self, stream_id: int, data: bytes) -> None:
+        call = self._calls.get(stream_id)
+        # The usual unary request: its whole body in one DATA frame, one uncompressed message within the limit.
+        if (
+            call is not None
+            and call.queue is None
+            and not call.pending
+            and not call.done
+            and not data[0]
+            and int.from_bytes(data[1:_PREFIX], "big") == len(data) - _PREFIX <= self._server.max_message_size
+        ):
+            self._start(call, self._run_unary(call, data[_PREFIX:]))
+            return
+        super().body_ending(stream_id, data)
+
     def body_ended(self, stream_id: int) -> None:
         call = self._calls.get(stream_id)
         if call is None or call.done:
@@ -224,7 +241,7 @@ class _Connection(Http2Connection):
             data = pending[0]
             size = len(data) - _PREFIX
             if not data[0] and int.from_bytes(data[1:_PREFIX], "big") == size <= self._server.max_message_size:
-                call.task = asyncio.get_running_loop().create_task(self._run_unary(call, data[_PREFIX:]))
+                self._start(call, self._run_unary(call, data[_PREFIX:]))
                 return
         try:
             messages = _split_messages(call, self._server.max_message_size)
@@ -233,7 +250,19 @@ class _Connection(Http2Connection):
         except _Failure as failure:
             self._refuse(call, failure)
             return
-        call.task = asyncio.get_running_loop().create_task(self._run_unary(call, messages[0]))
+        self._start(call, self._run_unary(call, messages[0]))
+
+    def _start(self, call: _Call, coroutine: Coroutine[Any, Any, None]) -> None:
+        """Run a unary call up to its first suspension now (in a context of its own, as a task would); `_Driven`
+        goes on with it, without a task, if it suspends."""
+        context = contextvars.copy_context()
+        try:
+            yielded = context.run(coroutine.send, None)
+        except StopIteration:
+            return
+        except asyncio.CancelledError:  # raised by the call's own code (nothing can cancel it here): as a task's
+            return
+        call.task = _Driven(coroutine, context, yielded)
 
     def stream_reset(self, stream_id: int) -> None:
         call = self._calls.pop(stream_id, None)
@@ -285,7 +314,7 @@ class _Connection(Http2Connection):
             raise BadRequest(f"the {call.name} request is not a valid {call.method.request.__name__} message") from exc
 
     def _arm(self, call: _Call) -> None:
-        """Start the call's deadline, from its task (a task cancelled before it starts would never answer)."""
+        """Start the call's deadline, from its coroutine (a task cancelled before it starts would never answer)."""
         if call.timeout is not None:
             call.timer = asyncio.get_running_loop().call_later(call.timeout, _expire, call)
 
@@ -362,6 +391,83 @@ class _Connection(Http2Connection):
             self._end(call, None)
 
 
+class _Driven:
+    """A unary call's coroutine run on the loop without a task: stepped now, then each time a future it awaits is
+    done, as a task steps its coroutine (in a context of its own, a `CancelledError` thrown in on `cancel`).
+
+    A task costs its creation, its registration in asyncio's set of tasks and a loop turn for its first step; most
+    calls need none of it (a method answered from the server's state answers in its first step), and a call to a
+    model in its runner awaits one future, the runner's reply."""
+
+    __slots__ = ("_context", "_coroutine", "_done", "_finished", "_thrown", "_waiting")
+
+    def __init__(self, coroutine: Coroutine[Any, Any, None], context: contextvars.Context, yielded: Any) -> None:
+        """Go on with `coroutine`, whose first step (run in `context`, which its later steps share) yielded
+        `yielded`."""
+        self._coroutine = coroutine
+        self._context = context
+        self._waiting: asyncio.Future[Any] | None = None
+        self._thrown: BaseException | None = None  # to throw in at the next step (a cancellation, a bad yield)
+        self._done = False
+        self._finished: asyncio.Future[None] | None = None  # made when `finished` is first asked for
+        self._wait(yielded)
+
+    def step(self, _: object = None) -> None:
+        """Run the coroutine up to its next suspension (or its end); called in its context, as a task's steps are."""
+        self._waiting = None
+        try:
+            thrown = self._thrown
+            if thrown is not None:
+                self._thrown = None
+                yielded = self._coroutine.throw(thrown)
+            else:
+                yielded = self._coroutine.send(None)
+        except (StopIteration, asyncio.CancelledError):  # answered; or cancelled, which the call's code handled
+            self._end()
+            return
+        except BaseException:
+            self._end()
+            raise
+        self._wait(yielded)
+
+    def _wait(self, yielded: Any) -> None:
+        """Step again when what the coroutine yielded says: a future it awaits is done, or the loop's next turn."""
+        if getattr(yielded, "_asyncio_future_blocking", None):  # an asyncio future, awaited
+            yielded._asyncio_future_blocking = False
+            yielded.add_done_callback(self.step, context=self._context)
+            self._waiting = yielded
+        elif yielded is None:  # a bare yield (`asyncio.sleep(0)`): the next turn of the loop
+            asyncio.get_running_loop().call_soon(self.step, context=self._context)
+        else:
+            self._thrown = RuntimeError(f"a gRPC call yielded {yielded!r}, not a future")  # as a task refuses it
+            asyncio.get_running_loop().call_soon(self.step, context=self._context)
+
+    def _end(self) -> None:
+        self._done = True
+        if self._finished is not None and not self._finished.done():
+            self._finished.set_result(None)
+
+    def done(self) -> bool:
+        return self._done
+
+    def cancel(self) -> None:
+        """Cancel the call: the future it awaits is cancelled (the call's `await` raises `CancelledError`), or, if
+        that is already done, `CancelledError` is thrown in at its next step."""
+        if self._done:
+            return
+        waiting = self._waiting
+        if waiting is None or not waiting.cancel():
+            self._thrown = asyncio.CancelledError()
+
+    def finished(self) -> asyncio.Future[None]:
+        """A future done when the call is (for the server's close to wait on)."""
+        if self._finished is None:
+            self._finished = asyncio.get_running_loop().create_future()
+            if self._done:
+                self._finished.set_result(None)
+        return self._finished
+
+
 def _expire(call: _Call) -> None:
     """The call's deadline passed: its task is cancelled, and ends the call with ``DEADLINE_EXCEEDED``."""
     if call.task is not None and not call.task.done():
@@ -410,11 +516,15 @@ class GrpcServer:
             self._server.close()
         for connection in list(self.connections):
             connection.goaway()
-        running = [task for connection in self.connections for task in connection.calls]
+        running = {
+            call if isinstance(call, asyncio.Task) else call.finished(): call
+            for connection in self.connections
+            for call in connection.calls
+        }
         if running:
             _, late = await asyncio.wait(running, timeout=grace)
-            for task in late:
-                task.cancel()
+            for future in late:
+                running[future].cancel()
             if late:
                 await asyncio.wait(late, timeout=grace)
         for connection in list(self.connections):

@@ -45,6 +45,7 @@ _DEFAULT_FRAME = 16384
 
 # Offered to clients: a large receive window and frames, so large tensors arrive in few frames and few window updates.
 _WINDOW = 4 * 1024 * 1024
+_HALF_WINDOW = _WINDOW // 2  # given back once used
 _MAX_FRAME = 1024 * 1024
 _MAX_STREAMS = 1000
 # A header block split over CONTINUATION frames is bounded before it is decoded (hpack bounds the decoded list).
@@ -135,6 +136,8 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
         self._have = 0
         self._need = len(_PREFACE)
         self._preface = True
+        # The client's first SETTINGS came and no header block is being continued: a frame of any kind may come.
+        self._ordinary = False
         self._settled = False  # the client's first SETTINGS came
         self._decoder = Decoder()
         self._known: dict[bytes, dict[bytes, bytes]] = {}  # header blocks of indexed fields only, decoded
@@ -164,6 +167,14 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
     @abc.abstractmethod
     def body_ended(self, stream_id: int) -> None:
         """The request's body is complete (the client's END_STREAM)."""
+
+    def body_ending(self, stream_id: int, data: bytes) -> None:
+        """The last piece of a request's body arrived (its DATA frame ended the stream): `body_received`, then
+        `body_ended` if the stream is still open (a subclass may take the two in one step)."""
+        stream = self._streams.get(stream_id)
+        self.body_received(stream_id, data)
+        if stream is not None and self._streams.get(stream_id) is stream:
+            self.body_ended(stream_id)
 
     @abc.abstractmethod
     def stream_reset(self, stream_id: int) -> None:
@@ -261,10 +272,11 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
             payload = buffer[at + 9 : end]
             at = end
             stream_id &= _MAX_WINDOW
-            if not self._settled and kind != _SETTINGS:
-                raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "the first frame is not SETTINGS")
-            if self._continuing is not None and kind != _CONTINUATION:
-                raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "a frame inside a header block")
+            if not self._ordinary:
+                if not self._settled and kind != _SETTINGS:
+                    raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "the first frame is not SETTINGS")
+                if self._continuing is not None and kind != _CONTINUATION:
+                    raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "a frame inside a header block")
             # A call's frames first: its HEADERS and DATA, the client's WINDOW_UPDATEs for its response.
             if kind == _DATA:
                 self._data(stream_id, flags, payload)
@@ -310,6 +322,7 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
         if len(payload) % 6:
             raise _ConnectionError(ErrorCode.FRAME_SIZE_ERROR, "a SETTINGS frame that is not whole settings")
         self._settled = True
+        self._ordinary = self._continuing is None
         for key, value in struct.iter_unpack(">HI", payload):
             if key == _INITIAL_WINDOW_SIZE:
                 if value > _MAX_WINDOW:
@@ -373,6 +386,7 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
             self._header_block(stream_id, flags, payload)
         else:
             self._continuing = (stream_id, flags, [payload])
+            self._ordinary = False
 
     def _continuation(self, stream_id: int, flags: int, payload: bytes) -> None:
         if self._continuing is None or self._continuing[0] != stream_id:
@@ -383,6 +397,7 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
             raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "a header block over 256 KiB")
         if flags & _END_HEADERS:
             self._continuing = None
+            self._ordinary = self._settled
             self._header_block(stream_id, first_flags, b"".join(fragments))
 
     def _header_block(self, stream_id: int, flags: int, block: bytes) -> None:
@@ -440,20 +455,24 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
             return
         stream.recv_window -= length
         stream.received += length
-        if stream.received >= _WINDOW // 2:
+        if stream.received >= _HALF_WINDOW:
             self._stream_owed = True
         if stream.recv_window < 0:
             self._reset(stream_id, ErrorCode.FLOW_CONTROL_ERROR)
             return
-        stream.ended = bool(flags & _END_STREAM)
+        if not flags & _END_STREAM:
+            if payload:
+                self.body_received(stream_id, payload)
+            return
+        stream.ended = True
         if payload:
-            self.body_received(stream_id, payload)
-        if stream.ended and self._streams.get(stream_id) is stream:
+            self.body_ending(stream_id, payload)
+        else:
             self.body_ended(stream_id)
 
     def _give_back(self) -> None:
         """Give the client back the window its DATA used, once half of a window is used (so it never runs out)."""
-        if self._received >= _WINDOW // 2:
+        if self._received >= _HALF_WINDOW:
             self._out.append(_frame(_WINDOW_UPDATE, 0, 0, self._received.to_bytes(4, "big")))
             self._recv_window += self._received
             self._received = 0
@@ -461,7 +480,7 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
             return
         self._stream_owed = False
         for stream_id, stream in self._streams.items():
-            if stream.received >= _WINDOW // 2 and not stream.ended:
+            if stream.received >= _HALF_WINDOW and not stream.ended:
                 self._out.append(_frame(_WINDOW_UPDATE, 0, stream_id, stream.received.to_bytes(4, "big")))
                 stream.recv_window += stream.received
                 stream.received = 0
@@ -523,12 +542,10 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
         if len(headers) > limit or len(trailers) > limit:
             return False
         out = self._out
-        out.append(_HEAD.pack(len(headers) >> 16, len(headers) & 0xFFFF, _HEADERS, _END_HEADERS, stream_id))
-        out.append(headers)
+        out += (_HEAD.pack(len(headers) >> 16, len(headers) & 0xFFFF, _HEADERS, _END_HEADERS, stream_id), headers)
         self._buffer_data(stream_id, stream, data, size)
         end = _END_HEADERS | _END_STREAM
-        out.append(_HEAD.pack(len(trailers) >> 16, len(trailers) & 0xFFFF, _HEADERS, end, stream_id))
-        out.append(trailers)
+        out += (_HEAD.pack(len(trailers) >> 16, len(trailers) & 0xFFFF, _HEADERS, end, stream_id), trailers)
         self._response_ended(stream_id, stream)
         return True
 
@@ -552,8 +569,7 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
 
     def _buffer_data(self, stream_id: int, stream: _Stream, piece: bytes, size: int) -> None:
         """One DATA frame of `piece` (`size` bytes, within both windows), counted against them."""
-        self._out.append(size.to_bytes(3, "big") + bytes((_DATA, 0)) + stream_id.to_bytes(4, "big"))
-        self._out.append(piece)
+        self._out += (_HEAD.pack(size >> 16, size & 0xFFFF, _DATA, 0, stream_id), piece)
         self._send_window -= size
         stream.send_window -= size
 
