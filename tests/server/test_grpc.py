@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import queue
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -12,6 +14,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from carton.server import Server
 from carton.server._proto import message_class
+from carton.server._repository import ServedVersion
 from tritonclient.utils import InferenceServerException
 
 from .conftest import arange
@@ -153,3 +156,32 @@ def test_upload_refused(client: grpcclient.InferenceServerClient, files: dict[st
     assert caught.value.status() == str(grpc.StatusCode.INVALID_ARGUMENT)
     assert "/tmp" not in caught.value.message() and "carton-serve-uploads" not in caught.value.message()
     assert client.is_server_live() and client.is_model_ready("identity")
+
+
+def test_repository_calls_run_in_a_task_and_infer_answers_without_one(
+    server: Server, client: grpcclient.InferenceServerClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The repository's load waits with a timeout, which from Python 3.12 needs a current task; an infer call runs
+    # without one (the transport steps it), so what it runs must only await futures.
+    control = type(server.repository if server.peers is None else server.peers)
+    seen: dict[str, asyncio.Task[Any] | None] = {}
+    original_load = control.load
+
+    async def load(self: Any, name: str, **kwargs: Any) -> None:
+        seen["load"] = asyncio.current_task()
+        await original_load(self, name, **kwargs)
+
+    monkeypatch.setattr(control, "load", load)
+    client.load_model("strings")
+    assert seen["load"] is not None
+    original_infer = ServedVersion.infer
+
+    async def infer(self: Any, *args: Any, **kwargs: Any) -> Any:
+        seen["infer"] = asyncio.current_task()
+        return await original_infer(self, *args, **kwargs)
+
+    monkeypatch.setattr(ServedVersion, "infer", infer)
+    x = arange((1, 4))
+    result = client.infer("identity", [_input("INPUT0", x, "FP32")])
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), x * 2)
+    assert "infer" in seen and seen["infer"] is None

@@ -3,8 +3,9 @@
 `._http2` does HTTP/2 (frames, HPACK through the `hpack` library, stream states, flow control, pings); this module
 is the glue between it and `GrpcService`: the gRPC framing of messages (a 5-byte prefix: compressed flag and
 length), the response's ``grpc-status``/``grpc-message`` trailers, ``grpc-timeout`` deadlines, the message size
-limit, and the calls, which a client's ``RST_STREAM`` cancels: a unary call without a task (`_Driven`; the code it
-runs must not need a current task), a streamed call in a task. Why not grpcio's server: docs/server.md, "The gRPC
+limit, and the calls, which a client's ``RST_STREAM`` cancels: a unary call of ``ModelInfer`` and the methods that
+answer from the server's state without a task (`_Driven`; the code it runs must not need a current task), any other
+call in a task. Why not grpcio's server: docs/server.md, "The gRPC
 server".
 
 Requests are parsed once, by the committed stubs' ``FromString``; responses are serialized once. A request that is
@@ -56,12 +57,22 @@ def _code(status: grpc.StatusCode) -> bytes:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _Method:
     """One method of the service: its function (which answers with a message, or with its bytes), the class its
-    requests parse into, and whether they are parsed through the connection's `RequestForms` (``ModelInfer``)."""
+    requests parse into, whether they are parsed through the connection's `RequestForms` (``ModelInfer``), and
+    whether a unary call of it runs without a task (`_Driven`: its code must not need a current task)."""
 
     function: Callable[[Any], Any]
     request: Any
     streaming: bool
     learns: bool = False
+    taskless: bool = False
+
+
+# The unary methods whose code only awaits futures (the model's answer, the server's state), so run without a task.
+# The repository's load and unload wait with timeouts, which from Python 3.12 need a current task: they keep one,
+# as does any method not named here (a task costs nothing beside a load).
+_TASKLESS = frozenset(
+    {"ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelConfig", "ModelStatistics"}
+)
 
 
 class _Failure(Exception):
@@ -254,7 +265,10 @@ class _Connection(Http2Connection):
 
     def _start(self, call: _Call, coroutine: Coroutine[Any, Any, None]) -> None:
         """Run a unary call up to its first suspension now (in a context of its own, as a task would); `_Driven`
-        goes on with it, without a task, if it suspends."""
+        goes on with it, without a task, if it suspends. A method not `taskless` runs in a task."""
+        if not call.method.taskless:
+            call.task = asyncio.get_running_loop().create_task(coroutine)
+            return
         context = contextvars.copy_context()
         try:
             yielded = context.run(coroutine.send, None)
@@ -490,12 +504,14 @@ class GrpcServer:
 
     def __init__(self, service: GrpcService, *, max_message_size: int) -> None:
         methods: dict[str, _Method] = {
-            name: _Method(function=function, request=message_type(f"{name}Request"), streaming=False)
+            name: _Method(
+                function=function, request=message_type(f"{name}Request"), streaming=False, taskless=name in _TASKLESS
+            )
             for name, function in service.unary_methods().items()
         }
         infer_request = message_type("ModelInferRequest")
         methods["ModelInfer"] = _Method(
-            function=service.model_infer_serialized, request=infer_request, streaming=False, learns=True
+            function=service.model_infer_serialized, request=infer_request, streaming=False, learns=True, taskless=True
         )
         methods["ModelStreamInfer"] = _Method(
             function=service.model_stream_infer, request=infer_request, streaming=True
