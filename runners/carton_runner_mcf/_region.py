@@ -102,11 +102,10 @@ class DecodeRegion:
         self._inv_freq = np.ascontiguousarray(model._inv_freq, dtype=np.float32)
         self._no_ids = np.zeros(0, np.int64)
         self._buffers: dict[tuple[int, int, int], _Work] = {}
-        self._serving: tuple[tuple[Any, ...], tuple[Any, ...]] | None = None  # `_serves`'s last key and arguments
-        #: `decode_step`'s compiled entry for the argument types of the cache's arrays (`_entry`), and the types of
-        #: the last `_serves`.
-        self._entries: dict[tuple[Any, ...], Callable[..., int]] = {}
-        self._kinds: tuple[Any, ...] = ()
+        #: `_generation`'s last key and what it gave.
+        self._serving: tuple[tuple[Any, ...], tuple[Any, tuple[Any, ...], Callable[..., int]]] | None = None
+        #: `_serve.run_step`'s compiled entry by the numba type of its generation (`_compiled`).
+        self._entries: dict[Any, Callable[..., int]] = {}
 
         self._lock = threading.Lock()
 
@@ -188,36 +187,43 @@ class DecodeRegion:
         )
         return found
 
-    def _serves(
+    def _generation(
         self, work: _Work, embeds: bool, keys: F32, values: F32, key_mask: npt.NDArray[np.bool_], scale: np.float32
-    ) -> tuple[Any, ...]:
-        """The arguments of the helpers' loop (`_serve.serve_steps`) for ``work`` and this cache (the same tuple
-        while they do not change, so that the helpers stay in their loop)."""
+    ) -> tuple[Any, tuple[Any, ...], Callable[..., int]]:
+        """The `_serve.Generation` of ``work`` and this cache, the helpers' loop's arguments (`_serve.serve_steps`)
+        and how the caller calls `_serve.run_step` on it (`_compiled`): the same objects while they do not change, so
+        that the helpers stay in their loop and the caller's call unboxes one object for all of them."""
         key = (work, embeds, keys, values, key_mask, scale)
         if self._serving is not None and all(a is b for a, b in zip(self._serving[0], key, strict=True)):
             return self._serving[1]
         serves = (self.payloads, self.metas, self.widths, self.norms, self.final_norm, self.eps, self._table,
                   work.ids if embeds else self._no_ids, work.hidden, work.cos, work.sin, keys, values, key_mask,
                   work.steps, scale, *work.shared, work.hidden, self._head, work.logits, work.own)  # fmt: skip
-        self._serving = (key, serves)
-        self._kinds = tuple(self._step.decode_step.typeof_pyval(array) for array in (keys, values, key_mask))
-        return serves
-
-    def _entry(self) -> Callable[..., int]:
-        """How the caller calls `decode_step`: numba's dispatcher types every argument of every call (a few dozen,
-        on caches the step has just evicted), so once it has compiled or loaded the step for these arguments'
-        types (the same every step but for those of the cache's arrays) the caller calls that compiled entry."""
-        dispatcher: Callable[..., int] = self._step.decode_step
-        return self._entries.get(self._kinds, dispatcher)
-
-    def _found(self, args: tuple[Any, ...]) -> None:
-        """Keep the compiled entry the dispatcher has just used for ``args`` (`_entry`; the dispatcher itself if it
-        is not found, so that this is looked for once)."""
-        dispatcher = self._step.decode_step
         team = self.team
-        kinds = tuple(dispatcher.typeof_pyval(value) for value in (*args, team.control, 0, team.size))
-        compiled = dispatcher.overloads.get(kinds)
-        self._entries[self._kinds] = compiled.entry_point if compiled is not None else dispatcher
+        generation = self._serve.generation(serves, work.ids, self._inv_freq, self._rows if embeds else 0,
+                                            team.control, team.board, team.size)  # fmt: skip
+        kind = generation._numba_type_
+        entry = self._entries.get(kind)
+        if entry is None:
+            entry = self._entries[kind] = self._compiled(kind, serves)
+        found = (generation, serves, entry)
+        self._serving = (key, found)
+        return found
+
+    def _compiled(self, kind: Any, serves: tuple[Any, ...]) -> Callable[..., int]:
+        """`_serve.run_step`'s compiled entry for a generation of numba type ``kind``: numba's dispatcher would type
+        every argument of every call, on caches the step has just evicted, where the entry only unboxes them. It
+        and the helpers' loop on ``serves`` are compiled (or loaded from numba's cache) here, before a run is
+        posted, so no thread of the team waits at a barrier for another's compilation."""
+        import numba
+        from numba.core import types
+
+        ids, floats = types.Array(types.int64, 2, "C"), types.Array(types.float32, 2, "C")
+        counts = types.Array(types.int64, 1, "C")
+        self._serve.serve_steps.compile((numba.typeof(serves), counts, counts, *[types.int64] * 4))
+        signature = (kind, ids, ids, types.int64, floats, floats, types.int64, types.int64)
+        entry: Callable[..., int] = self._serve.run_step.compile(signature)
+        return entry
 
     def step(
         self,
@@ -236,21 +242,23 @@ class DecodeRegion:
         d]``, its real slots ``key_mask [m, capacity]``, the new one ``slot``; ``scale``: the model's attention
         scale (the same every step)."""
         m = input_ids.shape[0]
+        # C-contiguous int64, the layout the compiled entry (`_compiled`) was made for.
+        input_ids = np.ascontiguousarray(input_ids, dtype=np.int64)
+        positions = np.ascontiguousarray(positions, dtype=np.int64)
         out = np.empty((m, self.hidden), dtype=np.float32)
         logits = np.empty((m, self.vocab), dtype=np.float32)
+        serve = self._serve.serve_steps
         with self._lock:  # the work arrays serve one step at a time
             work = self._work(m, keys.shape[3], self._inv_freq.size)
-            # The step's inputs go into arrays the helpers' loop holds; its logits by address (`_serve`).
-            embeds = self._serve.prepare(input_ids, positions, self._inv_freq, self._rows, work.ids, work.cos,
-                                         work.sin, work.steps, slot, logits)  # fmt: skip
-            if not embeds:
-                work.hidden[:] = self._lookup(input_ids).reshape(m, -1)
-            serves = self._serves(work, embeds, keys, values, key_mask, scale)
-            args = (*serves[:14], slot, scale, *work.shared, out, self._head, logits, work.own)
-            entry = self._entry()
-            self.team.run(entry, args, serve=self._serve.serve_steps, serves=serves)
-            if self._kinds not in self._entries:
-                self._found(args)
+            embeds = self._rows > 0
+            while True:
+                if not embeds:
+                    work.hidden[:] = self._lookup(input_ids).reshape(m, -1)
+                generation, serves, entry = self._generation(work, embeds, keys, values, key_mask, scale)
+                args = (generation, input_ids, positions, slot, out, logits)
+                if self.team.run_posting(entry, args, serve=serve, serves=serves) != self._serve.NEEDS_EMBEDDINGS:
+                    break
+                embeds = False
         return out, (logits if self.vocab else None)
 
 

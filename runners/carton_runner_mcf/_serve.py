@@ -1,25 +1,42 @@
-"""The helpers' compiled loop of decode steps (`_team`'s ``serve``): a helper of a `_region.DecodeRegion`'s team runs
-`_step.decode_step` for every step of a generation without returning to Python between them; and what the caller
-computes before each step (`prepare`), in one compiled call.
+"""The step's compiled entries on both sides of a `_region.DecodeRegion`'s team: the helpers' loop of decode steps
+(`_team`'s ``serve``), in which a helper runs `_step.decode_step` for every step of a generation without returning
+to Python between them, and the caller's step (`run_step`), which computes the step's inputs, posts the step to the
+helpers and runs its own part, in one compiled call.
 
-The loop's arguments are the step's, except the two that change every step: the new slot's index and the address
-of the step's logits (a new array each step, which the caller keeps alive until the run ends), read from ``steps``
-(`SLOT_INDEX`, `LOGITS_ADDRESS`) when a run is posted. The other per-step inputs (ids, rotary tables, embeddings)
-are copied by the caller into arrays the loop holds.
+What does not change between the steps of a generation (the weights' tables, the cache, the work arrays, the team's
+``control`` and ``board``) is gathered once into a `Generation`, a numba structure that a compiled call unboxes as
+one object, so a step's call passes only what changes: the new tokens, their positions, the new slot and the step's
+two outputs. The helpers' loop reads the two per-step scalars, the new slot's index and the address of the step's
+logits (a new array each step, which the caller keeps alive until the run ends), from ``steps`` (`SLOT_INDEX`,
+`LOGITS_ADDRESS`) once a run is posted; ids and rotary tables reach it through arrays it holds.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numba
 import numpy as np
+from numba.core import types
+from numba.experimental import structref
 
-from ._atomics import await_run, leave, pointer_like
+from ._atomics import await_run, claim, leave, pointer_like, post
 from ._blocks import JIT
 from ._step import decode_step
+from ._team import CLAIM, POSTED, UNCLAIMED
 
-__all__ = ["LOGITS_ADDRESS", "SLOT_INDEX", "STEPS", "prepare", "serve_steps"]
+__all__ = [
+    "LOGITS_ADDRESS",
+    "NEEDS_EMBEDDINGS",
+    "SLOT_INDEX",
+    "STEPS",
+    "Generation",
+    "generation",
+    "prepare",
+    "run_step",
+    "serve_steps",
+]
 
 #: ``steps[SLOT_INDEX]``: the new slot of the cache.
 SLOT_INDEX = 0
@@ -27,6 +44,32 @@ SLOT_INDEX = 0
 LOGITS_ADDRESS = 1
 #: Elements of ``steps``.
 STEPS = 2
+#: `run_step` returns this, before posting anything, when an id is not a row of the generation's embedding table: the
+#: model's `Embedding` must look the tokens up (and report bad ids), and a generation without a table run the step
+#: (below `_team.UNCLAIMED`: `_team.Team.run_posting` returns it).
+NEEDS_EMBEDDINGS = -2
+
+
+@structref.register
+class _GenerationType(types.StructRef):  # type: ignore[misc,name-defined]
+    def preprocess_fields(self, fields: Any) -> tuple[tuple[str, Any], ...]:
+        return tuple((name, types.unliteral(kind)) for name, kind in fields)  # type: ignore[attr-defined]
+
+
+class Generation(structref.StructRefProxy):  # type: ignore[misc]
+    """What the steps of one generation share (module docstring): ``serves`` (`serve_steps`'s arguments), the
+    caller's ``ids`` array, the rotary inverse frequencies ``inv_freq``, the embedding table's ``rows`` (0: the
+    caller fills ``hidden_in`` itself), and the team's ``control``, ``board`` and size ``team``. Built by
+    `generation`."""
+
+
+structref.define_proxy(Generation, _GenerationType, ["serves", "ids", "inv_freq", "rows", "control", "board", "team"])
+
+
+@numba.njit(**JIT)
+def generation(serves, ids, inv_freq, rows, control, board, team):  # type: ignore[no-untyped-def]
+    """A `Generation` (compiled and cached, where the proxy's own constructor would be compiled in every process)."""
+    return Generation(serves, ids, inv_freq, rows, control, board, team)
 
 
 @numba.njit(**JIT)
@@ -48,6 +91,30 @@ def prepare(input_ids, positions, inv_freq, rows, ids, cos, sin, steps, slot, lo
     steps[SLOT_INDEX] = slot
     steps[LOGITS_ADDRESS] = logits.ctypes.data
     return known
+
+
+@numba.njit(**JIT)
+def run_step(generation, input_ids, positions, slot, out, logits, epoch, mode):  # type: ignore[no-untyped-def]
+    """The caller's step (worker 0) on ``generation`` (`_team.Team.run_posting`): unless ``mode`` is
+    `_team.POSTED`, the step's inputs first (`prepare`; the new tokens ``input_ids [m, 1]`` at ``positions [m, 1]``,
+    the new ``slot``), then with `_team.CLAIM` the run posted on ``epoch`` when every helper waits in its loop (else,
+    and with `_team.PREPARE`, `_team.UNCLAIMED`); then `decode_step` with its outputs ``out [m, h]`` and ``logits``.
+    Returns `decode_step`'s status, or `_team.UNCLAIMED` / `NEEDS_EMBEDDINGS` with nothing posted."""
+    (payloads, metas, widths, norms, final_norm, eps, embedding, ids, hidden_in, cos, sin, keys, values, key_mask,
+     steps, scale, q, k, v, attended, projected, gate, up, activated, _, head, _, own) = generation.serves  # fmt: skip
+    control, board, team = generation.control, generation.board, generation.team
+    if mode != POSTED:
+        rows = generation.rows
+        known = prepare(input_ids, positions, generation.inv_freq, rows, generation.ids, cos, sin, steps, slot, logits)
+        if rows > 0 and not known:
+            return NEEDS_EMBEDDINGS
+        if mode != CLAIM or not claim(board, team):
+            return UNCLAIMED
+        post(control, board, epoch)
+    return decode_step(
+        payloads, metas, widths, norms, final_norm, eps, embedding, ids, hidden_in, cos, sin, keys, values, key_mask,
+        slot, scale, q, k, v, attended, projected, gate, up, activated, out, head, logits, own, control, 0, team,
+    )  # fmt: skip
 
 
 @numba.njit(**JIT)

@@ -33,10 +33,21 @@ import numpy.typing as npt
 
 from ._atomics import ABORT, GENERATION, await_post, board_size, claim, control_size, post, recall
 
-__all__ = ["OK", "Team", "TeamFailed"]
+__all__ = ["CLAIM", "OK", "POSTED", "PREPARE", "UNCLAIMED", "Team", "TeamFailed"]
 
 #: What a team function returns when every thread passed every barrier.
 OK = 0
+#: `Team.run_posting`'s ``mode``: the function prepares the run's inputs and claims the helpers waiting in their
+#: loop, and posts the run itself when it could claim every one ...
+CLAIM = 1
+#: ... or it prepares the run's inputs and returns `UNCLAIMED` (the helpers are not in their loop on these
+#: arguments: the team posts the run) ...
+PREPARE = 2
+#: ... or the run was posted already, after the function prepared its inputs: it runs its part only.
+POSTED = 0
+#: What a function run by `Team.run_posting` returns, before posting anything, when a helper was not waiting in its
+#: loop (the team posts the run and calls it again with `POSTED`).
+UNCLAIMED = -1
 
 
 class TeamFailed(RuntimeError):
@@ -105,6 +116,11 @@ class Team:
         weakref.finalize(self, _close, self._shared)
 
     @property
+    def board(self) -> npt.NDArray[np.int64]:
+        """The board the team's runs are posted on (`_atomics.post`)."""
+        return self._shared.board
+
+    @property
     def broken(self) -> bool:
         return self._broken
 
@@ -136,6 +152,15 @@ class Team:
     def _run(
         self, function: Callable[..., int], args: tuple[Any, ...], serve: Callable[..., int] | None, serves: Any
     ) -> None:
+        self._check()
+        if self.size > 1 and serve is not None and self._serves(serve, serves) and claim(self._shared.board, self.size):
+            post(self.control, self._shared.board, self._epoch)
+        else:
+            self._post(function, args, serve, serves)
+        self._call(function, args, self.control, 0, self.size)
+
+    def _check(self) -> None:
+        """Raise `TeamFailed` when the team failed earlier or a helper has stopped; start the helpers first."""
         if self._broken:
             raise TeamFailed("the mcf runner's thread team failed earlier")
         if len(self._threads) != self.size - 1:
@@ -143,28 +168,59 @@ class Team:
         if not all(thread.is_alive() for thread in self._threads):
             self._broken = True
             raise TeamFailed("a thread of the mcf runner's team has stopped")
+
+    def _post(
+        self, function: Callable[..., int], args: tuple[Any, ...], serve: Callable[..., int] | None, serves: Any
+    ) -> None:
+        """Post the run through the condition (helpers asleep, or about to leave their loop, or on other
+        arguments: a new epoch), or only clear ``control`` when there are no helpers."""
         shared = self._shared
         if self.size == 1:
             self.control[:] = 0
-        elif serve is not None and self._serves(serve, serves) and claim(shared.board, self.size):
+            return
+        with shared.condition:
+            if serve is None or not self._serves(serve, serves):
+                self._epoch += 1
+                self._serving = (serve, serves)
+            shared.work = (function, args, serve, serves, self._epoch)
             post(self.control, shared.board, self._epoch)
-        else:
-            with shared.condition:
-                if serve is None or not self._serves(serve, serves):
-                    self._epoch += 1
-                    self._serving = (serve, serves)
-                shared.work = (function, args, serve, serves, self._epoch)
-                post(self.control, shared.board, self._epoch)
-                shared.condition.notify_all()
+            shared.condition.notify_all()
+
+    def run_posting(
+        self, function: Callable[..., int], args: tuple[Any, ...], *, serve: Callable[..., int], serves: Any
+    ) -> int:
+        """A run whose caller posts it from compiled code: ``function(*args, epoch, mode)`` runs the caller's part
+        (worker 0, on the team's ``control``, ``board`` and size, which ``args`` hold) and the helpers run ``serve``
+        on ``serves``, as with `run`. It is called first with `CLAIM` when the helpers' loops run ``serve`` on
+        ``serves`` already: it prepares the run's inputs (which the helpers read once the run is posted), claims
+        the helpers (`_atomics.claim`) and posts the run on ``epoch`` itself (`_atomics.post`), so the helpers
+        start before the caller's own part without the GIL or a condition; when one is not waiting there (or,
+        with `PREPARE`, when the loops serve other arguments) it returns `UNCLAIMED` with the inputs prepared and
+        nothing posted, and is called again with `POSTED` once the team has posted the run and woken the helpers.
+        A status below `UNCLAIMED` means the function declined the run before posting it: it is returned. Raises
+        `TeamFailed` as `run` does."""
+        with self._lock:
+            self._check()
+            mode = CLAIM if self.size == 1 or self._serves(serve, serves) else PREPARE
+            status = self._call(function, args, self._epoch, mode)
+            if status != UNCLAIMED:
+                return status
+            self._post(function, args, serve, serves)
+            return self._call(function, args, self._epoch, POSTED)
+
+    def _call(self, function: Callable[..., int], args: tuple[Any, ...], *extra: Any) -> int:
         try:
-            status = function(*args, self.control, 0, self.size)
+            status = function(*args, *extra)
         except BaseException:
             self.control[ABORT] = 1
             self._broken = True
             raise
+        if status <= UNCLAIMED:
+            return status
         if status != OK or self.control[ABORT] != 0:
             self._broken = True
-            raise TeamFailed("a run of the mcf runner's thread team was aborted") from shared.failure
+            raise TeamFailed("a run of the mcf runner's thread team was aborted") from self._shared.failure
+        return OK
 
     def _serves(self, serve: Callable[..., int], serves: Any) -> bool:
         """Whether the helpers' compiled loops of the current epoch run ``serve`` on ``serves``."""

@@ -123,7 +123,7 @@ def test_region_equals_the_step_of_one_call_per_operation(method: str) -> None:
     assert isinstance(one._region, _region.DecodeRegion) and one._region.team.size == 1
     by_two = _decode(two, True, batch=2)
     assert isinstance(two._region, _region.DecodeRegion)
-    assert two._region._entries  # after a step through numba's dispatcher, the caller calls the compiled entry
+    assert two._region._entries  # the caller calls the compiled entry of `_serve.run_step`, not the dispatcher
     _close(by_one, reference)
     # every row of every product, every head and norm is computed by the same compiled code whichever thread runs it
     np.testing.assert_array_equal(by_two, by_one)

@@ -53,6 +53,23 @@ def _serve_marks(serves, control, board, epoch, seen, worker, team):  # type: ig
         _mark(into, steps, control, worker, team)
 
 
+@numba.njit(nogil=True)
+def _posting_mark(into, steps, value, control, board, team, epoch, mode):  # type: ignore[no-untyped-def]
+    """`_mark` as `_team.Team.run_posting` runs it: unless the run was posted already, the caller declines a negative
+    ``value``, else writes it into ``steps`` (late: after a few hundred microseconds of polls, so that a helper that
+    started the run before would mark an older value), then claims the helpers and posts the run itself, or not."""
+    if mode != _team.POSTED:
+        if value < 0:
+            return value
+        for _ in range(5000):
+            _atomics.atomic_load(steps, 0)
+        steps[0] = value
+        if mode != _team.CLAIM or not _atomics.claim(board, team):
+            return _team.UNCLAIMED
+        _atomics.post(control, board, epoch)
+    return _mark(into, steps, control, 0, team)
+
+
 def _serves(threads: int, *, fail: int = -1, stay: bool = False) -> tuple[np.ndarray, ...]:
     into = np.zeros((UNITS, 2), np.int64)
     return into, np.zeros(1, np.int64), np.zeros(threads, np.int64), np.array([fail], np.int64), np.array([stay])
@@ -138,3 +155,29 @@ def test_closing_stops_helpers_waiting_in_their_loop_or_asleep(idle: bool) -> No
     for thread in team._threads:
         thread.join(timeout=30)
         assert not thread.is_alive()
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_a_run_its_caller_posts_from_compiled_code_reads_the_inputs_the_caller_prepared(threads: int) -> None:
+    """`Team.run_posting`: whether the caller posts the run (helpers in their loop), or the team does (their first
+    run on these arguments, or after they left their loop when idle), every unit of every run is marked once with
+    that run's value; a run the caller declines before posting returns its status and leaves the team usable."""
+    team = _team.Team(threads, 1)
+    serves = _serves(threads)
+    into, steps = serves[0], serves[1]
+
+    def run(value: int) -> int:
+        into[:] = 0
+        args = (into, steps, value, team.control, team.board, team.size)
+        return team.run_posting(_posting_mark, args, serve=_serve_marks, serves=serves)
+
+    for value in range(1, 31):
+        if value % 10 == 0 and threads > 1:
+            _idle(team)
+        assert run(value) == _team.OK
+        np.testing.assert_array_equal(into[:, 0], value)
+    assert run(-5) == -5
+    np.testing.assert_array_equal(into[:, 0], 0)  # nothing ran
+    assert run(31) == _team.OK
+    np.testing.assert_array_equal(into[:, 0], 31)
+    team.close()
