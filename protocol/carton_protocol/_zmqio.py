@@ -49,21 +49,10 @@ def send_message(sock: zmq.Socket[Any], parts: Sequence[Any]) -> None:
 
 
 def send_routed(sock: zmq.Socket[Any], ident: bytes, parts: Sequence[Any]) -> None:
-    """`send_message` of ``[ident, *parts]`` on a ROUTER `sock` (`ident` a routing id as `recv_routed` gives it).
-
-    The runner loop's every reply: its loop is `send_message`'s written out, without building that list or calling
-    through a second function (docs/performance.md, "the runner's side of the hop, second pass")."""
+    """`send_message` of ``[ident, *parts]`` on a ROUTER `sock` (`ident` a routing id as `recv_routed` gives it),
+    without building that list: the runner loop's every reply."""
     _send(sock, ident, _SNDMORE, True)
-    last = len(parts) - 1
-    for index, part in enumerate(parts):
-        kind = type(part)
-        if kind is bytes:
-            copy = len(part) < _COPY_BELOW
-        elif kind is np.ndarray:
-            copy = part.nbytes < _COPY_BELOW
-        else:
-            copy = False
-        _send(sock, part, _SNDMORE if index < last else 0, copy)
+    send_message(sock, parts)
 
 
 def recv_message(sock: zmq.Socket[Any]) -> list[zmq.Frame]:
@@ -75,14 +64,7 @@ def recv_routed(sock: zmq.Socket[Any]) -> list[Any]:
     """Receive one message from a ROUTER `sock`: the sender's routing id as ``bytes``, then the message's frames as
     `recv_message` gives them. A ROUTER always delivers a routing id followed by at least one part, so the id needs
     no ``more`` check, and a copied receive of a few bytes costs less than making the `zmq.Frame` it would be."""
-    # The loop of `_recv_frames` written out: this is every request's receive in the runner.
-    frames: list[Any] = [_recv(sock, 0, True)]
-    frame: zmq.Frame = _recv(sock, 0, False)
-    frames.append(frame)
-    while frame.more:
-        frame = _recv(sock, 0, False)
-        frames.append(frame)
-    return frames
+    return _recv_frames(sock, [_recv(sock, 0, True)])
 
 
 def _recv_frames(sock: zmq.Socket[Any], frames: list[Any]) -> list[Any]:

@@ -325,37 +325,23 @@ def test_a_call_reset_in_the_same_read_as_its_request_is_cancelled_and_released(
     (served,) = server.repository.versions("identity")
     failed = served.stats.fail.count
     peer.start()
-    peer.send(
-        frame(HEADERS, END_HEADERS, 1, peer.request_block("ModelInfer")),
-        frame(DATA, END_STREAM, 1, infer_request(np.ones((1, 4), dtype=np.float32))),
-        frame(RST_STREAM, 0, 1, (8).to_bytes(4, "big")),  # CANCEL
-        frame(HEADERS, END_HEADERS, 3, peer.request_block("ServerLive")),
-        frame(DATA, END_STREAM, 3, message(b"")),
-    )
-    frames = []
-    while not frames or frames[-1] != (HEADERS, END_HEADERS | END_STREAM, 3):
-        kind, flags, stream_id, _ = peer.frame()
-        frames.append((kind, flags, stream_id))
-    assert [stream_id for _, _, stream_id in frames if stream_id] == [3, 3, 3]
     deadline = time.monotonic() + 30
-    while served.in_flight or served.stats.fail.count == failed:
-        assert time.monotonic() < deadline, "the cancelled call released its version"
-        time.sleep(0.01)
-    assert served.stats.fail.count == failed + 1 and served.stats.series.in_flight == 0
-    # Again on the same connection, the call's coroutine now driven from a known layout (`RequestForms`).
-    peer.send(
-        frame(HEADERS, END_HEADERS, 5, peer.request_block("ModelInfer")),
-        frame(DATA, END_STREAM, 5, infer_request(np.ones((1, 4), dtype=np.float32))),
-        frame(RST_STREAM, 0, 5, (8).to_bytes(4, "big")),
-        frame(HEADERS, END_HEADERS, 7, peer.request_block("ServerLive")),
-        frame(DATA, END_STREAM, 7, message(b"")),
-    )
-    frames = []
-    while not frames or frames[-1] != (HEADERS, END_HEADERS | END_STREAM, 7):
-        kind, flags, stream_id, _ = peer.frame()
-        frames.append((kind, flags, stream_id))
-    assert [stream_id for _, _, stream_id in frames if stream_id] == [7, 7, 7]
-    while served.in_flight or served.stats.fail.count == failed + 1:
-        assert time.monotonic() < deadline, "the second cancelled call released its version"
-        time.sleep(0.01)
-    assert served.stats.fail.count == failed + 2 and served.stats.series.in_flight == 0
+    # The second time on the same connection, the call's coroutine is driven from a known layout (`RequestForms`).
+    for cancelled, live in ((1, 3), (5, 7)):
+        peer.send(
+            frame(HEADERS, END_HEADERS, cancelled, peer.request_block("ModelInfer")),
+            frame(DATA, END_STREAM, cancelled, infer_request(np.ones((1, 4), dtype=np.float32))),
+            frame(RST_STREAM, 0, cancelled, (8).to_bytes(4, "big")),  # CANCEL
+            frame(HEADERS, END_HEADERS, live, peer.request_block("ServerLive")),
+            frame(DATA, END_STREAM, live, message(b"")),
+        )
+        frames = []
+        while not frames or frames[-1] != (HEADERS, END_HEADERS | END_STREAM, live):
+            kind, flags, stream_id, _ = peer.frame()
+            frames.append((kind, flags, stream_id))
+        assert [stream_id for _, _, stream_id in frames if stream_id] == [live, live, live]
+        while served.in_flight or served.stats.fail.count == failed:
+            assert time.monotonic() < deadline, f"the cancelled call on stream {cancelled} released its version"
+            time.sleep(0.01)
+        failed += 1
+        assert served.stats.fail.count == failed and served.stats.series.in_flight == 0
