@@ -20,6 +20,7 @@ from .conftest import arange
 
 Request = message_class("ModelInferRequest")
 Response = message_class("ModelInferResponse")
+Parameter = message_class("InferParameter")
 
 
 def _request(
@@ -141,8 +142,12 @@ def test_a_connection_whose_requests_never_repeat_stops_learning() -> None:
 
 
 def test_varint() -> None:
-    for value in (0, 1, 127, 128, 300, 16383, 16384, 2**31):
+    # As a length prefix (a bytes field of that length), and, for values whose bytes field would be gigabytes, as a
+    # varint field's value (the same encoding for a non-negative int64).
+    for value in (0, 1, 127, 128, 300, 16383, 16384, 2**21):
         assert varint(value) == Request(raw_input_contents=[bytes(value)]).SerializeToString()[1:][: len(varint(value))]
+    for value in (0, 1, 127, 128, 2**21, 2**28 - 1, 2**28, 2**31, 2**35):
+        assert varint(value) == Parameter(int64_param=value).SerializeToString()[1:]
 
 
 # ---- through the server ----------------------------------------------------------------------------------------
