@@ -46,17 +46,13 @@ from ._messages import (
 )
 from ._runner import Tensor
 from ._shm import SHM_AVAILABLE, FdChannel, PeerSegments, Segment, SegmentPool
-from ._templates import REPLY_PREFIX, REQUEST_PREFIX, Layout, Plan, Templates, _unpack_id, pack_id
+from ._templates import REPLY_PREFIX, Layout, Plan, Templates, pack_id
 from .errors import FrameError, VersionMismatch
 
 __all__ = ["HostCodec", "Outgoing", "Received", "RunnerCodec"]
 
 # Larger than any tensor: what the threshold is when this connection has no shared memory.
 _NEVER = 1 << 62
-# Where a plain infer request's id starts, and where it ends when it is one byte (ids up to 127) or three (0xcd).
-_ID_AT = len(REQUEST_PREFIX)
-_SMALL_ID_END = _ID_AT + 1
-_U16_ID_END = _ID_AT + 3
 
 
 def _protocol_of(data: bytes, limits: WireLimits) -> int | None:
@@ -290,11 +286,9 @@ class RunnerCodec(_Codec):
     def __init__(self, *, limits: WireLimits = DEFAULT_LIMITS, channel: FdChannel | None) -> None:
         super().__init__(limits, copy_shared=False)
         self._offered = channel
-        # The last request layout `match` found (its header bytes after the id, and their plan) and the last reply
-        # layout `reply` encoded from a template (each tensor's name, dtype and shape, and the header bytes after
-        # the id): a model is called in one layout again and again, and comparing with the last one costs less than
-        # the templates' lookup (which slices the header and hashes it, or builds and hashes a layout key).
-        self._last_request: tuple[bytes, Plan] | None = None
+        # The last reply layout `reply` encoded from a template (each tensor's name, dtype and shape, and the header
+        # bytes after the id): a model answers in one layout again and again, and comparing with the last one costs
+        # less than building and hashing the layout key for the templates' lookup.
         self._last_reply: tuple[Layout, bytes] | None = None
 
     def accept(self, hello: Hello) -> None:
@@ -311,30 +305,6 @@ class RunnerCodec(_Codec):
             check_specs(request.inputs, f"{what} inputs", self.limits)
             check_specs(request.outputs, f"{what} outputs", self.limits)
         return request
-
-    def match(self, header: Any) -> tuple[int, Plan] | None:
-        """`_Codec.match`, first against the last layout matched: the same header bytes after the id, compared
-        byte for byte, give the same plan."""
-        data: bytes = header.bytes
-        last = self._last_request
-        if last is not None:
-            tail, plan = last
-            if data.endswith(tail) and data.startswith(REQUEST_PREFIX):
-                # The id fills the bytes between the prefix and the tail: one byte up to 127, then (as the host's
-                # ids grow) 0xcd and two bytes up to 65535, written out here; longer ones read by `_unpack_id`.
-                end = len(data) - len(tail)
-                marker = data[_ID_AT]
-                if end == _SMALL_ID_END and marker < 0x80:
-                    return marker, plan
-                if end == _U16_ID_END and marker == 0xCD:
-                    return data[_ID_AT + 1] << 8 | data[_ID_AT + 2], plan
-                request_id, position = _unpack_id(data, _ID_AT)
-                if position == end:
-                    return request_id, plan
-        matched = self._templates.match(data)
-        if matched is not None:
-            self._last_request = (data[_ID_AT + len(pack_id(matched[0])) :], matched[1])
-        return matched
 
     def reply(self, request_id: int, tensors: Mapping[str, Tensor]) -> list[Any]:
         """The parts of the infer reply carrying `tensors` (`encode_tensors`'s, without the `Outgoing`: the host

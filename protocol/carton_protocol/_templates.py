@@ -122,7 +122,7 @@ class Templates:
     """The encode and decode caches of one connection end (a socket-owning thread; not thread-safe to fill,
     but concurrent readers only ever see complete entries, so sharing one between threads is safe)."""
 
-    __slots__ = ("_decode", "_encode", "_limits", "_message", "_peer_prefix", "_prefix")
+    __slots__ = ("_decode", "_encode", "_last", "_limits", "_message", "_peer_prefix", "_prefix")
 
     def __init__(self, *, limits: WireLimits, sends: type[Infer] | type[InferReply]) -> None:
         """`sends` is `Infer` (the host: sends requests, reads replies) or `InferReply` (the runner)."""
@@ -133,6 +133,10 @@ class Templates:
         self._limits = limits
         self._encode: dict[Hashable, tuple[bytes, int] | None] = {}
         self._decode: dict[bytes, Plan] = {}
+        # The last header matched, as its bytes after the id and their plan: one peer sends one layout again and
+        # again, and comparing with the last one costs less than slicing the header and hashing it for the lookup.
+        # One tuple, read and replaced whole (the host's calling threads match concurrently).
+        self._last: tuple[bytes, Plan] | None = None
 
     # --- sending ---------------------------------------------------------------------------------------------
     def encode(
@@ -201,9 +205,14 @@ class Templates:
             request_id, position = _unpack_id(data, position)
             if position < 0:
                 return None
-        plan = self._decode.get(data[position:])
+        last = self._last
+        if last is not None and len(data) - position == len(last[0]) and data.endswith(last[0]):
+            return request_id, last[1]
+        tail = data[position:]
+        plan = self._decode.get(tail)
         if plan is None:
             return None
+        self._last = (tail, plan)
         return request_id, plan
 
     def learn(self, data: bytes, message: Infer | InferReply) -> None:
