@@ -126,8 +126,10 @@ class _Codec:
         """An infer message carrying `tensors`; `FrameError` naming a tensor the wire cannot carry. `layout_key`
         (optional) stands for `tensors`' layout, as `encode_inline` says."""
         outgoing = self.encode_inline(request_id, tensors, layout_key)
-        if outgoing is not None:
-            return outgoing
+        return outgoing if outgoing is not None else self.encode_full(request_id, tensors)
+
+    def encode_full(self, request_id: int, tensors: Mapping[str, Tensor]) -> Outgoing:
+        """`encode_tensors` without trying the template first: for a caller whose `encode_inline` just gave None."""
         pool = self._pool
         encoded = encode_tensors(tensors, pool=pool, threshold=self._threshold)
         try:
@@ -334,7 +336,7 @@ class RunnerCodec(_Codec):
                 layout = tuple((name, array.dtype, array.shape) for name, array in zip(tensors, parts[1:]))  # noqa: B905
                 self._last_reply = (layout, parts[0][len(REPLY_PREFIX) + len(pack_id(request_id)) :])
                 return parts
-        return self.encode_tensors(request_id, tensors).parts
+        return self.encode_full(request_id, tensors).parts
 
     def release(self, segment_ids: tuple[str, ...]) -> None:
         """The host has read these reply segments: they may be reused (ids this side never lent are ignored)."""

@@ -390,9 +390,10 @@ class RunnerProcess:
         layout in the same way, when the reply was read by a learnt plan (else None)."""
         connection = self._enter("infer")
         try:
-            outgoing = connection.codec.encode_inline(connection.next_id(), tensors, layout_key)
+            request_id = connection.next_id()
+            outgoing = connection.codec.encode_inline(request_id, tensors, layout_key)
             if outgoing is None:
-                outgoing = self._encode(connection, tensors, layout_key)
+                outgoing = self._encode(connection, request_id, tensors)
             try:
                 reply = connection.infer(outgoing.parts, outgoing.id, timeout=timeout)
             finally:
@@ -407,10 +408,11 @@ class RunnerProcess:
             self._leave()
 
     @staticmethod
-    def _encode(connection: Connection, tensors: Mapping[str, Tensor], layout_key: Hashable | None) -> Outgoing:
-        """The request carrying `tensors`; what the wire cannot carry is the caller's `InvalidInput`."""
+    def _encode(connection: Connection, request_id: int, tensors: Mapping[str, Tensor]) -> Outgoing:
+        """The request carrying `tensors` when `encode_inline` could not make it; what the wire cannot carry is the
+        caller's `InvalidInput`."""
         try:
-            return connection.codec.encode_tensors(connection.next_id(), tensors, layout_key)
+            return connection.codec.encode_full(request_id, tensors)
         except ProtocolError as exc:
             raise InvalidInput(str(exc)) from exc
 
@@ -451,9 +453,10 @@ class RunnerProcess:
         outgoing = None
         if channel is not None:
             # A small request in a layout sent before copies nothing: no need to count what it would copy.
-            outgoing = connection.codec.encode_inline(connection.next_id(), tensors, layout_key)
+            request_id = connection.next_id()
+            outgoing = connection.codec.encode_inline(request_id, tensors, layout_key)
             if outgoing is None and connection.codec.copied_bytes(tensors) < _ASYNC_COPY_BYTES:
-                outgoing = self._encode(connection, tensors, None)
+                outgoing = self._encode(connection, request_id, tensors)
         if channel is None or outgoing is None:
             loop = asyncio.get_running_loop()
             call = functools.partial(self.infer_with_layouts, tensors, timeout=timeout, layout_key=layout_key)
