@@ -32,6 +32,7 @@ from ._handle import metadata_shape
 from ._http_codec import InferBody, encode_infer_response, planned_request, unplanned_request
 from ._http_messages import (
     AsgiAdapter,
+    FixedHead,
     HttpRequest,
     HttpResponse,
     Receive,
@@ -253,6 +254,8 @@ class HttpApp:
         self._asgi = AsgiAdapter(self.handle)
         #: The request targets seen last, split (clients repeat theirs); never mutated by the routing.
         self._targets: dict[bytes, _Target] = {}
+        #: The heads of binary inference responses, by their JSON header (`_binary_head`).
+        self._fixed_heads: dict[bytes, FixedHead] = {}
 
     @classmethod
     def front(cls, control: ServerControl, forward: Forward, *, max_body_size: int, server_version: str) -> HttpApp:
@@ -428,6 +431,13 @@ class HttpApp:
             return self.refusal(request_failed(served, exc, repository.scrub, started_ns=started))
         request_succeeded(served, started_ns=started, decoded_ns=decoded_at, inferred_ns=inferred_at)
         if parts:
+            if decoded.binary_only:
+                # The header is one `encode_infer_response` keeps, and it gives every part's size: the response's
+                # head is the same for every response with this header.
+                fixed = self._fixed_heads.get(header)
+                if fixed is None:
+                    fixed = remember(self._fixed_heads, header, _binary_head(header, parts), _SEGMENTS_KEPT)
+                return HttpResponse(200, fixed.headers, [header, *parts], fixed)
             length = (b"inference-header-content-length", b"%d" % len(header))
             return HttpResponse(200, [_BINARY_CONTENT_TYPE, length], [header, *parts])
         return HttpResponse(200, _EMPTY_JSON, [header])
@@ -519,6 +529,12 @@ def _json_output_bytes(request: InferBody, selected: list[tuple[str, Tensor]]) -
         for name, tensor in selected
         if isinstance(tensor, np.ndarray) and not binary_of.get(name, request.binary_default)
     )
+
+
+def _binary_head(header: bytes, parts: list[bytes | memoryview]) -> FixedHead:
+    """The head of a response made of the binary inference `header` and its outputs' `parts`."""
+    length = len(header) + sum(part.nbytes if isinstance(part, memoryview) else len(part) for part in parts)
+    return FixedHead(200, [_BINARY_CONTENT_TYPE, (b"inference-header-content-length", b"%d" % len(header))], length)
 
 
 def _expect(method: str, allowed: str) -> None:

@@ -39,9 +39,9 @@ __all__ = ["InferBody", "encode_infer_response", "parse_infer_request", "planned
 _DIGITS = re.compile(rb"^\s*[0-9]+\s*$")
 
 
-@dataclass(slots=True, kw_only=True)
-class InferBody:
-    """A decoded inference request."""
+class InferBody(msgspec.Struct, kw_only=True):
+    """A decoded inference request (a struct rather than a dataclass: it is made on every request, and a struct is
+    made without a Python-level ``__init__``)."""
 
     id: str | None
     inputs: dict[str, np.ndarray]

@@ -6,10 +6,20 @@ from __future__ import annotations
 import asyncio
 import http
 
-from ._http_heads import KnownHead
-from ._http_messages import HttpRequest, HttpResponse
+import msgspec
 
-__all__ = ["CLOSE_TAIL", "KEEP_ALIVE_TAIL", "STATUS_LINES", "Exchange", "body_left", "status_line"]
+from ._http_messages import FixedHead, HttpRequest, HttpResponse
+
+__all__ = [
+    "CLOSE_TAIL",
+    "KEEP_ALIVE_TAIL",
+    "STATUS_LINES",
+    "Exchange",
+    "body_left",
+    "fixed_wire",
+    "response_head",
+    "status_line",
+]
 
 STATUS_LINES = {
     status.value: b"HTTP/1.1 %d %s\r\n" % (status.value, status.phrase.encode()) for status in http.HTTPStatus
@@ -23,43 +33,42 @@ def status_line(status: int) -> bytes:
     return line if line is not None else b"HTTP/1.1 %d \r\n" % status
 
 
-class Exchange(HttpRequest):
-    """One request on a connection, from its first byte to its answer: the `HttpRequest` its handler is given (its
-    body set when it is handed over), and the connection's state of it."""
+def response_head(status: int, headers: list[tuple[bytes, bytes]], length: int, *, keep_alive: bool) -> bytes:
+    """A response's status line and headers as written, ``content-length`` and the blank line included."""
+    head = [STATUS_LINES.get(status) or status_line(status)]
+    for header in headers:
+        head.append(b"%s: %s\r\n" % header)
+    head.append(b"content-length: %d\r\n" % length)
+    head.append(KEEP_ALIVE_TAIL if keep_alive else CLOSE_TAIL)
+    return b"".join(head)
 
-    __slots__ = (
-        "body_done",
-        "broken",
-        "chunks",
-        "continue_sent",
-        "discard",
-        "expect_continue",
-        "keep_alive",
-        "waiter",
+
+def fixed_wire(fixed: FixedHead) -> tuple[bytes, bytes]:
+    """`response_head` of `fixed` for a connection kept alive and for one closed after it."""
+    return (
+        response_head(fixed.status, fixed.headers, fixed.length, keep_alive=True),
+        response_head(fixed.status, fixed.headers, fixed.length, keep_alive=False),
     )
 
-    def __init__(self, known: KnownHead | None = None) -> None:
-        # A request of a learnt head is made with its fields; the parser's are filled in as the parser reports them.
-        if known is None:
-            self.method = ""
-            self.raw_path = b""
-            self.headers: dict[bytes, bytes] = {}
-        else:
-            self.method = known.method
-            self.raw_path = known.raw_path
-            self.headers = known.headers  # read, never written, by handlers
-        self.body = b""
-        self.chunks: list[bytes] = []
-        self.body_done = False
-        #: Its body's framing turned out malformed (chunked encoding): reading it is refused.
-        self.broken = False
-        self.keep_alive = True
-        self.expect_continue = False
-        self.continue_sent = False
-        #: Set once the handler answered without reading all of the body: what still comes is dropped.
-        self.discard = False
-        #: The handler's read waiting for a chunk.
-        self.waiter: asyncio.Future[None] | None = None
+
+class Exchange(HttpRequest, eq=False):
+    """One request on a connection, from its first byte to its answer: the `HttpRequest` its handler is given (its
+    body set when it is handed over), and the connection's state of it. Made with its method, target and headers
+    (those of a learnt head, or empty ones the parser fills in as it reports them); compared by identity."""
+
+    #: Made by the connection (a learnt head's, or the parser's as it reports them), read, never written, by handlers.
+    headers: dict[bytes, bytes]
+    chunks: list[bytes] = msgspec.field(default_factory=list)
+    body_done: bool = False
+    #: Its body's framing turned out malformed (chunked encoding): reading it is refused.
+    broken: bool = False
+    keep_alive: bool = True
+    expect_continue: bool = False
+    continue_sent: bool = False
+    #: Set once the handler answered without reading all of the body: what still comes is dropped.
+    discard: bool = False
+    #: The handler's read waiting for a chunk.
+    waiter: asyncio.Future[None] | None = None
 
 
 def body_left(exchange: Exchange, response: HttpResponse) -> bool:

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
-from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 from .errors import BadRequest, RequestTooLarge
 
@@ -27,6 +28,7 @@ __all__ = [
     "JOIN_ON_A_THREAD_BYTES",
     "AsgiAdapter",
     "BodyReader",
+    "FixedHead",
     "HttpHandler",
     "HttpRequest",
     "HttpResponse",
@@ -47,10 +49,9 @@ Send = Callable[[Message], Awaitable[None]]
 BodyReader = Callable[[], Awaitable[tuple[bytes, bool]]]
 
 
-@dataclass(slots=True)
-class HttpRequest:
+class HttpRequest(msgspec.Struct):
     """One HTTP request as a transport hands it to `HttpApp.handle` (positional construction is allowed: it is made
-    once per request on the hot path)."""
+    once per request on the hot path; a struct, made without a Python-level ``__init__``)."""
 
     method: str
     #: The request target as sent: percent-encoded, possibly with a query (ignored).
@@ -61,17 +62,37 @@ class HttpRequest:
     body: bytes | bytearray | BodyReader = b""
 
 
-@dataclass(slots=True)
-class HttpResponse:
+class FixedHead:
+    """The status, headers and content length of every response of one kind, made once and given again with each
+    (`HttpResponse.fixed`), so that a transport can keep what it makes of them (`wire`) instead of making it again.
+    Neither its fields nor its headers list are ever changed."""
+
+    __slots__ = ("headers", "length", "status", "wire")
+
+    def __init__(self, status: int, headers: list[tuple[bytes, bytes]], length: int) -> None:
+        self.status = status
+        self.headers = headers
+        self.length = length
+        #: The transport's own rendering of this head, made the first time it writes it.
+        self.wire: Any = None
+
+
+class HttpResponse(msgspec.Struct):
     """A status, headers (without ``content-length``, which the transport adds) and the body's parts in order.
 
-    Parts are ``bytes`` or buffers (binary tensor outputs are sent from the arrays' own memory)."""
+    Parts are ``bytes`` or buffers (binary tensor outputs are sent from the arrays' own memory). `fixed`, when given,
+    says the same as `status`, `headers` and the parts' total size (its headers are `headers` itself); a transport
+    may go by either. (A struct rather than a dataclass: one is made per request, and a struct is made without a
+    Python-level ``__init__``.)"""
 
     status: int
-    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
-    parts: list[Any] = field(default_factory=list)
+    headers: list[tuple[bytes, bytes]] = msgspec.field(default_factory=list)
+    parts: list[Any] = msgspec.field(default_factory=list)
+    fixed: FixedHead | None = None
 
     def content_length(self) -> int:
+        if self.fixed is not None:
+            return self.fixed.length
         parts = self.parts
         if len(parts) == 1 and type(parts[0]) is bytes:
             return len(parts[0])

@@ -33,7 +33,7 @@ from typing import Any, cast
 
 import httptools
 
-from ._http_exchange import CLOSE_TAIL, KEEP_ALIVE_TAIL, STATUS_LINES, Exchange, body_left, status_line
+from ._http_exchange import CLOSE_TAIL, Exchange, body_left, fixed_wire, response_head, status_line
 from ._http_heads import GIVE_UP, HEAD_LIMIT, HEADS, KnownHead, learn_head
 from ._http_messages import JOIN_ON_A_THREAD_BYTES, HttpHandler, HttpResponse
 from .errors import BadRequest
@@ -167,7 +167,7 @@ class _Connection(asyncio.Protocol):
                 rest = data
             elif len(data) - end == head.length and self.current is None and not self.queue:
                 self.unused = 0
-                exchange = self.current = Exchange(head)
+                exchange = self.current = Exchange(head.method, head.raw_path, head.headers)
                 exchange.body = data[end:]
                 exchange.body_done = True
                 self._hand_over(exchange)
@@ -247,7 +247,7 @@ class _Connection(asyncio.Protocol):
                 return data[at:] if at else data
             self.unused = 0
             at = end + 4
-            exchange = self.parsing = Exchange(head)
+            exchange = self.parsing = Exchange(head.method, head.raw_path, head.headers)
             self.queue.append(exchange)
             if head.length:
                 self.known_rest = head.length
@@ -277,7 +277,7 @@ class _Connection(asyncio.Protocol):
     # goes into the dict of the request being parsed, kept on the connection. (A request whose head is learnt is
     # taken by `_replay`, without any of these but the body's.)
     def on_message_begin(self) -> None:
-        exchange = self.parsing = Exchange()
+        exchange = self.parsing = Exchange("", b"", {})
         self.headers = exchange.headers
         self.head_bytes = 0
 
@@ -379,10 +379,16 @@ class _Connection(asyncio.Protocol):
                     rest = self._write(exchange, response)
                     if rest is not None:
                         await rest
-                    if exchange.body_done and not self.closed:
-                        self._finish(exchange)
-                    else:
+                    if not exchange.body_done or self.closed:
                         self._answered(exchange, response)
+                    elif exchange.keep_alive and not self.queue and not self.reading_paused:
+                        # The usual end of a request (what `_finish` does for it): nothing waits behind it.
+                        self.current = None
+                        self.last_active = self.loop.time()
+                        if self.malformed or self.server.closing or self.eof:
+                            self._finish_idle()
+                    else:
+                        self._finish(exchange)
                 if self.next is None:
                     if self.closed:
                         return
@@ -450,19 +456,22 @@ class _Connection(asyncio.Protocol):
         transport = self.transport
         assert transport is not None
         parts = response.parts
-        length = response.content_length()
-        head = [STATUS_LINES.get(response.status) or status_line(response.status)]
-        for header in response.headers:
-            head.append(b"%s: %s\r\n" % header)
-        head.append(b"content-length: %d\r\n" % length)
-        head.append(KEEP_ALIVE_TAIL if exchange.keep_alive else CLOSE_TAIL)
-        if exchange.method == "HEAD" or not length:
-            transport.write(b"".join(head))
-        elif length <= _JOIN_LIMIT:
-            head += parts
-            transport.write(b"".join(head))
+        fixed = response.fixed
+        if fixed is not None:  # a head made before: its bytes are kept with it
+            length = fixed.length
+            wire = fixed.wire
+            if wire is None:
+                wire = fixed.wire = fixed_wire(fixed)
+            head = wire[0] if exchange.keep_alive else wire[1]
         else:
-            transport.write(b"".join(head))
+            length = response.content_length()
+            head = response_head(response.status, response.headers, length, keep_alive=exchange.keep_alive)
+        if exchange.method == "HEAD" or not length:
+            transport.write(head)
+        elif length <= _JOIN_LIMIT:
+            transport.write(b"".join([head, *parts]))
+        else:
+            transport.write(head)
             return self._write_parts(parts)
         return None if self.writable else self._drain()
 
@@ -495,13 +504,19 @@ class _Connection(asyncio.Protocol):
             self._shut()
         elif self.queue:
             self._start_next()
-        elif self.malformed:
-            self._write_bad_request()
-        elif self.server.closing or self.eof:
-            self.transport.close()
+        elif self.malformed or self.server.closing or self.eof:
+            self._finish_idle()
         elif self.reading_paused:
             self.reading_paused = False
             self.transport.resume_reading()
+
+    def _finish_idle(self) -> None:
+        """Nothing is left to answer: refuse a malformed request that came after, or close if asked to."""
+        assert self.transport is not None
+        if self.malformed:
+            self._write_bad_request()
+        elif self.server.closing or self.eof:
+            self.transport.close()
 
     def _linger(self) -> None:
         """Stop reading the refused body: shut the sending side, drop what the client still sends for a while."""
