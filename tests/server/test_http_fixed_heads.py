@@ -92,7 +92,7 @@ def test_a_fixed_head_writes_what_the_headers_write(size: int) -> None:
 
 
 class Echo:
-    """OUTPUT0 is INPUT0; OUTPUT1 is INPUT0 as int32."""
+    """OUTPUT0 is INPUT0; OUTPUT1 is INPUT0 as int32, left out when INPUT0's first element is negative."""
 
     inputs = (TensorSpec(name="INPUT0", dtype=DType.FLOAT32, shape=("a", "b")),)
     outputs = (
@@ -101,7 +101,8 @@ class Echo:
     )
 
     async def infer(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return {"OUTPUT0": inputs["INPUT0"], "OUTPUT1": inputs["INPUT0"].astype(np.int32)}
+        x = inputs["INPUT0"]
+        return {"OUTPUT0": x} if x.size and x.flat[0] < 0 else {"OUTPUT0": x, "OUTPUT1": x.astype(np.int32)}
 
     def close(self) -> None:
         pass
@@ -242,3 +243,23 @@ def test_only_binary_inference_responses_get_a_fixed_head(app: tuple[HttpApp, Mo
     assert json_output.status == 200 and json_output.fixed is None
     refused = infer(_request(x, outputs=_binary("NOPE")))
     assert refused.status == 400 and refused.fixed is None
+
+
+def test_an_output_the_model_left_out_is_refused_on_the_planned_path(app: tuple[HttpApp, ModelRepository]) -> None:
+    http, _ = app
+
+    def infer(body: bytes) -> HttpResponse:
+        head, _, rest = body.partition(b"\r\n\r\n")
+        headers = dict(line.split(b": ", 1) for line in head.split(b"\r\n")[1:])
+        return asyncio.run(http.handle(HttpRequest("POST", b"/v2/models/echo/infer", headers, rest)))
+
+    x = np.ones((1, 16), dtype=np.float32)
+    for array in (-x, x, x, -x):  # full decoding, then planned (the plan is kept by the second request)
+        response = infer(_request(array, outputs=_binary("OUTPUT0", "OUTPUT1")))
+        if array.flat[0] < 0:
+            assert (response.status, orjson.loads(response.body())) == (
+                400, {"error": "unexpected inference output 'OUTPUT1' for model 'echo'"},
+            )  # fmt: skip
+        else:
+            assert response.status == 200
+    assert len(app[1].get("echo").request_plans) == 1

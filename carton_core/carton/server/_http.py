@@ -29,7 +29,13 @@ from ._bounded import remember
 from ._config import ModelConfig
 from ._datatypes import DATATYPE_OF
 from ._handle import metadata_shape
-from ._http_codec import InferBody, encode_infer_response, planned_request, unplanned_request
+from ._http_codec import (
+    InferBody,
+    encode_binary_response,
+    encode_infer_response,
+    planned_request,
+    unplanned_request,
+)
 from ._http_messages import (
     AsgiAdapter,
     FixedHead,
@@ -419,14 +425,14 @@ class HttpApp:
             outputs, _ = await served.infer(decoded.inputs)
             inferred_at = time.perf_counter_ns()
             if decoded.binary_only:  # a planned request (its outputs known binary): nothing to count
-                selected = select_outputs(served, outputs, decoded.names)
+                header, parts = encode_binary_response(served, decoded, outputs)
             else:
                 requested = list(map(_FIRST, decoded.outputs)) if decoded.outputs is not None else None
                 selected = select_outputs(served, outputs, requested)
-            if decoded.binary_only or _json_output_bytes(decoded, selected) < _OFF_LOOP_BYTES:
-                header, parts = encode_infer_response(served, decoded, selected)
-            else:
-                header, parts = await asyncio.to_thread(encode_infer_response, served, decoded, selected)
+                if _json_output_bytes(decoded, selected) < _OFF_LOOP_BYTES:
+                    header, parts = encode_infer_response(served, decoded, selected)
+                else:
+                    header, parts = await asyncio.to_thread(encode_infer_response, served, decoded, selected)
         except Exception as exc:
             return self.refusal(request_failed(served, exc, repository.scrub, started_ns=started))
         request_succeeded(served, started_ns=started, decoded_ns=decoded_at, inferred_ns=inferred_at)

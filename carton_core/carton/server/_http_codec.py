@@ -9,7 +9,7 @@ arrays' memory.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,12 +29,20 @@ from ._inference import (
     from_raw,
     json_elements,
     output_tensor,
+    select_outputs,
 )
 from ._json_numbers import WRITTEN_KINDS, array_text, element_type, nested_list, read_numbers
 from ._repository import ServedVersion
 from .errors import BadRequest
 
-__all__ = ["InferBody", "encode_infer_response", "parse_infer_request", "planned_request", "unplanned_request"]
+__all__ = [
+    "InferBody",
+    "encode_binary_response",
+    "encode_infer_response",
+    "parse_infer_request",
+    "planned_request",
+    "unplanned_request",
+]
 
 _DIGITS = re.compile(rb"^\s*[0-9]+\s*$")
 
@@ -472,6 +480,31 @@ def encode_infer_response(
     described: list[Any] = [request.id]
     for name, tensor in selected:
         datatype, array, data = output_tensor(name, tensor)
+        laid_out.append((name, datatype, array, data))
+        parts.append(data)
+        described.append((name, datatype, array.shape, len(data)))
+    key = tuple(described)
+    header = served.response_heads.get(key)
+    if header is None:
+        header = remember(served.response_heads, key, _binary_header(served, request, laid_out), _PLANS)
+    return header, parts
+
+
+def encode_binary_response(
+    served: ServedVersion, request: InferBody, outputs: Mapping[str, Tensor]
+) -> tuple[bytes, list[bytes | memoryview]]:
+    """`encode_infer_response` of `select_outputs(served, outputs, request.names)`, in one pass, for a request
+    decoded from a plan whose outputs are all binary (`InferBody.binary_only`)."""
+    names = request.names
+    if names is None:
+        return encode_infer_response(served, request, select_outputs(served, outputs, None))
+    laid_out = []
+    parts: list[bytes | memoryview] = []
+    described: list[Any] = [request.id]
+    for name in names:
+        if name not in outputs:
+            select_outputs(served, outputs, names)  # raises its refusal of the output the model did not give
+        datatype, array, data = output_tensor(name, outputs[name])
         laid_out.append((name, datatype, array, data))
         parts.append(data)
         described.append((name, datatype, array.shape, len(data)))

@@ -167,10 +167,13 @@ class _Connection(asyncio.Protocol):
                 rest = data
             elif len(data) - end == head.length and self.current is None and not self.queue:
                 self.unused = 0
-                exchange = self.current = Exchange(head.method, head.raw_path, head.headers)
-                exchange.body = data[end:]
-                exchange.body_done = True
-                self._hand_over(exchange)
+                exchange = self.current = Exchange(head.method, head.raw_path, head.headers, data[end:], body_done=True)
+                idle = self.idle  # (`_hand_over`, inline)
+                if idle is not None and self.task is not None and not idle.done():
+                    self.next = exchange
+                    idle.set_result(None)
+                else:
+                    self._hand_over(exchange)
                 self.turn_bytes += len(data)
                 if self.turn_bytes >= _READ_TURN_BYTES:  # (`_read`'s test first: a call fewer per request)
                     self._read(0)
