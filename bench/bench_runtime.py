@@ -1,6 +1,6 @@
 """Runtime benchmarks: what `carton.load` / `Model` add on top of the wire, measured against references in one run.
 
-    python bench/bench_runtime.py [--quick] [--only small,workers,load]
+    python bench/bench_runtime.py [--quick] [--only small,workers,load,hop]
 
 1. small: p50/p99 of a [1,16] float32 `Model.infer` (inputs and outputs checked against declared specs) vs the
    same call on the bare `RunnerProcess` and vs a raw pyzmq REQ/REP round trip of the same bytes between two
@@ -9,6 +9,10 @@
    `workers=1` vs `workers=2` (this machine has `os.cpu_count()` cores).
 3. load: runner discovery, and `carton.load` of a packed carton to its first inference vs starting the same
    runner by hand (`RunnerProcess.start` + `load` + `infer`).
+4. hop (not in the default run): `Model.infer` of a [1,16] ONNX identity carton against the raw pyzmq REQ/REP round
+   trip, interleaved, split by thread of each process (the calling or serving thread, ZeroMQ's I/O thread, any
+   other): CPU time and context switches per call, from /proc. The switches count the hand-offs between threads,
+   which do not move with the machine's load; the CPU split says which thread the difference is in.
 """
 
 from __future__ import annotations
@@ -209,10 +213,97 @@ def bench_load(repeat: int) -> None:
           f"{d50 / reference:>5.2f}x |")
 
 
+def _thread_usage(pid: int) -> dict[int, tuple[str, int, int]]:
+    """Each thread of process `pid`: its role (``main``, the thread whose id is the pid; ``io``, a ZeroMQ I/O
+    thread; ``other``), nanoseconds on the CPU and context switches so far (from /proc)."""
+    usage = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        folder = Path(f"/proc/{pid}/task/{tid}")
+        try:
+            name = (folder / "comm").read_text().strip()
+            cpu = int((folder / "schedstat").read_text().split()[0])
+            status = (folder / "status").read_text().splitlines()
+        except (OSError, ValueError):
+            continue  # the thread ended meanwhile
+        switches = sum(int(line.split()[1]) for line in status if "ctxt_switches:" in line)
+        role = "main" if int(tid) == pid else "io" if name.startswith("ZMQbg/IO") else "other"
+        usage[int(tid)] = (role, cpu, switches)
+    return usage
+
+
+def bench_hop(calls: int) -> None:
+    """`Model.infer` of the ONNX identity carton vs raw REQ/REP, with CPU and switches per call by thread."""
+    from bench_server import build_repository
+    from carton_protocol import Infer
+    from carton_protocol._framing import encode_tensors
+    from carton_protocol._messages import encode
+
+    x = np.random.default_rng(0).random((1, 16), dtype=np.float32)
+    frames = [
+        encode(Infer(id=1, tensors=encode_tensors({"INPUT0": x}, pool=None, threshold=1 << 62).entries)),
+        x.tobytes(),
+    ]
+    with tempfile.TemporaryDirectory() as folder:
+        raw = RawZmq()
+        model = carton.load(build_repository(Path(folder)) / "identity" / "1" / "model.carton")
+        try:
+            model.infer({"INPUT0": x})
+            process = model._workers[0].process
+            assert process is not None and process.runner_pid is not None and raw.server.pid is not None
+            pids = {"raw": (os.getpid(), raw.server.pid), "model": (os.getpid(), process.runner_pid)}
+            paths: dict[str, Callable[[], object]] = {
+                "raw": lambda: raw.call(frames),
+                "model": lambda: model.infer({"INPUT0": x}),
+            }
+            samples: dict[str, list[float]] = {name: [] for name in paths}
+            # (side, role) -> [nanoseconds, switches] over every timed call of the path
+            totals: dict[str, dict[tuple[str, str], list[int]]] = {name: {} for name in paths}
+            rounds = 10
+            for _ in range(rounds):
+                for name, call in paths.items():
+                    for _ in range(50):
+                        call()
+                    before = [_thread_usage(pid) for pid in pids[name]]
+                    for _ in range(calls // rounds):
+                        started = time.perf_counter()
+                        call()
+                        samples[name].append(time.perf_counter() - started)
+                    after = [_thread_usage(pid) for pid in pids[name]]
+                    for side, first, last in zip(("caller", "peer"), before, after, strict=True):
+                        for tid, (role, cpu, switches) in last.items():
+                            start = first.get(tid, (role, 0, 0))  # a thread started meanwhile counts from 0
+                            total = totals[name].setdefault((side, role), [0, 0])
+                            total[0] += cpu - start[1]
+                            total[1] += switches - start[2]
+        finally:
+            model.close()
+            raw.close()
+    raw_p50, model_p50 = (percentiles(samples[name])[0] for name in ("raw", "model"))
+    print(f"\n## The hop by thread: Model.infer of a [1,16] ONNX identity carton vs raw pyzmq REQ/REP "
+          f"({calls} calls each, {rounds} interleaved rounds, load {os.getloadavg()[0]:.2f})\n")
+    print(f"p50: Model.infer {model_p50 * 1e6:.1f} us, raw {raw_p50 * 1e6:.1f} us, ratio {model_p50 / raw_p50:.2f}x\n")
+    print("| thread | Model.infer CPU per call | switches per call | raw CPU per call | switches per call |")
+    print("|---|---|---|---|---|")
+    labels = {
+        ("caller", "main"): "calling thread",
+        ("caller", "io"): "caller's ZeroMQ I/O thread",
+        ("caller", "other"): "caller's other threads",
+        ("peer", "main"): "runner (raw: REP server) thread",
+        ("peer", "io"): "peer's ZeroMQ I/O thread",
+        ("peer", "other"): "peer's other threads",
+    }
+    for (side, role), label in labels.items():
+        cells = []
+        for name in ("model", "raw"):
+            nanoseconds, switches = totals[name].get((side, role), [0, 0])
+            cells += [f"{nanoseconds / 1e3 / len(samples[name]):.1f} us", f"{switches / len(samples[name]):.2f}"]
+        print(f"| {label} | {' | '.join(cells)} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
-    parser.add_argument("--only", default="small,workers,load", help="comma-separated sections to run")
+    parser.add_argument("--only", default="small,workers,load", help="comma-separated sections to run (also: hop)")
     args = parser.parse_args()
     sections = set(args.only.split(","))
     warnings.simplefilter("ignore", carton.CartonWarning)
@@ -225,6 +316,8 @@ def main() -> None:
         bench_workers(1.0 if args.quick else 4.0)
     if "load" in sections:
         bench_load(5 if args.quick else 20)
+    if "hop" in sections:
+        bench_hop(2000 if args.quick else 10000)
 
 
 if __name__ == "__main__":
