@@ -12,7 +12,7 @@ import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -24,6 +24,7 @@ from ._weights import QuantizedEmbedding
 __all__ = ["F32", "DecodeRegion", "build_region"]
 
 F32 = npt.NDArray[np.float32]
+_Scalar = TypeVar("_Scalar", bound=np.generic)
 
 
 def _payload(linear: object) -> CompiledPayload | None:
@@ -39,8 +40,9 @@ def _payload(linear: object) -> CompiledPayload | None:
     return compiled
 
 
-def _readonly(array: npt.NDArray[np.uint8]) -> npt.NDArray[np.uint8]:
-    """A read-only view: every payload of the typed list then has one numba type (mapped files are read-only)."""
+def _readonly(array: npt.NDArray[_Scalar]) -> npt.NDArray[_Scalar]:
+    """A read-only view: every payload of the typed list, and the final norm, then have one numba type whatever
+    built the model (mapped files are read-only, weights made in memory are not): the step is compiled once."""
     view = array.view()
     view.flags.writeable = False
     return view
@@ -88,7 +90,7 @@ class DecodeRegion:
             np.stack([np.stack([layer.input_norm, layer.post_attention_norm]) for layer in model.layers]),
             dtype=np.float32,
         )
-        self.final_norm = np.ascontiguousarray(model.final_norm, dtype=np.float32)
+        self.final_norm = _readonly(np.ascontiguousarray(model.final_norm, dtype=np.float32))
         self.layers = len(model.layers)
         self.team = Team(threads, _step.step_counters(self.layers, threads))
         self.head = _payload(model.lm_head)
