@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -105,7 +105,7 @@ def _decode_input(served: ServedVersion, tensor: Any, raw: bytes | None) -> np.n
 _PLANS = 256
 
 
-_Decoded = tuple[dict[str, np.ndarray], list[str] | None]
+_Decoded = tuple[dict[str, np.ndarray], Sequence[str] | None]
 _Described = list[tuple[str, str, tuple[int, ...]]]
 
 
@@ -162,20 +162,27 @@ def _decode_known(served: ServedVersion, request: KnownRequest) -> _Decoded | No
     plan = served.input_plans.get(form.key)
     if plan is None:
         return None
+    bound = form.bound
+    if not bound or bound[0] is not plan:
+        # The form's inputs placed for this plan, once its sizes match and its requested outputs are declared: a
+        # plan is one version's (held here, it is not another's), so the same plan means the same checks again.
+        if form.sizes != tuple(entry[4] for entry in plan):
+            return None
+        if form.requested is not None:
+            check_requested(served, form.requested)
+        places = tuple(
+            (name, numpy_dtype, shape, count, offset, size, offset % numpy_dtype.alignment == 0)
+            for (name, numpy_dtype, shape, count, size), offset in zip(plan, form.offsets, strict=True)
+        )
+        bound[:] = (plan, places)
     message = request.message
     inputs = {}
-    for (name, numpy_dtype, shape, count, size), offset, given in zip(plan, form.offsets, form.sizes, strict=True):
-        if given != size:
-            return None
-        if offset % numpy_dtype.alignment:  # an aligned copy, as upb's bytes would be
-            inputs[name] = np.frombuffer(message[offset : offset + size], numpy_dtype, count).reshape(shape)
-        else:
+    for name, numpy_dtype, shape, count, offset, size, aligned in bound[1]:
+        if aligned:
             inputs[name] = np.frombuffer(message, numpy_dtype, count, offset).reshape(shape)
-    if form.requested is None:
-        return inputs, None
-    requested = list(form.requested)
-    check_requested(served, requested)
-    return inputs, requested
+        else:  # an aligned copy, as upb's bytes would be
+            inputs[name] = np.frombuffer(message[offset : offset + size], numpy_dtype, count).reshape(shape)
+    return inputs, form.requested
 
 
 def _decode_inputs(served: ServedVersion, tensors: Any, raw: Any) -> dict[str, np.ndarray]:
@@ -191,7 +198,7 @@ def _decode_inputs(served: ServedVersion, tensors: Any, raw: Any) -> dict[str, n
 
 
 def _outputs(
-    served: ServedVersion, outputs: Mapping[str, Tensor], requested: list[str] | None
+    served: ServedVersion, outputs: Mapping[str, Tensor], requested: Sequence[str] | None
 ) -> tuple[_Described, list[bytes | memoryview]]:
     """The response's outputs: each one's name, datatype and shape, and each one's bytes."""
     described = []
@@ -371,11 +378,10 @@ class GrpcService:
         """``ModelInfer``: one inference; failures are answered with the status of `carton.server.errors.STATUS`."""
         return await self._infer(request, _response)
 
-    async def model_infer_serialized(self, request: Any) -> bytes:
+    def model_infer_serialized(self, request: Any) -> Coroutine[Any, Any, bytes]:
         """``ModelInfer`` of a request upb parsed or a `KnownRequest` (`RequestForms`), answered with the response's
-        bytes."""
-        response: bytes = await self._infer(request, self._serialized)
-        return response
+        bytes (a coroutine: `_infer`'s own, without one more around it)."""
+        return self._infer(request, self._serialized)
 
     def _serialized(self, served: ServedVersion, request_id: str, described: _Described, datas: list[Any]) -> bytes:
         key = (served.model, served.version_str, tuple(described))

@@ -13,7 +13,7 @@ raw-bytes fields (`ResponsePrefixes.serialize`).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from google.protobuf.message import DecodeError
@@ -65,6 +65,8 @@ class RequestForm:
     id: str
     key: tuple[tuple[str, str, tuple[int, ...]], ...]  # the inputs' names, datatypes and shapes
     requested: tuple[str, ...] | None  # the requested outputs' names (None: all)
+    # The version's input plan this form was last checked against, and its inputs' places for it (its user's to fill).
+    bound: list[Any] = field(default_factory=list, compare=False)
 
 
 class KnownRequest:
@@ -172,6 +174,8 @@ class ResponsePrefixes:
 
     def __init__(self) -> None:
         self._parts: dict[tuple[Any, ...], tuple[bytes, bytes]] = {}
+        self._id = ""  # the last request id serialized, and its field (a client repeats its id, or sends none)
+        self._id_field = b""
 
     def serialize(self, key: tuple[Any, ...], request_id: str, datas: Sequence[bytes | memoryview]) -> bytes | None:
         """The bytes of the response described by `key` (model, version, the outputs' names, datatypes and shapes)
@@ -179,7 +183,10 @@ class ResponsePrefixes:
         parts = self._parts.get(key)
         if parts is None:
             return None
-        return _joined(parts[0], request_id, parts[1], datas)
+        if request_id != self._id:
+            self._id_field = _id_field(request_id)
+            self._id = request_id
+        return _joined(parts[0], self._id_field, parts[1], datas)
 
     def learn(self, key: tuple[Any, ...], request_id: str, datas: Sequence[bytes | memoryview], response: Any) -> bytes:
         """`response` (upb's message of what `serialize` was given) serialized; its parts are kept when that is
@@ -192,7 +199,7 @@ class ResponsePrefixes:
         before = head + _id_field(request_id)
         if rest.startswith(before):
             outputs = rest[len(before) :]
-            if _joined(head, request_id, outputs, datas) == payload:
+            if _joined(head, _id_field(request_id), outputs, datas) == payload:
                 remember(self._parts, key, (head, outputs), _PREFIXES)
         return payload
 
@@ -205,8 +212,8 @@ def _id_field(request_id: str) -> bytes:
     return _ID_TAG + varint(len(encoded)) + encoded
 
 
-def _joined(head: bytes, request_id: str, outputs: bytes, datas: Sequence[bytes | memoryview]) -> bytes:
-    parts: list[bytes | memoryview] = [head, _id_field(request_id) if request_id else b"", outputs]
+def _joined(head: bytes, id_field: bytes, outputs: bytes, datas: Sequence[bytes | memoryview]) -> bytes:
+    parts: list[bytes | memoryview] = [head, id_field, outputs]
     for data in datas:
         size = len(data)
         parts.append(bytes((_RAW_OUTPUT, size)) if size < 0x80 else _RAW_OUTPUT_TAG + varint(size))
