@@ -178,8 +178,8 @@ def _decode_known(served: ServedVersion, request: KnownRequest) -> _Decoded | No
     message = request.message
     inputs = {}
     for name, numpy_dtype, shape, count, offset, size, aligned in bound[1]:
-        if aligned:
-            inputs[name] = np.frombuffer(message, numpy_dtype, count, offset).reshape(shape)
+        if aligned:  # one array over the message's bytes, made in one call
+            inputs[name] = np.ndarray(shape, numpy_dtype, message, offset)
         else:  # an aligned copy, as upb's bytes would be
             inputs[name] = np.frombuffer(message[offset : offset + size], numpy_dtype, count).reshape(shape)
     return inputs, form.requested

@@ -120,11 +120,11 @@ def header_block(headers: list[tuple[bytes, bytes]]) -> bytes:
 class _Stream:
     __slots__ = ("ended", "received", "send_window")
 
-    def __init__(self, send_window: int) -> None:
+    def __init__(self, send_window: int, ended: bool) -> None:
         self.send_window = send_window
         # Bytes received and not yet given back with a WINDOW_UPDATE: the stream's receive window is what is left.
         self.received = 0
-        self.ended = False  # the client's END_STREAM came
+        self.ended = ended  # the client's END_STREAM came
 
 
 class Http2Connection(asyncio.Protocol, abc.ABC):
@@ -207,22 +207,104 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
         if self._have or self.closed or len(data) < self._need:
             self._data_more(data)
             return
-        # The usual read: whole frames from the start (a client's request, its window updates).
+        # The usual read: whole frames from the start (a client's request, its window updates), parsed here.
+        at = 0
+        size = len(data)
+        need = 9  # the bytes that make the next frame's head (or, once that is known, the whole frame)
         try:
-            at = self._parse(data)
+            if self._preface:
+                if data[: len(_PREFACE)] != _PREFACE:
+                    raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "not the HTTP/2 connection preface")
+                self._preface = False
+                at = len(_PREFACE)
+            while size - at >= 9:
+                high, low, kind, flags, stream_id = _HEAD.unpack_from(data, at)
+                length = high << 16 | low
+                if length > _MAX_FRAME:
+                    raise _ConnectionError(ErrorCode.FRAME_SIZE_ERROR, f"a frame of {length} bytes")
+                end: int = at + 9 + length
+                if end > size:
+                    need = 9 + length
+                    break
+                payload = data[at + 9 : end]
+                at = end
+                stream_id &= _MAX_WINDOW
+                if not self._ordinary:
+                    if not self._settled and kind != _SETTINGS:
+                        raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "the first frame is not SETTINGS")
+                    if self._continuing is not None and kind != _CONTINUATION:
+                        raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "a frame inside a header block")
+                # A call's frames first: the client's two WINDOW_UPDATEs (its stream's, and the connection's for the
+                # last response), handled here, its DATA and its HEADERS.
+                if kind == _WINDOW_UPDATE:
+                    if length != 4:
+                        message = "a WINDOW_UPDATE frame that is not 4 bytes"
+                        raise _ConnectionError(ErrorCode.FRAME_SIZE_ERROR, message)
+                    increment = int.from_bytes(payload, "big") & _MAX_WINDOW
+                    if not stream_id:
+                        if not increment:
+                            raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "a WINDOW_UPDATE of 0")
+                        self._send_window += increment
+                        if self._send_window > _MAX_WINDOW:
+                            message = "the connection's window over 2^31-1"
+                            raise _ConnectionError(ErrorCode.FLOW_CONTROL_ERROR, message)
+                    elif (stream := self._streams.get(stream_id)) is not None:
+                        stream.send_window += increment
+                        if not increment or stream.send_window > _MAX_WINDOW:
+                            code = ErrorCode.PROTOCOL_ERROR if not increment else ErrorCode.FLOW_CONTROL_ERROR
+                            self._reset(stream_id, code)
+                    elif stream_id > self._last_stream:
+                        raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "a WINDOW_UPDATE on a stream never opened")
+                    # (a closed stream's is ignored)
+                    if self._waiters:  # usually none: the response went out at once
+                        self._wake()
+                elif kind == _DATA:
+                    self._data(stream_id, flags, payload)
+                elif kind == _HEADERS:
+                    if flags & _HEADERS_MASK == _END_HEADERS and stream_id:  # the usual: plain, whole
+                        self._header_block(stream_id, flags, payload)
+                    else:
+                        self._headers(stream_id, flags, payload)
+                elif kind == _CONTINUATION:
+                    self._continuation(stream_id, flags, payload)
+                elif kind == _SETTINGS:
+                    self._settings(stream_id, flags, payload)
+                elif kind == _PING:
+                    if length != 8:
+                        raise _ConnectionError(ErrorCode.FRAME_SIZE_ERROR, "a PING frame that is not 8 bytes")
+                    if stream_id:
+                        raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "a PING frame on a stream")
+                    if not flags & _ACK:
+                        self._out.append(_frame(_PING, _ACK, 0, payload))
+                elif kind == _RST_STREAM:
+                    self._rst_stream(stream_id, payload)
+                elif kind == _GOAWAY:
+                    if stream_id:
+                        raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "a GOAWAY frame on a stream")
+                    self.flush()
+                    self.close()
+                    return
+                elif kind == _PRIORITY:
+                    if length != 5:
+                        raise _ConnectionError(ErrorCode.FRAME_SIZE_ERROR, "a PRIORITY frame that is not 5 bytes")
+                elif kind == _PUSH_PROMISE:
+                    raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "a client sent PUSH_PROMISE")
+                # Other frame types are extensions this side does not take part in: ignored, as RFC 9113 asks.
         except _ConnectionError as error:
             self._fail(error.code, str(error))
             return
-        if at < len(data):
+        self._need = need
+        if at < size:
             self._parts = [data[at:]]
-            self._have = len(data) - at
+            self._have = size - at
         if self._received >= _HALF_WINDOW or self._stream_owed:
             self._give_back()
         if self._out:
             self.flush()
 
     def _data_more(self, data: bytes) -> None:
-        """`data_received` when bytes of an unfinished frame (or of the preface) wait, or too few came to parse."""
+        """`data_received` when bytes of an unfinished frame (or of the preface) wait, or too few came to parse: the
+        bytes are kept until a frame is whole, then parsed together."""
         if self.closed:
             return
         self._parts.append(data)
@@ -232,16 +314,9 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
                 self._fail(ErrorCode.PROTOCOL_ERROR, "not the HTTP/2 connection preface")
             return
         buffer = b"".join(self._parts) if len(self._parts) > 1 else self._parts[0]
-        try:
-            at = self._parse(buffer)
-        except _ConnectionError as error:
-            self._fail(error.code, str(error))
-            return
-        rest = buffer[at:]
-        self._parts = [rest] if rest else []
-        self._have = len(rest)
-        self._give_back()
-        self.flush()
+        self._parts = []
+        self._have = 0
+        self.data_received(buffer)
 
     def flush(self) -> None:
         """Write the frames buffered so far."""
@@ -269,90 +344,7 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
         self.closed = True
         self.close()
 
-    # ---- receiving -------------------------------------------------------------------------------------------------
-    def _parse(self, buffer: bytes) -> int:
-        """Handle the whole frames at the start of `buffer`; the offset of the rest."""
-        at = 0
-        if self._preface:
-            if buffer[: len(_PREFACE)] != _PREFACE:
-                raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "not the HTTP/2 connection preface")
-            self._preface = False
-            at = len(_PREFACE)
-        size = len(buffer)
-        while size - at >= 9:
-            high, low, kind, flags, stream_id = _HEAD.unpack_from(buffer, at)
-            length = high << 16 | low
-            if length > _MAX_FRAME:
-                raise _ConnectionError(ErrorCode.FRAME_SIZE_ERROR, f"a frame of {length} bytes")
-            end: int = at + 9 + length
-            if end > size:
-                self._need = 9 + length
-                return at
-            payload = buffer[at + 9 : end]
-            at = end
-            stream_id &= _MAX_WINDOW
-            if not self._ordinary:
-                if not self._settled and kind != _SETTINGS:
-                    raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "the first frame is not SETTINGS")
-                if self._continuing is not None and kind != _CONTINUATION:
-                    raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "a frame inside a header block")
-            # A call's frames first: the client's two WINDOW_UPDATEs (its stream's, and the connection's for the last
-            # response), handled here, its DATA and its HEADERS.
-            if kind == _WINDOW_UPDATE:
-                if length != 4:
-                    raise _ConnectionError(ErrorCode.FRAME_SIZE_ERROR, "a WINDOW_UPDATE frame that is not 4 bytes")
-                increment = int.from_bytes(payload, "big") & _MAX_WINDOW
-                if not stream_id:
-                    if not increment:
-                        raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "a WINDOW_UPDATE of 0")
-                    self._send_window += increment
-                    if self._send_window > _MAX_WINDOW:
-                        raise _ConnectionError(ErrorCode.FLOW_CONTROL_ERROR, "the connection's window over 2^31-1")
-                elif (stream := self._streams.get(stream_id)) is not None:
-                    stream.send_window += increment
-                    if not increment or stream.send_window > _MAX_WINDOW:
-                        code = ErrorCode.PROTOCOL_ERROR if not increment else ErrorCode.FLOW_CONTROL_ERROR
-                        self._reset(stream_id, code)
-                elif stream_id > self._last_stream:
-                    raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "a WINDOW_UPDATE on a stream never opened")
-                # (a closed stream's is ignored)
-                if self._waiters:  # usually none: the response went out at once
-                    self._wake()
-            elif kind == _DATA:
-                self._data(stream_id, flags, payload)
-            elif kind == _HEADERS:
-                if flags & _HEADERS_MASK == _END_HEADERS and stream_id:  # the usual: no padding, no priority, whole
-                    self._header_block(stream_id, flags, payload)
-                else:
-                    self._headers(stream_id, flags, payload)
-            elif kind == _CONTINUATION:
-                self._continuation(stream_id, flags, payload)
-            elif kind == _SETTINGS:
-                self._settings(stream_id, flags, payload)
-            elif kind == _PING:
-                if length != 8:
-                    raise _ConnectionError(ErrorCode.FRAME_SIZE_ERROR, "a PING frame that is not 8 bytes")
-                if stream_id:
-                    raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "a PING frame on a stream")
-                if not flags & _ACK:
-                    self._out.append(_frame(_PING, _ACK, 0, payload))
-            elif kind == _RST_STREAM:
-                self._rst_stream(stream_id, payload)
-            elif kind == _GOAWAY:
-                if stream_id:
-                    raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "a GOAWAY frame on a stream")
-                self.flush()
-                self.close()
-                return at
-            elif kind == _PRIORITY:
-                if length != 5:
-                    raise _ConnectionError(ErrorCode.FRAME_SIZE_ERROR, "a PRIORITY frame that is not 5 bytes")
-            elif kind == _PUSH_PROMISE:
-                raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "a client sent PUSH_PROMISE")
-            # Other frame types are extensions this side does not take part in: ignored, as RFC 9113 asks.
-        self._need = 9
-        return at
-
+    # ---- receiving: the frames' handlers ------------------------------------------------------------------------
     def _settings(self, stream_id: int, flags: int, payload: bytes) -> None:
         if stream_id:
             raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "a SETTINGS frame on a stream")
@@ -437,8 +429,10 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
                 remember(self._known, block, headers, _KNOWN_BLOCKS)
             elif self._known:
                 self._known.clear()
-        stream = self._streams.get(stream_id)
-        if stream is not None:  # trailers: they end the request
+        if stream_id <= self._last_stream:  # a stream's trailers (they end its request), or a stream id used up
+            stream = self._streams.get(stream_id)
+            if stream is None:
+                raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, f"a request on stream {stream_id}")
             if stream.ended:
                 self._reset(stream_id, ErrorCode.STREAM_CLOSED)
             elif not flags & _END_STREAM:
@@ -447,16 +441,16 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
                 stream.ended = True
                 self.body_ended(stream_id)
             return
-        if stream_id % 2 == 0 or stream_id <= self._last_stream:
+        if not stream_id & 1:
             raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, f"a request on stream {stream_id}")
         self._last_stream = stream_id
         if self._going_away or len(self._streams) >= _MAX_STREAMS:
             self._out.append(_frame(_RST_STREAM, 0, stream_id, ErrorCode.REFUSED_STREAM.to_bytes(4, "big")))
             return
-        stream = self._streams[stream_id] = _Stream(self._initial_window)
-        stream.ended = bool(flags & _END_STREAM)  # before the subclass answers, which may end the stream
+        # Ended (or not) before the subclass answers, which may end the stream.
+        stream = self._streams[stream_id] = _Stream(self._initial_window, flags & _END_STREAM != 0)
         self.request_received(stream_id, headers)
-        if stream.ended and self._streams.get(stream_id) is stream:
+        if flags & _END_STREAM and self._streams.get(stream_id) is stream:
             self.body_ended(stream_id)
 
     def _data(self, stream_id: int, flags: int, payload: bytes) -> None:
