@@ -164,6 +164,26 @@ def test_frames_split_across_reads_are_answered_exactly(peer: Peer) -> None:
         assert peer.frame_of(stream_id) == (HEADERS, END_HEADERS | END_STREAM, OK_TRAILERS_BLOCK)
 
 
+@pytest.mark.parametrize(
+    ("body", "status", "text"),
+    [
+        (b"\x00\x00\x00", b"3", b"ServerLive takes exactly one whole request message"),  # shorter than a prefix
+        (message(b"") + b"\x00", b"3", b"ServerLive takes exactly one whole request message"),  # and a piece more
+        (b"\x01" + message(b"")[1:], b"12", b"compressed messages are not supported (send identity)"),
+    ],
+    ids=["short", "one-and-a-piece", "compressed"],
+)
+def test_a_unary_body_that_is_not_one_plain_message_is_refused(
+    peer: Peer, body: bytes, status: bytes, text: bytes
+) -> None:
+    peer.start()
+    peer.send(frame(HEADERS, END_HEADERS, 1, peer.request_block("ServerLive")), frame(DATA, END_STREAM, 1, body))
+    kind, flags, payload = peer.frame_of(1)
+    assert (kind, flags) == (HEADERS, END_HEADERS | END_STREAM)  # trailers only
+    headers = dict(Decoder().decode(payload, raw=True))
+    assert (headers[b"grpc-status"], headers[b"grpc-message"]) == (status, text)
+
+
 def test_window_updates_on_a_stream(peer: Peer) -> None:
     peer.start()
     # One of 0 is a stream error; one on a stream already answered is ignored; one past 2^31-1 is a stream error.

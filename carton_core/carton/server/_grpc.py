@@ -103,6 +103,8 @@ def _decode_input(served: ServedVersion, tensor: Any, raw: bytes | None) -> np.n
 
 #: Input plans kept per model version (`_decode_request`).
 _PLANS = 256
+# Read as a global: an attribute of the numpy module is looked up generically on every use.
+_ndarray = np.ndarray
 
 
 _Decoded = tuple[dict[str, np.ndarray], Sequence[str] | None]
@@ -159,14 +161,12 @@ def _decode_known(served: ServedVersion, request: KnownRequest) -> _Decoded | No
     """A request of a learnt form decoded as `_decode_request` decodes one with a known input plan; None without one
     (the version is new, or its plan was forgotten)."""
     form = request.form
-    plan = served.input_plans.get(form.key)
-    if plan is None:
-        return None
-    bound = form.bound
-    if not bound or bound[0] is not plan:
-        # The form's inputs placed for this plan, once its sizes match and its requested outputs are declared: a
-        # plan is one version's (held here, it is not another's), so the same plan means the same checks again.
-        if form.sizes != tuple(entry[4] for entry in plan):
+    # The form's inputs placed for this version, kept beside its plans once the form's sizes matched its plan and
+    # its requested outputs were found declared (a form is kept by identity: its fields are not hashed per request).
+    places = served.input_plans.get(form)
+    if places is None:
+        plan = served.input_plans.get(form.key)
+        if plan is None or form.sizes != tuple(entry[4] for entry in plan):
             return None
         if form.requested is not None:
             check_requested(served, form.requested)
@@ -174,12 +174,12 @@ def _decode_known(served: ServedVersion, request: KnownRequest) -> _Decoded | No
             (name, numpy_dtype, shape, count, offset, size, offset % numpy_dtype.alignment == 0)
             for (name, numpy_dtype, shape, count, size), offset in zip(plan, form.offsets, strict=True)
         )
-        bound[:] = (plan, places)
+        remember(served.input_plans, form, places, _PLANS)
     message = request.message
     inputs = {}
-    for name, numpy_dtype, shape, count, offset, size, aligned in bound[1]:
+    for name, numpy_dtype, shape, count, offset, size, aligned in places:
         if aligned:  # one array over the message's bytes, made in one call
-            inputs[name] = np.ndarray(shape, numpy_dtype, message, offset)
+            inputs[name] = _ndarray(shape, numpy_dtype, message, offset)
         else:  # an aligned copy, as upb's bytes would be
             inputs[name] = np.frombuffer(message[offset : offset + size], numpy_dtype, count).reshape(shape)
     return inputs, form.requested
@@ -393,7 +393,9 @@ class GrpcService:
     async def _infer(self, request: Any, build: Callable[..., Any]) -> Any:
         """One inference of `request`, answered with `build` of its outputs (`_response` or `_serialized`)."""
         started = time.perf_counter_ns()
-        served = self.repository.acquire(request.model_name, request.model_version)
+        # The attribute, not the property (a property is a call from C on every use).
+        repository = self._repository if self._repository is not None else self.repository
+        served = repository.acquire(request.model_name, request.model_version)
         try:
             inputs, requested = _decode_request(served, request)
             decoded_at = time.perf_counter_ns()
@@ -405,10 +407,10 @@ class GrpcService:
             # The client cancelled (or the server is stopping): release the version and count the request, as any
             # failed one, so an unload does not wait for it.
             cancelled = ModelUnavailable("the call was cancelled")
-            request_failed(served, cancelled, self.repository.scrub, started_ns=started)
+            request_failed(served, cancelled, repository.scrub, started_ns=started)
             raise
         except Exception as exc:
-            raise request_failed(served, exc, self.repository.scrub, started_ns=started) from exc
+            raise request_failed(served, exc, repository.scrub, started_ns=started) from exc
         request_succeeded(served, started_ns=started, decoded_ns=decoded_at, inferred_ns=inferred_at)
         return response
 

@@ -13,7 +13,7 @@ raw-bytes fields (`ResponsePrefixes.serialize`).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from google.protobuf.message import DecodeError
@@ -51,10 +51,11 @@ def varint(value: int) -> bytes:
     return bytes(out)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
 class RequestForm:
     """A learnt request layout: `head` (every field but the raw inputs), then each raw input's field header (the
-    first's ends `head`; the others' are `inner`, at their offsets) and bytes (`sizes`, at `offsets`)."""
+    first's ends `head`; the others' are `inner`, at their offsets) and bytes (`sizes`, at `offsets`). Compared and
+    hashed by identity: a form is a key of what was checked against it."""
 
     head: bytes
     inner: tuple[tuple[int, bytes], ...]
@@ -65,8 +66,6 @@ class RequestForm:
     id: str
     key: tuple[tuple[str, str, tuple[int, ...]], ...]  # the inputs' names, datatypes and shapes
     requested: tuple[str, ...] | None  # the requested outputs' names (None: all)
-    # The version's input plan this form was last checked against, and its inputs' places for it (its user's to fill).
-    bound: list[Any] = field(default_factory=list, compare=False)
 
 
 class KnownRequest:

@@ -230,16 +230,11 @@ class _Connection(Http2Connection):
     def body_ending(self, stream_id: int, data: bytes) -> None:
         call = self._calls.get(stream_id)
         # The usual unary request: its whole body in one DATA frame, one uncompressed message within the limit.
-        if (
-            call is not None
-            and call.queue is None
-            and not call.pending
-            and not call.done
-            and not data[0]
-            and int.from_bytes(data[1:_PREFIX], "big") == len(data) - _PREFIX <= self._server.max_message_size
-        ):
-            self._start(call, self._run_unary(call, data[_PREFIX:]))
-            return
+        if call is not None and call.queue is None and not call.pending and not call.done and len(data) >= _PREFIX:
+            compressed, length = _MESSAGE_PREFIX.unpack_from(data)
+            if not compressed and length == len(data) - _PREFIX <= self._server.max_message_size:
+                self._start(call, self._run_unary(call, data[_PREFIX:]))
+                return
         super().body_ending(stream_id, data)
 
     def body_ended(self, stream_id: int) -> None:
@@ -370,7 +365,8 @@ class _Connection(Http2Connection):
         try:
             if call.timeout is not None:
                 self._arm(call, call.timeout)
-            response = await call.method.function(self._request(call, message))
+            function = call.method.function  # (a bound method held in a slot: loaded, then called)
+            response = await function(self._request(call, message))
             payload = response if type(response) is bytes else response.SerializeToString()
             pieces = (_MESSAGE_PREFIX.pack(0, len(payload)), payload)
             if self.send_response_now(call.stream_id, _RESPONSE_BLOCK, pieces, _OK_TRAILERS_BLOCK):

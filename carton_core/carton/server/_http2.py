@@ -55,6 +55,7 @@ _MAX_HEADER_BLOCK = 256 * 1024
 # Decoded header blocks kept per connection: a client's calls repeat a handful (one per method and model).
 _KNOWN_BLOCKS = 64
 _HEAD = struct.Struct(">BHBBI")  # length (24 bits, as 8 + 16), type, flags, stream id
+_U32 = struct.Struct(">I")
 
 
 class ErrorCode(enum.IntEnum):
@@ -226,7 +227,7 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
                 if end > size:
                     need = 9 + length
                     break
-                payload = data[at + 9 : end]
+                start = at + 9  # the payload is data[start:end], sliced only where it is used
                 at = end
                 stream_id &= _MAX_WINDOW
                 if not self._ordinary:
@@ -240,7 +241,7 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
                     if length != 4:
                         message = "a WINDOW_UPDATE frame that is not 4 bytes"
                         raise _ConnectionError(ErrorCode.FRAME_SIZE_ERROR, message)
-                    increment = int.from_bytes(payload, "big") & _MAX_WINDOW
+                    increment = _U32.unpack_from(data, start)[0] & _MAX_WINDOW
                     if not stream_id:
                         if not increment:
                             raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "a WINDOW_UPDATE of 0")
@@ -259,25 +260,25 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
                     if self._waiters:  # usually none: the response went out at once
                         self._wake()
                 elif kind == _DATA:
-                    self._data(stream_id, flags, payload)
+                    self._data(stream_id, flags, data[start:end])
                 elif kind == _HEADERS:
                     if flags & _HEADERS_MASK == _END_HEADERS and stream_id:  # the usual: plain, whole
-                        self._header_block(stream_id, flags, payload)
+                        self._header_block(stream_id, flags, data[start:end])
                     else:
-                        self._headers(stream_id, flags, payload)
+                        self._headers(stream_id, flags, data[start:end])
                 elif kind == _CONTINUATION:
-                    self._continuation(stream_id, flags, payload)
+                    self._continuation(stream_id, flags, data[start:end])
                 elif kind == _SETTINGS:
-                    self._settings(stream_id, flags, payload)
+                    self._settings(stream_id, flags, data[start:end])
                 elif kind == _PING:
                     if length != 8:
                         raise _ConnectionError(ErrorCode.FRAME_SIZE_ERROR, "a PING frame that is not 8 bytes")
                     if stream_id:
                         raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "a PING frame on a stream")
                     if not flags & _ACK:
-                        self._out.append(_frame(_PING, _ACK, 0, payload))
+                        self._out.append(_frame(_PING, _ACK, 0, data[start:end]))
                 elif kind == _RST_STREAM:
-                    self._rst_stream(stream_id, payload)
+                    self._rst_stream(stream_id, data[start:end])
                 elif kind == _GOAWAY:
                     if stream_id:
                         raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "a GOAWAY frame on a stream")
