@@ -28,6 +28,8 @@ _RAW_INPUT_TAG = b"\x3a"
 _ID_TAG = b"\x1a"
 _RAW_OUTPUT = 0x32
 _RAW_OUTPUT_TAG = bytes((_RAW_OUTPUT,))
+# The field header of each raw output under 128 bytes (a one-byte length), made once.
+_SHORT_RAW_OUTPUT_HEADS = tuple(bytes((_RAW_OUTPUT, size)) for size in range(0x80))
 # Forms are kept by the length of their requests (a few of each length: clients of other models or layouts).
 _LENGTHS = 64
 _FORMS_OF_A_LENGTH = 4
@@ -215,6 +217,6 @@ def _joined(head: bytes, id_field: bytes, outputs: bytes, datas: Sequence[bytes 
     parts: list[bytes | memoryview] = [head, id_field, outputs]
     for data in datas:
         size = len(data)
-        parts.append(bytes((_RAW_OUTPUT, size)) if size < 0x80 else _RAW_OUTPUT_TAG + varint(size))
+        parts.append(_SHORT_RAW_OUTPUT_HEADS[size] if size < 0x80 else _RAW_OUTPUT_TAG + varint(size))
         parts.append(data)
     return b"".join(parts)

@@ -20,9 +20,10 @@ import contextvars
 import logging
 import socket
 import struct
+import types
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 from urllib.parse import quote
 
 import grpc
@@ -268,7 +269,7 @@ class _Connection(Http2Connection):
             return
         context = contextvars.copy_context()
         try:
-            yielded = context.run(coroutine.send, None)
+            yielded = context.run(_send, coroutine, None)
         except StopIteration:
             return
         except asyncio.CancelledError:  # raised by the call's own code (nothing can cancel it here): as a task's
@@ -475,6 +476,10 @@ class _Driven:
             if self._done:
                 self._finished.set_result(None)
         return self._finished
+
+
+# A coroutine's `send`, taken from its type once (not a bound method made per call).
+_send = cast(Callable[[Coroutine[Any, Any, None], None], Any], types.CoroutineType.send)
 
 
 def _expire(call: _Call) -> None:
