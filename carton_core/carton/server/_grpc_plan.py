@@ -187,11 +187,16 @@ class ResponsePrefixes:
         if request_id != self._id:
             self._id_field = _id_field(request_id)
             self._id = request_id
-        return _joined(parts[0], self._id_field, parts[1], datas)
+        joined: list[bytes | memoryview] = [parts[0], self._id_field, parts[1]]
+        for data in datas:
+            size = len(data)
+            joined.append(_SHORT_RAW_OUTPUT_HEADS[size] if size < 0x80 else _RAW_OUTPUT_TAG + varint(size))
+            joined.append(data)
+        return b"".join(joined)
 
     def learn(self, key: tuple[Any, ...], request_id: str, datas: Sequence[bytes | memoryview], response: Any) -> bytes:
-        """`response` (upb's message of what `serialize` was given) serialized; its parts are kept when that is
-        exactly their concatenation."""
+        """`response` (upb's message of what `serialize` was given) serialized; its parts are kept when `serialize`
+        makes exactly those bytes of them."""
         payload: bytes = response.SerializeToString()
         del response.raw_output_contents[:]
         rest: bytes = response.SerializeToString()
@@ -199,9 +204,9 @@ class ResponsePrefixes:
         head: bytes = head_message.SerializeToString()
         before = head + _id_field(request_id)
         if rest.startswith(before):
-            outputs = rest[len(before) :]
-            if _joined(head, _id_field(request_id), outputs, datas) == payload:
-                remember(self._parts, key, (head, outputs), _PREFIXES)
+            remember(self._parts, key, (head, rest[len(before) :]), _PREFIXES)
+            if self.serialize(key, request_id, datas) != payload:
+                del self._parts[key]
         return payload
 
 
@@ -211,12 +216,3 @@ def _id_field(request_id: str) -> bytes:
         return b""
     encoded = request_id.encode()
     return _ID_TAG + varint(len(encoded)) + encoded
-
-
-def _joined(head: bytes, id_field: bytes, outputs: bytes, datas: Sequence[bytes | memoryview]) -> bytes:
-    parts: list[bytes | memoryview] = [head, id_field, outputs]
-    for data in datas:
-        size = len(data)
-        parts.append(_SHORT_RAW_OUTPUT_HEADS[size] if size < 0x80 else _RAW_OUTPUT_TAG + varint(size))
-        parts.append(data)
-    return b"".join(parts)
