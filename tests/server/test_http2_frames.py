@@ -19,7 +19,7 @@ from hpack import Decoder, Encoder
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = 0, 1, 2, 3, 4, 6, 7, 8, 9
 END_STREAM, END_HEADERS, PADDED, PRIORITY_FLAG = 0x1, 0x4, 0x8, 0x20
-PROTOCOL_ERROR, FRAME_SIZE_ERROR, REFUSED_STREAM, COMPRESSION_ERROR = 1, 6, 7, 9
+PROTOCOL_ERROR, FLOW_CONTROL_ERROR, FRAME_SIZE_ERROR, REFUSED_STREAM, COMPRESSION_ERROR = 1, 3, 6, 7, 9
 SERVICE = "/inference.GRPCInferenceService"
 
 # What the server says first, exactly: MAX_CONCURRENT_STREAMS 1000, INITIAL_WINDOW_SIZE 4 MiB, MAX_FRAME_SIZE 1 MiB,
@@ -144,6 +144,70 @@ def test_a_unary_call_answered_exactly(peer: Peer) -> None:
     assert peer.frame_of(1) == (HEADERS, END_HEADERS | END_STREAM, OK_TRAILERS_BLOCK)
 
 
+def test_frames_split_across_reads_are_answered_exactly(peer: Peer) -> None:
+    # Reads that end inside a frame's head, inside its payload, and between frames (the client's window updates as a
+    # gRPC client sends them: its stream's after the request's headers, the connection's after its DATA).
+    peer.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sent = PREFACE + settings()
+    for stream_id in (1, 3):
+        sent += frame(HEADERS, END_HEADERS, stream_id, peer.request_block("ServerLive"))
+        sent += frame(WINDOW_UPDATE, 0, stream_id, (5).to_bytes(4, "big"))
+        sent += frame(DATA, END_STREAM, stream_id, message(b""))
+        sent += frame(WINDOW_UPDATE, 0, 0, (105).to_bytes(4, "big"))
+    for at in range(0, len(sent), 7):
+        peer.send(sent[at : at + 7])
+        time.sleep(0.002)  # so that the server reads the pieces one by one
+    assert peer.read_exact(len(SERVER_SETTINGS) + len(SERVER_WINDOW)) == SERVER_SETTINGS + SERVER_WINDOW
+    for stream_id in (1, 3):
+        assert peer.frame_of(stream_id) == (HEADERS, END_HEADERS, RESPONSE_BLOCK)
+        assert peer.frame_of(stream_id) == (DATA, 0, message(b"\x08\x01"))
+        assert peer.frame_of(stream_id) == (HEADERS, END_HEADERS | END_STREAM, OK_TRAILERS_BLOCK)
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "text"),
+    [
+        (b"\x00\x00\x00", b"3", b"ServerLive takes exactly one whole request message"),  # shorter than a prefix
+        (message(b"") + b"\x00", b"3", b"ServerLive takes exactly one whole request message"),  # and a piece more
+        (b"\x01" + message(b"")[1:], b"12", b"compressed messages are not supported (send identity)"),
+    ],
+    ids=["short", "one-and-a-piece", "compressed"],
+)
+def test_a_unary_body_that_is_not_one_plain_message_is_refused(
+    peer: Peer, body: bytes, status: bytes, text: bytes
+) -> None:
+    peer.start()
+    peer.send(frame(HEADERS, END_HEADERS, 1, peer.request_block("ServerLive")), frame(DATA, END_STREAM, 1, body))
+    kind, flags, payload = peer.frame_of(1)
+    assert (kind, flags) == (HEADERS, END_HEADERS | END_STREAM)  # trailers only
+    headers = dict(Decoder().decode(payload, raw=True))
+    assert (headers[b"grpc-status"], headers[b"grpc-message"]) == (status, text)
+
+
+def test_window_updates_on_a_stream(peer: Peer) -> None:
+    peer.start()
+    # One of 0 is a stream error; one on a stream already answered is ignored; one past 2^31-1 is a stream error.
+    peer.send(frame(HEADERS, END_HEADERS, 1, peer.request_block("ServerLive")))
+    peer.send(frame(WINDOW_UPDATE, 0, 1, (0).to_bytes(4, "big")))
+    assert peer.frame_of(1) == (RST_STREAM, 0, PROTOCOL_ERROR.to_bytes(4, "big"))
+    peer.send(
+        frame(HEADERS, END_HEADERS, 3, peer.request_block("ServerLive")),
+        frame(DATA, END_STREAM, 3, message(b"")),
+        frame(WINDOW_UPDATE, 0, 3, (1).to_bytes(4, "big")),
+    )
+    assert [peer.frame_of(3)[0] for _ in range(3)] == [HEADERS, DATA, HEADERS]
+    peer.send(
+        frame(HEADERS, END_HEADERS, 5, peer.request_block("ServerLive")),
+        frame(WINDOW_UPDATE, 0, 5, (2**31 - 1).to_bytes(4, "big")),
+    )
+    assert peer.frame_of(5) == (RST_STREAM, 0, FLOW_CONTROL_ERROR.to_bytes(4, "big"))
+    peer.send(
+        frame(HEADERS, END_HEADERS, 7, peer.request_block("ServerLive")),
+        frame(DATA, END_STREAM, 7, message(b"")),
+    )
+    assert [peer.frame_of(7)[0] for _ in range(3)] == [HEADERS, DATA, HEADERS]
+
+
 def test_a_header_block_in_continuation_frames_with_padding_and_priority(peer: Peer) -> None:
     peer.start()
     block = peer.request_block("ServerReady")
@@ -258,6 +322,10 @@ def test_a_stream_past_the_concurrency_limit_is_refused(peer: Peer) -> None:
         ([PREFACE, settings(), frame(CONTINUATION, END_HEADERS, 1, b"\x82")], PROTOCOL_ERROR),
         ([PREFACE, settings(), frame(DATA, 0, 1, b"x")], PROTOCOL_ERROR),  # DATA on a stream never opened
         ([PREFACE, settings(MAX_FRAME_SIZE=100)], PROTOCOL_ERROR),
+        ([PREFACE, settings(), frame(WINDOW_UPDATE, 0, 0, b"\x00\x00\x01")], FRAME_SIZE_ERROR),
+        ([PREFACE, settings(), frame(WINDOW_UPDATE, 0, 0, (0).to_bytes(4, "big"))], PROTOCOL_ERROR),
+        ([PREFACE, settings(), frame(WINDOW_UPDATE, 0, 0, (2**31 - 1).to_bytes(4, "big"))], FLOW_CONTROL_ERROR),
+        ([PREFACE, settings(), frame(WINDOW_UPDATE, 0, 1, (1).to_bytes(4, "big"))], PROTOCOL_ERROR),
     ],
     ids=[
         "not-the-preface",
@@ -270,6 +338,10 @@ def test_a_stream_past_the_concurrency_limit_is_refused(peer: Peer) -> None:
         "stray-continuation",
         "data-on-an-idle-stream",
         "max-frame-size-too-small",
+        "short-window-update",
+        "window-update-of-zero",
+        "connection-window-over-the-limit",
+        "window-update-on-an-idle-stream",
     ],
 )
 def test_a_connection_error_is_a_goaway_with_its_code(peer: Peer, frames: list[bytes], code: int) -> None:

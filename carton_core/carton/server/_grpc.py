@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -103,9 +103,11 @@ def _decode_input(served: ServedVersion, tensor: Any, raw: bytes | None) -> np.n
 
 #: Input plans kept per model version (`_decode_request`).
 _PLANS = 256
+# Read as a global: an attribute of the numpy module is looked up generically on every use.
+_ndarray = np.ndarray
 
 
-_Decoded = tuple[dict[str, np.ndarray], list[str] | None]
+_Decoded = tuple[dict[str, np.ndarray], Sequence[str] | None]
 _Described = list[tuple[str, str, tuple[int, ...]]]
 
 
@@ -159,23 +161,28 @@ def _decode_known(served: ServedVersion, request: KnownRequest) -> _Decoded | No
     """A request of a learnt form decoded as `_decode_request` decodes one with a known input plan; None without one
     (the version is new, or its plan was forgotten)."""
     form = request.form
-    plan = served.input_plans.get(form.key)
-    if plan is None:
-        return None
+    # The form's inputs placed for this version, kept beside its plans once the form's sizes matched its plan and
+    # its requested outputs were found declared (a form is kept by identity: its fields are not hashed per request).
+    places = served.input_plans.get(form)
+    if places is None:
+        plan = served.input_plans.get(form.key)
+        if plan is None or form.sizes != tuple(entry[4] for entry in plan):
+            return None
+        if form.requested is not None:
+            check_requested(served, form.requested)
+        places = tuple(
+            (name, numpy_dtype, shape, count, offset, size, offset % numpy_dtype.alignment == 0)
+            for (name, numpy_dtype, shape, count, size), offset in zip(plan, form.offsets, strict=True)
+        )
+        remember(served.input_plans, form, places, _PLANS)
     message = request.message
     inputs = {}
-    for (name, numpy_dtype, shape, count, size), offset, given in zip(plan, form.offsets, form.sizes, strict=True):
-        if given != size:
-            return None
-        if offset % numpy_dtype.alignment:  # an aligned copy, as upb's bytes would be
+    for name, numpy_dtype, shape, count, offset, size, aligned in places:
+        if aligned:  # one array over the message's bytes, made in one call
+            inputs[name] = _ndarray(shape, numpy_dtype, message, offset)
+        else:  # an aligned copy, as upb's bytes would be
             inputs[name] = np.frombuffer(message[offset : offset + size], numpy_dtype, count).reshape(shape)
-        else:
-            inputs[name] = np.frombuffer(message, numpy_dtype, count, offset).reshape(shape)
-    if form.requested is None:
-        return inputs, None
-    requested = list(form.requested)
-    check_requested(served, requested)
-    return inputs, requested
+    return inputs, form.requested
 
 
 def _decode_inputs(served: ServedVersion, tensors: Any, raw: Any) -> dict[str, np.ndarray]:
@@ -191,7 +198,7 @@ def _decode_inputs(served: ServedVersion, tensors: Any, raw: Any) -> dict[str, n
 
 
 def _outputs(
-    served: ServedVersion, outputs: Mapping[str, Tensor], requested: list[str] | None
+    served: ServedVersion, outputs: Mapping[str, Tensor], requested: Sequence[str] | None
 ) -> tuple[_Described, list[bytes | memoryview]]:
     """The response's outputs: each one's name, datatype and shape, and each one's bytes."""
     described = []
@@ -371,11 +378,10 @@ class GrpcService:
         """``ModelInfer``: one inference; failures are answered with the status of `carton.server.errors.STATUS`."""
         return await self._infer(request, _response)
 
-    async def model_infer_serialized(self, request: Any) -> bytes:
+    def model_infer_serialized(self, request: Any) -> Coroutine[Any, Any, bytes]:
         """``ModelInfer`` of a request upb parsed or a `KnownRequest` (`RequestForms`), answered with the response's
-        bytes."""
-        response: bytes = await self._infer(request, self._serialized)
-        return response
+        bytes (a coroutine: `_infer`'s own, without one more around it)."""
+        return self._infer(request, self._serialized)
 
     def _serialized(self, served: ServedVersion, request_id: str, described: _Described, datas: list[Any]) -> bytes:
         key = (served.model, served.version_str, tuple(described))
@@ -387,7 +393,9 @@ class GrpcService:
     async def _infer(self, request: Any, build: Callable[..., Any]) -> Any:
         """One inference of `request`, answered with `build` of its outputs (`_response` or `_serialized`)."""
         started = time.perf_counter_ns()
-        served = self.repository.acquire(request.model_name, request.model_version)
+        # The attribute, not the property (a property is a call from C on every use).
+        repository = self._repository if self._repository is not None else self.repository
+        served = repository.acquire(request.model_name, request.model_version)
         try:
             inputs, requested = _decode_request(served, request)
             decoded_at = time.perf_counter_ns()
@@ -399,10 +407,10 @@ class GrpcService:
             # The client cancelled (or the server is stopping): release the version and count the request, as any
             # failed one, so an unload does not wait for it.
             cancelled = ModelUnavailable("the call was cancelled")
-            request_failed(served, cancelled, self.repository.scrub, started_ns=started)
+            request_failed(served, cancelled, repository.scrub, started_ns=started)
             raise
         except Exception as exc:
-            raise request_failed(served, exc, self.repository.scrub, started_ns=started) from exc
+            raise request_failed(served, exc, repository.scrub, started_ns=started) from exc
         request_succeeded(served, started_ns=started, decoded_ns=decoded_at, inferred_ns=inferred_at)
         return response
 

@@ -28,6 +28,8 @@ _RAW_INPUT_TAG = b"\x3a"
 _ID_TAG = b"\x1a"
 _RAW_OUTPUT = 0x32
 _RAW_OUTPUT_TAG = bytes((_RAW_OUTPUT,))
+# The field header of each raw output under 128 bytes (a one-byte length), made once.
+_SHORT_RAW_OUTPUT_HEADS = tuple(bytes((_RAW_OUTPUT, size)) for size in range(0x80))
 # Forms are kept by the length of their requests (a few of each length: clients of other models or layouts).
 _LENGTHS = 64
 _FORMS_OF_A_LENGTH = 4
@@ -51,10 +53,11 @@ def varint(value: int) -> bytes:
     return bytes(out)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
 class RequestForm:
     """A learnt request layout: `head` (every field but the raw inputs), then each raw input's field header (the
-    first's ends `head`; the others' are `inner`, at their offsets) and bytes (`sizes`, at `offsets`)."""
+    first's ends `head`; the others' are `inner`, at their offsets) and bytes (`sizes`, at `offsets`). Compared and
+    hashed by identity: a form is a key of what was checked against it."""
 
     head: bytes
     inner: tuple[tuple[int, bytes], ...]
@@ -172,6 +175,8 @@ class ResponsePrefixes:
 
     def __init__(self) -> None:
         self._parts: dict[tuple[Any, ...], tuple[bytes, bytes]] = {}
+        self._id = ""  # the last request id serialized, and its field (a client repeats its id, or sends none)
+        self._id_field = b""
 
     def serialize(self, key: tuple[Any, ...], request_id: str, datas: Sequence[bytes | memoryview]) -> bytes | None:
         """The bytes of the response described by `key` (model, version, the outputs' names, datatypes and shapes)
@@ -179,11 +184,19 @@ class ResponsePrefixes:
         parts = self._parts.get(key)
         if parts is None:
             return None
-        return _joined(parts[0], request_id, parts[1], datas)
+        if request_id != self._id:
+            self._id_field = _id_field(request_id)
+            self._id = request_id
+        joined: list[bytes | memoryview] = [parts[0], self._id_field, parts[1]]
+        for data in datas:
+            size = len(data)
+            joined.append(_SHORT_RAW_OUTPUT_HEADS[size] if size < 0x80 else _RAW_OUTPUT_TAG + varint(size))
+            joined.append(data)
+        return b"".join(joined)
 
     def learn(self, key: tuple[Any, ...], request_id: str, datas: Sequence[bytes | memoryview], response: Any) -> bytes:
-        """`response` (upb's message of what `serialize` was given) serialized; its parts are kept when that is
-        exactly their concatenation."""
+        """`response` (upb's message of what `serialize` was given) serialized; its parts are kept when `serialize`
+        makes exactly those bytes of them."""
         payload: bytes = response.SerializeToString()
         del response.raw_output_contents[:]
         rest: bytes = response.SerializeToString()
@@ -191,9 +204,9 @@ class ResponsePrefixes:
         head: bytes = head_message.SerializeToString()
         before = head + _id_field(request_id)
         if rest.startswith(before):
-            outputs = rest[len(before) :]
-            if _joined(head, request_id, outputs, datas) == payload:
-                remember(self._parts, key, (head, outputs), _PREFIXES)
+            remember(self._parts, key, (head, rest[len(before) :]), _PREFIXES)
+            if self.serialize(key, request_id, datas) != payload:
+                del self._parts[key]
         return payload
 
 
@@ -203,12 +216,3 @@ def _id_field(request_id: str) -> bytes:
         return b""
     encoded = request_id.encode()
     return _ID_TAG + varint(len(encoded)) + encoded
-
-
-def _joined(head: bytes, request_id: str, outputs: bytes, datas: Sequence[bytes | memoryview]) -> bytes:
-    parts: list[bytes | memoryview] = [head, _id_field(request_id) if request_id else b"", outputs]
-    for data in datas:
-        size = len(data)
-        parts.append(bytes((_RAW_OUTPUT, size)) if size < 0x80 else _RAW_OUTPUT_TAG + varint(size))
-        parts.append(data)
-    return b"".join(parts)

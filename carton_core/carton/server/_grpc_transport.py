@@ -19,9 +19,11 @@ import asyncio
 import contextvars
 import logging
 import socket
+import struct
+import types
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 from urllib.parse import quote
 
 import grpc
@@ -47,6 +49,7 @@ _OK_TRAILERS_BLOCK = header_block([(b"grpc-status", b"0")])
 _NOT_GRPC_BLOCK = header_block([(b":status", b"415")])
 _TIMEOUT_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
 _PREFIX = 5
+_MESSAGE_PREFIX = struct.Struct(">BI")  # compressed flag, length
 _ONE_MESSAGE = "{} takes exactly one whole request message"
 
 
@@ -228,16 +231,11 @@ class _Connection(Http2Connection):
     def body_ending(self, stream_id: int, data: bytes) -> None:
         call = self._calls.get(stream_id)
         # The usual unary request: its whole body in one DATA frame, one uncompressed message within the limit.
-        if (
-            call is not None
-            and call.queue is None
-            and not call.pending
-            and not call.done
-            and not data[0]
-            and int.from_bytes(data[1:_PREFIX], "big") == len(data) - _PREFIX <= self._server.max_message_size
-        ):
-            self._start(call, self._run_unary(call, data[_PREFIX:]))
-            return
+        if call is not None and call.queue is None and not call.pending and not call.done and len(data) >= _PREFIX:
+            compressed, length = _MESSAGE_PREFIX.unpack_from(data)
+            if not compressed and length == len(data) - _PREFIX <= self._server.max_message_size:
+                self._start(call, self._run_unary(call, data[_PREFIX:]))
+                return
         super().body_ending(stream_id, data)
 
     def body_ended(self, stream_id: int) -> None:
@@ -271,7 +269,7 @@ class _Connection(Http2Connection):
             return
         context = contextvars.copy_context()
         try:
-            yielded = context.run(coroutine.send, None)
+            yielded = context.run(_send, coroutine, None)
         except StopIteration:
             return
         except asyncio.CancelledError:  # raised by the call's own code (nothing can cancel it here): as a task's
@@ -327,10 +325,9 @@ class _Connection(Http2Connection):
         except DecodeError as exc:
             raise BadRequest(f"the {call.name} request is not a valid {call.method.request.__name__} message") from exc
 
-    def _arm(self, call: _Call) -> None:
+    def _arm(self, call: _Call, timeout: float) -> None:
         """Start the call's deadline, from its coroutine (a task cancelled before it starts would never answer)."""
-        if call.timeout is not None:
-            call.timer = asyncio.get_running_loop().call_later(call.timeout, _expire, call)
+        call.timer = asyncio.get_running_loop().call_later(timeout, _expire, call)
 
     def _forget(self, call: _Call) -> None:
         """`call` is over: its deadline is stopped and it is no longer the stream's call."""
@@ -338,11 +335,6 @@ class _Connection(Http2Connection):
             call.timer.cancel()
         if self._calls.get(call.stream_id) is call:
             del self._calls[call.stream_id]
-
-    def _answered(self, call: _Call) -> None:
-        """`call`'s whole response is buffered (`send_response_now`): it is done."""
-        self._forget(call)
-        self.flush()
 
     def _end(self, call: _Call, exc: BaseException | None) -> None:
         """End `call`, whose task finished (raising `exc`, if not None), with its status; re-raises a cancellation
@@ -372,15 +364,18 @@ class _Connection(Http2Connection):
     # cancels the task instead).
     async def _run_unary(self, call: _Call, message: bytes) -> None:
         try:
-            self._arm(call)
-            response = await call.method.function(self._request(call, message))
+            if call.timeout is not None:
+                self._arm(call, call.timeout)
+            function = call.method.function  # (a bound method held in a slot: loaded, then called)
+            response = await function(self._request(call, message))
             payload = response if type(response) is bytes else response.SerializeToString()
-            data = _framed(payload)
-            if self.send_response_now(call.stream_id, _RESPONSE_BLOCK, data, _OK_TRAILERS_BLOCK):
-                self._answered(call)
+            pieces = (_MESSAGE_PREFIX.pack(0, len(payload)), payload)
+            if self.send_response_now(call.stream_id, _RESPONSE_BLOCK, pieces, _OK_TRAILERS_BLOCK):
+                self._forget(call)  # the whole response is buffered: the call is done
+                self.flush()
                 return
             self._headers_once(call)
-            await self.send_data(call.stream_id, data)
+            await self.send_data(call.stream_id, b"".join(pieces))
         except BaseException as exc:
             self._end(call, exc)
         else:
@@ -395,7 +390,8 @@ class _Connection(Http2Connection):
                 yield self._request(call, message)
 
         try:
-            self._arm(call)
+            if call.timeout is not None:
+                self._arm(call, call.timeout)
             async for response in call.method.function(requests()):
                 await self._send_message(call, response.SerializeToString())
                 self.flush()
@@ -482,6 +478,10 @@ class _Driven:
         return self._finished
 
 
+# A coroutine's `send`, taken from its type once (not a bound method made per call).
+_send = cast(Callable[[Coroutine[Any, Any, None], None], Any], types.CoroutineType.send)
+
+
 def _expire(call: _Call) -> None:
     """The call's deadline passed: its task is cancelled, and ends the call with ``DEADLINE_EXCEEDED``."""
     if call.task is not None and not call.task.done():
@@ -491,7 +491,7 @@ def _expire(call: _Call) -> None:
 
 def _framed(payload: bytes) -> bytes:
     """A response message with its gRPC prefix (not compressed, its length)."""
-    return b"\x00" + len(payload).to_bytes(4, "big") + payload
+    return _MESSAGE_PREFIX.pack(0, len(payload)) + payload
 
 
 def _message(text: str) -> bytes:

@@ -37,6 +37,7 @@ _DATA, _HEADERS, _PRIORITY, _RST_STREAM, _SETTINGS, _PUSH_PROMISE, _PING, _GOAWA
     range(10)
 )
 _END_STREAM, _ACK, _END_HEADERS, _PADDED, _PRIORITY_FLAG = 0x1, 0x1, 0x4, 0x8, 0x20
+_HEADERS_MASK = _END_HEADERS | _PADDED | _PRIORITY_FLAG
 
 _ENABLE_PUSH, _MAX_CONCURRENT_STREAMS, _INITIAL_WINDOW_SIZE, _MAX_FRAME_SIZE = 2, 3, 4, 5
 _MAX_WINDOW = 2**31 - 1
@@ -54,6 +55,7 @@ _MAX_HEADER_BLOCK = 256 * 1024
 # Decoded header blocks kept per connection: a client's calls repeat a handful (one per method and model).
 _KNOWN_BLOCKS = 64
 _HEAD = struct.Struct(">BHBBI")  # length (24 bits, as 8 + 16), type, flags, stream id
+_U32 = struct.Struct(">I")
 
 
 class ErrorCode(enum.IntEnum):
@@ -117,13 +119,13 @@ def header_block(headers: list[tuple[bytes, bytes]]) -> bytes:
 
 
 class _Stream:
-    __slots__ = ("ended", "received", "recv_window", "send_window")
+    __slots__ = ("ended", "received", "send_window")
 
-    def __init__(self, send_window: int) -> None:
+    def __init__(self, send_window: int, ended: bool) -> None:
         self.send_window = send_window
-        self.recv_window = _WINDOW
-        self.received = 0  # bytes received and not yet given back with a WINDOW_UPDATE
-        self.ended = False  # the client's END_STREAM came
+        # Bytes received and not yet given back with a WINDOW_UPDATE: the stream's receive window is what is left.
+        self.received = 0
+        self.ended = ended  # the client's END_STREAM came
 
 
 class Http2Connection(asyncio.Protocol, abc.ABC):
@@ -147,8 +149,7 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
         self._send_window = _DEFAULT_WINDOW
         self._initial_window = _DEFAULT_WINDOW
         self._max_frame = _DEFAULT_FRAME
-        self._recv_window = _WINDOW
-        self._received = 0
+        self._received = 0  # DATA bytes not yet given back: the connection's receive window is what is left
         self._stream_owed = False  # a stream has received half of its window since its last WINDOW_UPDATE
         self._waiters: list[asyncio.Future[None]] = []
         self._going_away = False
@@ -204,6 +205,107 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
         self._wake()
 
     def data_received(self, data: bytes) -> None:
+        if self._have or self.closed or len(data) < self._need:
+            self._data_more(data)
+            return
+        # The usual read: whole frames from the start (a client's request, its window updates), parsed here.
+        at = 0
+        size = len(data)
+        need = 9  # the bytes that make the next frame's head (or, once that is known, the whole frame)
+        try:
+            if self._preface:
+                if data[: len(_PREFACE)] != _PREFACE:
+                    raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "not the HTTP/2 connection preface")
+                self._preface = False
+                at = len(_PREFACE)
+            while size - at >= 9:
+                high, low, kind, flags, stream_id = _HEAD.unpack_from(data, at)
+                length = high << 16 | low
+                if length > _MAX_FRAME:
+                    raise _ConnectionError(ErrorCode.FRAME_SIZE_ERROR, f"a frame of {length} bytes")
+                end: int = at + 9 + length
+                if end > size:
+                    need = 9 + length
+                    break
+                start = at + 9  # the payload is data[start:end], sliced only where it is used
+                at = end
+                stream_id &= _MAX_WINDOW
+                if not self._ordinary:
+                    if not self._settled and kind != _SETTINGS:
+                        raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "the first frame is not SETTINGS")
+                    if self._continuing is not None and kind != _CONTINUATION:
+                        raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "a frame inside a header block")
+                # A call's frames first: the client's two WINDOW_UPDATEs (its stream's, and the connection's for the
+                # last response), handled here, its DATA and its HEADERS.
+                if kind == _WINDOW_UPDATE:
+                    if length != 4:
+                        message = "a WINDOW_UPDATE frame that is not 4 bytes"
+                        raise _ConnectionError(ErrorCode.FRAME_SIZE_ERROR, message)
+                    increment = _U32.unpack_from(data, start)[0] & _MAX_WINDOW
+                    if not stream_id:
+                        if not increment:
+                            raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "a WINDOW_UPDATE of 0")
+                        self._send_window += increment
+                        if self._send_window > _MAX_WINDOW:
+                            message = "the connection's window over 2^31-1"
+                            raise _ConnectionError(ErrorCode.FLOW_CONTROL_ERROR, message)
+                    elif (stream := self._streams.get(stream_id)) is not None:
+                        stream.send_window += increment
+                        if not increment or stream.send_window > _MAX_WINDOW:
+                            code = ErrorCode.PROTOCOL_ERROR if not increment else ErrorCode.FLOW_CONTROL_ERROR
+                            self._reset(stream_id, code)
+                    elif stream_id > self._last_stream:
+                        raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "a WINDOW_UPDATE on a stream never opened")
+                    # (a closed stream's is ignored)
+                    if self._waiters:  # usually none: the response went out at once
+                        self._wake()
+                elif kind == _DATA:
+                    self._data(stream_id, flags, data[start:end])
+                elif kind == _HEADERS:
+                    if flags & _HEADERS_MASK == _END_HEADERS and stream_id:  # the usual: plain, whole
+                        self._header_block(stream_id, flags, data[start:end])
+                    else:
+                        self._headers(stream_id, flags, data[start:end])
+                elif kind == _CONTINUATION:
+                    self._continuation(stream_id, flags, data[start:end])
+                elif kind == _SETTINGS:
+                    self._settings(stream_id, flags, data[start:end])
+                elif kind == _PING:
+                    if length != 8:
+                        raise _ConnectionError(ErrorCode.FRAME_SIZE_ERROR, "a PING frame that is not 8 bytes")
+                    if stream_id:
+                        raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "a PING frame on a stream")
+                    if not flags & _ACK:
+                        self._out.append(_frame(_PING, _ACK, 0, data[start:end]))
+                elif kind == _RST_STREAM:
+                    self._rst_stream(stream_id, data[start:end])
+                elif kind == _GOAWAY:
+                    if stream_id:
+                        raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "a GOAWAY frame on a stream")
+                    self.flush()
+                    self.close()
+                    return
+                elif kind == _PRIORITY:
+                    if length != 5:
+                        raise _ConnectionError(ErrorCode.FRAME_SIZE_ERROR, "a PRIORITY frame that is not 5 bytes")
+                elif kind == _PUSH_PROMISE:
+                    raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "a client sent PUSH_PROMISE")
+                # Other frame types are extensions this side does not take part in: ignored, as RFC 9113 asks.
+        except _ConnectionError as error:
+            self._fail(error.code, str(error))
+            return
+        self._need = need
+        if at < size:
+            self._parts = [data[at:]]
+            self._have = size - at
+        if self._received >= _HALF_WINDOW or self._stream_owed:
+            self._give_back()
+        if self._out:
+            self.flush()
+
+    def _data_more(self, data: bytes) -> None:
+        """`data_received` when bytes of an unfinished frame (or of the preface) wait, or too few came to parse: the
+        bytes are kept until a frame is whole, then parsed together."""
         if self.closed:
             return
         self._parts.append(data)
@@ -213,16 +315,9 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
                 self._fail(ErrorCode.PROTOCOL_ERROR, "not the HTTP/2 connection preface")
             return
         buffer = b"".join(self._parts) if len(self._parts) > 1 else self._parts[0]
-        try:
-            at = self._parse(buffer)
-        except _ConnectionError as error:
-            self._fail(error.code, str(error))
-            return
-        rest = buffer[at:]
-        self._parts = [rest] if rest else []
-        self._have = len(rest)
-        self._give_back()
-        self.flush()
+        self._parts = []
+        self._have = 0
+        self.data_received(buffer)
 
     def flush(self) -> None:
         """Write the frames buffered so far."""
@@ -250,68 +345,7 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
         self.closed = True
         self.close()
 
-    # ---- receiving -------------------------------------------------------------------------------------------------
-    def _parse(self, buffer: bytes) -> int:
-        """Handle the whole frames at the start of `buffer`; the offset of the rest."""
-        at = 0
-        if self._preface:
-            if buffer[: len(_PREFACE)] != _PREFACE:
-                raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "not the HTTP/2 connection preface")
-            self._preface = False
-            at = len(_PREFACE)
-        size = len(buffer)
-        while size - at >= 9:
-            high, low, kind, flags, stream_id = _HEAD.unpack_from(buffer, at)
-            length = high << 16 | low
-            if length > _MAX_FRAME:
-                raise _ConnectionError(ErrorCode.FRAME_SIZE_ERROR, f"a frame of {length} bytes")
-            end: int = at + 9 + length
-            if end > size:
-                self._need = 9 + length
-                return at
-            payload = buffer[at + 9 : end]
-            at = end
-            stream_id &= _MAX_WINDOW
-            if not self._ordinary:
-                if not self._settled and kind != _SETTINGS:
-                    raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "the first frame is not SETTINGS")
-                if self._continuing is not None and kind != _CONTINUATION:
-                    raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "a frame inside a header block")
-            # A call's frames first: its HEADERS and DATA, the client's WINDOW_UPDATEs for its response.
-            if kind == _DATA:
-                self._data(stream_id, flags, payload)
-            elif kind == _HEADERS:
-                self._headers(stream_id, flags, payload)
-            elif kind == _WINDOW_UPDATE:
-                self._window_update(stream_id, payload)
-            elif kind == _CONTINUATION:
-                self._continuation(stream_id, flags, payload)
-            elif kind == _SETTINGS:
-                self._settings(stream_id, flags, payload)
-            elif kind == _PING:
-                if length != 8:
-                    raise _ConnectionError(ErrorCode.FRAME_SIZE_ERROR, "a PING frame that is not 8 bytes")
-                if stream_id:
-                    raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "a PING frame on a stream")
-                if not flags & _ACK:
-                    self._out.append(_frame(_PING, _ACK, 0, payload))
-            elif kind == _RST_STREAM:
-                self._rst_stream(stream_id, payload)
-            elif kind == _GOAWAY:
-                if stream_id:
-                    raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "a GOAWAY frame on a stream")
-                self.flush()
-                self.close()
-                return at
-            elif kind == _PRIORITY:
-                if length != 5:
-                    raise _ConnectionError(ErrorCode.FRAME_SIZE_ERROR, "a PRIORITY frame that is not 5 bytes")
-            elif kind == _PUSH_PROMISE:
-                raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "a client sent PUSH_PROMISE")
-            # Other frame types are extensions this side does not take part in: ignored, as RFC 9113 asks.
-        self._need = 9
-        return at
-
+    # ---- receiving: the frames' handlers ------------------------------------------------------------------------
     def _settings(self, stream_id: int, flags: int, payload: bytes) -> None:
         if stream_id:
             raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "a SETTINGS frame on a stream")
@@ -344,25 +378,6 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
             # HEADER_TABLE_SIZE bounds the dynamic table of this side's encoder, which uses none; the others (this
             # side opens no streams, and its header blocks are small) have nothing to change.
         self._out.append(_frame(_SETTINGS, _ACK, 0))
-
-    def _window_update(self, stream_id: int, payload: bytes) -> None:
-        if len(payload) != 4:
-            raise _ConnectionError(ErrorCode.FRAME_SIZE_ERROR, "a WINDOW_UPDATE frame that is not 4 bytes")
-        increment = int.from_bytes(payload, "big") & _MAX_WINDOW
-        if not stream_id:
-            if not increment:
-                raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "a WINDOW_UPDATE of 0")
-            self._send_window += increment
-            if self._send_window > _MAX_WINDOW:
-                raise _ConnectionError(ErrorCode.FLOW_CONTROL_ERROR, "the connection's window over 2^31-1")
-        elif stream_id > self._last_stream:
-            raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "a WINDOW_UPDATE on a stream never opened")
-        elif (stream := self._streams.get(stream_id)) is not None:  # a closed stream's is ignored
-            stream.send_window += increment
-            if not increment or stream.send_window > _MAX_WINDOW:
-                self._reset(stream_id, ErrorCode.PROTOCOL_ERROR if not increment else ErrorCode.FLOW_CONTROL_ERROR)
-        if self._waiters:  # usually none: the response went out at once
-            self._wake()
 
     def _rst_stream(self, stream_id: int, payload: bytes) -> None:
         if len(payload) != 4:
@@ -415,8 +430,10 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
                 remember(self._known, block, headers, _KNOWN_BLOCKS)
             elif self._known:
                 self._known.clear()
-        stream = self._streams.get(stream_id)
-        if stream is not None:  # trailers: they end the request
+        if stream_id <= self._last_stream:  # a stream's trailers (they end its request), or a stream id used up
+            stream = self._streams.get(stream_id)
+            if stream is None:
+                raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, f"a request on stream {stream_id}")
             if stream.ended:
                 self._reset(stream_id, ErrorCode.STREAM_CLOSED)
             elif not flags & _END_STREAM:
@@ -425,25 +442,24 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
                 stream.ended = True
                 self.body_ended(stream_id)
             return
-        if stream_id % 2 == 0 or stream_id <= self._last_stream:
+        if not stream_id & 1:
             raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, f"a request on stream {stream_id}")
         self._last_stream = stream_id
         if self._going_away or len(self._streams) >= _MAX_STREAMS:
             self._out.append(_frame(_RST_STREAM, 0, stream_id, ErrorCode.REFUSED_STREAM.to_bytes(4, "big")))
             return
-        stream = self._streams[stream_id] = _Stream(self._initial_window)
-        stream.ended = bool(flags & _END_STREAM)  # before the subclass answers, which may end the stream
+        # Ended (or not) before the subclass answers, which may end the stream.
+        stream = self._streams[stream_id] = _Stream(self._initial_window, flags & _END_STREAM != 0)
         self.request_received(stream_id, headers)
-        if stream.ended and self._streams.get(stream_id) is stream:
+        if flags & _END_STREAM and self._streams.get(stream_id) is stream:
             self.body_ended(stream_id)
 
     def _data(self, stream_id: int, flags: int, payload: bytes) -> None:
         if not stream_id or stream_id > self._last_stream:
             raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "a DATA frame on a stream never opened")
         length = len(payload)
-        self._recv_window -= length
         self._received += length
-        if self._recv_window < 0:
+        if self._received > _WINDOW:
             raise _ConnectionError(ErrorCode.FLOW_CONTROL_ERROR, "DATA over the connection's window")
         if flags & _PADDED:
             payload = _unpad(payload)
@@ -453,13 +469,12 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
         if stream.ended:
             self._reset(stream_id, ErrorCode.STREAM_CLOSED)
             return
-        stream.recv_window -= length
         stream.received += length
         if stream.received >= _HALF_WINDOW:
+            if stream.received > _WINDOW:
+                self._reset(stream_id, ErrorCode.FLOW_CONTROL_ERROR)
+                return
             self._stream_owed = True
-        if stream.recv_window < 0:
-            self._reset(stream_id, ErrorCode.FLOW_CONTROL_ERROR)
-            return
         if not flags & _END_STREAM:
             if payload:
                 self.body_received(stream_id, payload)
@@ -474,7 +489,6 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
         """Give the client back the window its DATA used, once half of a window is used (so it never runs out)."""
         if self._received >= _HALF_WINDOW:
             self._out.append(_frame(_WINDOW_UPDATE, 0, 0, self._received.to_bytes(4, "big")))
-            self._recv_window += self._received
             self._received = 0
         if not self._stream_owed:
             return
@@ -482,7 +496,6 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
         for stream_id, stream in self._streams.items():
             if stream.received >= _HALF_WINDOW and not stream.ended:
                 self._out.append(_frame(_WINDOW_UPDATE, 0, stream_id, stream.received.to_bytes(4, "big")))
-                stream.recv_window += stream.received
                 stream.received = 0
 
     def _reset(self, stream_id: int, code: int) -> None:
@@ -526,26 +539,22 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
         if not stream.ended:
             self._out.append(_frame(_RST_STREAM, 0, stream_id, ErrorCode.NO_ERROR.to_bytes(4, "big")))
 
-    def send_response_now(self, stream_id: int, headers: bytes, data: bytes, trailers: bytes) -> bool:
-        """Buffer a whole response if the client's windows and frame size take `data` in one DATA frame now: a HEADERS
-        frame with the header block `headers`, the DATA frame, and a HEADERS frame with the block `trailers` that ends
-        the stream (as `send_headers`, `send_data` and `send_headers` with `end_stream` would, without waiting and in
-        fewer steps: the usual small response); False, with nothing buffered, if they do not (then those three).
-        `StreamGone` if the stream or connection is gone."""
+    def send_response_now(self, stream_id: int, headers: bytes, pieces: tuple[bytes, ...], trailers: bytes) -> bool:
+        """Buffer a whole response if the client's windows and frame size take its body, the concatenation of
+        `pieces`, in one DATA frame now: a HEADERS frame with the header block `headers`, the DATA frame, and a
+        HEADERS frame with the block `trailers` that ends the stream (as `send_headers`, `send_data` and
+        `send_headers` with `end_stream` would, without waiting and in fewer steps: the usual small response); False,
+        with nothing buffered, if they do not (then those three). Each header block must be at most 16384 bytes (the
+        smallest frame size a client may set). `StreamGone` if the stream or connection is gone."""
         stream = self._streams.get(stream_id)
         if stream is None or self.closed:
             raise StreamGone(stream_id)
-        size = len(data)
-        limit = self._max_frame
-        if size > self._send_window or size > stream.send_window or size > limit:
+        size = sum(map(len, pieces))
+        if size > self._send_window or size > stream.send_window or size > self._max_frame:
             return False
-        if len(headers) > limit or len(trailers) > limit:
-            return False
-        out = self._out
-        out += (_HEAD.pack(len(headers) >> 16, len(headers) & 0xFFFF, _HEADERS, _END_HEADERS, stream_id), headers)
-        self._buffer_data(stream_id, stream, data, size)
-        end = _END_HEADERS | _END_STREAM
-        out += (_HEAD.pack(len(trailers) >> 16, len(trailers) & 0xFFFF, _HEADERS, end, stream_id), trailers)
+        self._out += (_HEAD.pack(0, len(headers), _HEADERS, _END_HEADERS, stream_id), headers)
+        self._buffer_data(stream_id, stream, pieces, size)
+        self._out += (_HEAD.pack(0, len(trailers), _HEADERS, _END_HEADERS | _END_STREAM, stream_id), trailers)
         self._response_ended(stream_id, stream)
         return True
 
@@ -564,12 +573,13 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
                 self._waiters.append(waiter)
                 await waiter
                 continue
-            self._buffer_data(stream_id, stream, data if room == len(data) else view[:room].tobytes(), room)
+            self._buffer_data(stream_id, stream, (data if room == len(data) else view[:room].tobytes(),), room)
             view = view[room:]
 
-    def _buffer_data(self, stream_id: int, stream: _Stream, piece: bytes, size: int) -> None:
-        """One DATA frame of `piece` (`size` bytes, within both windows), counted against them."""
-        self._out += (_HEAD.pack(size >> 16, size & 0xFFFF, _DATA, 0, stream_id), piece)
+    def _buffer_data(self, stream_id: int, stream: _Stream, pieces: tuple[bytes, ...], size: int) -> None:
+        """One DATA frame of the concatenation of `pieces` (`size` bytes, within both windows), counted against
+        them."""
+        self._out += (_HEAD.pack(size >> 16, size & 0xFFFF, _DATA, 0, stream_id), *pieces)
         self._send_window -= size
         stream.send_window -= size
 

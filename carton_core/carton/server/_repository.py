@@ -97,8 +97,9 @@ class ServedVersion:
         self.batcher: DynamicBatcher | None = None
         #: Binary inference headers already checked against this version, by their bytes (see ``_http_codec``).
         self.request_plans: dict[bytes, Any] = {}
-        #: gRPC raw inputs already checked against this version, by their names, datatypes and shapes (see ``_grpc``).
-        self.input_plans: dict[tuple[Any, ...], Any] = {}
+        #: gRPC raw inputs already checked against this version, by their names, datatypes and shapes, and by the
+        #: learnt request forms checked against those (see ``_grpc``).
+        self.input_plans: dict[Any, Any] = {}
         #: JSON headers of all-binary inference responses, by the request's id and the outputs' layouts.
         self.response_heads: dict[tuple[Any, ...], bytes] = {}
         batching = config.dynamic_batching
