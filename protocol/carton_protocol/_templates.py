@@ -51,20 +51,25 @@ _U8 = struct.Struct(">B")
 _U16 = struct.Struct(">H")
 _U32 = struct.Struct(">I")
 _U64 = struct.Struct(">Q")
+_PACK_U8 = struct.Struct(">BB")
+_PACK_U16 = struct.Struct(">BH")
+_PACK_U32 = struct.Struct(">BI")
+_PACK_U64 = struct.Struct(">BQ")
 _SMALL_IDS = [bytes([value]) for value in range(128)]
 
 
 def pack_id(value: int) -> bytes:
     """A non-negative int in msgpack's shortest encoding (as msgspec's encoder writes it)."""
+    # The marker and the value in one `pack` (no concatenation after it).
     if value < 128:
         return _SMALL_IDS[value]
     if value < 1 << 8:
-        return b"\xcc" + _U8.pack(value)
+        return _PACK_U8.pack(0xCC, value)
     if value < 1 << 16:
-        return b"\xcd" + _U16.pack(value)
+        return _PACK_U16.pack(0xCD, value)
     if value < 1 << 32:
-        return b"\xce" + _U32.pack(value)
-    return b"\xcf" + _U64.pack(value)
+        return _PACK_U32.pack(0xCE, value)
+    return _PACK_U64.pack(0xCF, value)
 
 
 def _unpack_id(data: bytes, position: int) -> tuple[int, int]:
