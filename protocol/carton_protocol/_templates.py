@@ -96,14 +96,25 @@ def _unpack_id(data: bytes, position: int) -> tuple[int, int]:
 class Plan:
     """The tensors a cached header declares, each read from its own data frame."""
 
-    __slots__ = ("items",)
+    __slots__ = ("items", "single")
 
     def __init__(self, items: tuple[tuple[str, np.dtype[Any], tuple[int, ...], int, int, bool], ...]) -> None:
         self.items = items  # (name, dtype, shape, size, element count, is BOOL)
+        # A plan of one tensor that is neither empty nor BOOL (most models' one input or output): its name, dtype,
+        # shape and size, read without the general loop.
+        self.single: tuple[str, np.dtype[Any], tuple[int, ...], int] | None = None
+        if len(items) == 1 and items[0][4] > 0 and not items[0][5]:
+            self.single = items[0][:4]
 
     def decode(self, frames: Sequence[Any]) -> dict[str, Tensor]:
         """Arrays over the data frames' buffers (`zmq.Frame`s, whose length is their byte count), after the checks
         that depend on the data (frame count, sizes, BOOL)."""
+        single = self.single
+        if single is not None and len(frames) == 1:
+            name, dtype, shape, size = single
+            frame = frames[0]
+            if len(frame) == size:
+                return {name: np.ndarray(shape, dtype, frame)}
         items = self.items
         if len(frames) != len(items):
             raise FrameError(f"message has {len(frames)} data frames, the header accounts for {len(items)}")

@@ -64,7 +64,7 @@ class OnnxRunner(Runner):
     def infer(self, inputs: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
         # The usual call, written out here (every request's path): exactly the model's inputs, checked in one pass.
         graph_inputs = self._graph_inputs
-        feeds: Mapping[str, Any] = {}
+        feeds: Mapping[str, Any]
         run = self._checked_run
         if len(inputs) != len(graph_inputs):
             feeds, run = self._feeds(inputs), None
