@@ -316,20 +316,32 @@ class RunnerCodec(_Codec):
         if pool is None or not pool.dropped:
             last = self._last_reply
             if last is not None and len(tensors) == len(last[0]):
+                # The dtype by identity: numpy's built-in dtypes are single objects; another one takes the templates'
+                # lookup. One output (most models) is compared without the loop's iterators.
                 layout, tail = last
-                for (name, value), (known_name, known_dtype, known_shape) in zip(tensors.items(), layout):  # noqa: B905
-                    # The dtype by identity: numpy's built-in dtypes are single objects; another one takes the
-                    # templates' lookup.
+                if len(layout) == 1:
+                    ((name, value),) = tensors.items()
+                    known_name, known_dtype, known_shape = layout[0]
                     if (
-                        type(value) is not np.ndarray
-                        or value.dtype is not known_dtype
-                        or value.shape != known_shape
-                        or name != known_name
-                        or not value.flags.c_contiguous
+                        type(value) is np.ndarray
+                        and value.dtype is known_dtype
+                        and value.shape == known_shape
+                        and name == known_name
+                        and value.flags.c_contiguous
                     ):
-                        break
+                        return [REPLY_PREFIX + pack_id(request_id) + tail, value]
                 else:
-                    return [REPLY_PREFIX + pack_id(request_id) + tail, *tensors.values()]
+                    for (name, value), (known_name, known_dtype, known_shape) in zip(tensors.items(), layout):  # noqa: B905
+                        if (
+                            type(value) is not np.ndarray
+                            or value.dtype is not known_dtype
+                            or value.shape != known_shape
+                            or name != known_name
+                            or not value.flags.c_contiguous
+                        ):
+                            break
+                    else:
+                        return [REPLY_PREFIX + pack_id(request_id) + tail, *tensors.values()]
             parts = self._templates.encode(request_id, tensors, self._threshold)
             if parts is not None:
                 # The template took every tensor as an array: its parts after the header are those arrays.

@@ -51,20 +51,25 @@ _U8 = struct.Struct(">B")
 _U16 = struct.Struct(">H")
 _U32 = struct.Struct(">I")
 _U64 = struct.Struct(">Q")
+_PACK_U8 = struct.Struct(">BB")
+_PACK_U16 = struct.Struct(">BH")
+_PACK_U32 = struct.Struct(">BI")
+_PACK_U64 = struct.Struct(">BQ")
 _SMALL_IDS = [bytes([value]) for value in range(128)]
 
 
 def pack_id(value: int) -> bytes:
     """A non-negative int in msgpack's shortest encoding (as msgspec's encoder writes it)."""
+    # The marker and the value in one `pack` (no concatenation after it).
     if value < 128:
         return _SMALL_IDS[value]
     if value < 1 << 8:
-        return b"\xcc" + _U8.pack(value)
+        return _PACK_U8.pack(0xCC, value)
     if value < 1 << 16:
-        return b"\xcd" + _U16.pack(value)
+        return _PACK_U16.pack(0xCD, value)
     if value < 1 << 32:
-        return b"\xce" + _U32.pack(value)
-    return b"\xcf" + _U64.pack(value)
+        return _PACK_U32.pack(0xCE, value)
+    return _PACK_U64.pack(0xCF, value)
 
 
 def _unpack_id(data: bytes, position: int) -> tuple[int, int]:
@@ -91,14 +96,25 @@ def _unpack_id(data: bytes, position: int) -> tuple[int, int]:
 class Plan:
     """The tensors a cached header declares, each read from its own data frame."""
 
-    __slots__ = ("items",)
+    __slots__ = ("items", "single")
 
     def __init__(self, items: tuple[tuple[str, np.dtype[Any], tuple[int, ...], int, int, bool], ...]) -> None:
         self.items = items  # (name, dtype, shape, size, element count, is BOOL)
+        # A plan of one tensor that is neither empty nor BOOL (most models' one input or output): its name, dtype,
+        # shape and size, read without the general loop.
+        self.single: tuple[str, np.dtype[Any], tuple[int, ...], int] | None = None
+        if len(items) == 1 and items[0][4] > 0 and not items[0][5]:
+            self.single = items[0][:4]
 
     def decode(self, frames: Sequence[Any]) -> dict[str, Tensor]:
         """Arrays over the data frames' buffers (`zmq.Frame`s, whose length is their byte count), after the checks
         that depend on the data (frame count, sizes, BOOL)."""
+        single = self.single
+        if single is not None and len(frames) == 1:
+            name, dtype, shape, size = single
+            frame = frames[0]
+            if len(frame) == size:
+                return {name: np.ndarray(shape, dtype, frame)}
         items = self.items
         if len(frames) != len(items):
             raise FrameError(f"message has {len(frames)} data frames, the header accounts for {len(items)}")

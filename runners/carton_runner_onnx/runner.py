@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 from carton_protocol import InvalidInput, LoadContext, PackContext, PackResult, Runner, Tensor
-from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument
+from onnxruntime.capi.onnxruntime_pybind11_state import EPFail, InvalidArgument
 
 from ._errors import InvalidRunnerOption, OnnxRunnerError
 from ._files import check_external_data, find_model_file
@@ -52,18 +52,27 @@ class OnnxRunner(Runner):
         # `RunOptions` type for it, raising and clearing an AttributeError on every call; a real one binds at once.
         # It is only read during a run, so concurrent runs share it.
         self._run_options = ort.RunOptions()
+        # The binding's own `run`, for the call whose inputs `infer` has checked itself (exactly the model's inputs,
+        # all arrays) on a session that runs on the CPU alone: there the public `run`'s Python checks cannot fail
+        # (`bind` saw that every input the graph needs is declared; no `OrtValue` is fed; WebGPU graph capture needs
+        # WebGPU), and it is a large share of a small call. Its name is onnxruntime's, not public: a release without
+        # it keeps the public `run`.
+        binding_run = getattr(getattr(self._session, "_sess", None), "run", None)
+        cpu_only = self._session.get_providers() == ["CPUExecutionProvider"]
+        self._checked_run = binding_run if callable(binding_run) and cpu_only and self._graph_outputs else None
 
     def infer(self, inputs: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
         # The usual call, written out here (every request's path): exactly the model's inputs, checked in one pass.
         graph_inputs = self._graph_inputs
-        feeds: Mapping[str, Any] = {}
+        feeds: Mapping[str, Any]
+        run = self._checked_run
         if len(inputs) != len(graph_inputs):
-            feeds = self._feeds(inputs)
+            feeds, run = self._feeds(inputs), None
         elif self._feeds_as_given and type(inputs) is dict:
             feeds = inputs
             for name, value in inputs.items():
                 if type(value) is not np.ndarray or name not in graph_inputs:
-                    feeds = self._feeds(inputs)
+                    feeds, run = self._feeds(inputs), None
                     break
         else:
             built: dict[str, Any] = {}
@@ -71,11 +80,17 @@ class OnnxRunner(Runner):
             for name, value in inputs.items():
                 graph_name = graph_inputs.get(name)
                 if graph_name is None or type(value) is not np.ndarray:
-                    feeds = self._feeds(inputs)
+                    feeds, run = self._feeds(inputs), None
                     break
                 built[graph_name] = value
         try:
-            results = self._session.run(self._graph_outputs, feeds, self._run_options)
+            if run is None:
+                results = self._session.run(self._graph_outputs, feeds, self._run_options)
+            else:
+                try:
+                    results = run(self._graph_outputs, feeds, self._run_options)
+                except EPFail:  # the public `run` retries once on its fallback providers: let it
+                    results = self._session.run(self._graph_outputs, feeds, self._run_options)
         except InvalidArgument as exc:  # a dtype, rank or dimension the graph does not take: the caller's inputs
             raise InvalidInput(f"onnxruntime refused the inputs: {exc}") from exc
         except Exception as exc:  # onnxruntime's other pybind errors (Fail, ...) share no public base

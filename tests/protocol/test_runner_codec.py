@@ -98,10 +98,13 @@ def test_replies_in_the_last_layout_are_the_bytes_of_the_full_encoder(request_id
         {"y": [X]},  # nested
     ],
 )
-def test_a_reply_in_another_layout_is_encoded_as_the_full_encoder_encodes_it(changed: dict[str, Any]) -> None:
+@pytest.mark.parametrize("last", [{"y": X}, {"y": X, "w": X}, {"w": X, "y": X}])  # one output, or several
+def test_a_reply_in_another_layout_is_encoded_as_the_full_encoder_encodes_it(
+    changed: dict[str, Any], last: dict[str, Any]
+) -> None:
     codec = RunnerCodec(channel=None)
     for _ in range(2):
-        codec.reply(7, {"y": X})
+        codec.reply(7, last)
     parts = codec.reply(300, changed)
     encoded = encode_tensors(changed, pool=None, threshold=1 << 62)
     assert parts[0] == encode(InferReply(id=300, tensors=encoded.entries))

@@ -145,6 +145,47 @@ def test_a_learned_header_matches_only_identical_bytes_and_data_is_still_checked
 
 
 @pytest.mark.parametrize(
+    ("entry", "payload"),
+    [
+        (ENTRY, b"\x00\x00\x80\x3f\x00\x00\x00\x40"),
+        (BOOL_ENTRY, b"\x01\x00\x01"),
+        ({"name": "e", "datatype": "INT64", "shape": [0, 4], "size": 0}, b""),
+        ({"name": "s", "datatype": "UINT8", "shape": [], "size": 1}, b"\x07"),
+    ],
+)
+def test_a_one_tensor_plan_reads_and_refuses_what_the_full_decoder_does(entry: dict[str, Any], payload: bytes) -> None:
+    # One tensor takes a shorter path through `Plan.decode` (not for BOOL or empty ones): same arrays, same errors.
+    runner = Templates(limits=DEFAULT_LIMITS, sends=InferReply)
+    data = _learned(runner, {"op": "infer", "id": 300, "tensors": [entry]}, [payload])
+    matched = runner.match(data)
+    assert matched is not None and matched[0] == 300
+    decoded = decode_request(data, DEFAULT_LIMITS)
+    assert isinstance(decoded, Infer)
+    data_frames = frames(payload)
+    expected, _ = decode_tensors(
+        decoded.tensors, [memoryview(payload)], limits=DEFAULT_LIMITS, peer=None, copy_shared=False
+    )
+    outputs = matched[1].decode(data_frames)
+    name = entry["name"]
+    array = outputs[name]
+    assert list(outputs) == [name] and isinstance(array, np.ndarray)
+    assert array.dtype == expected[name].dtype and array.shape == expected[name].shape  # type: ignore[union-attr]
+    assert array.tobytes() == expected[name].tobytes()  # type: ignore[union-attr]
+    if payload:  # a writable view over the frame itself
+        assert array.flags.writeable and not array.flags.owndata
+    size = entry["size"]
+    with pytest.raises(FrameError, match="message has 2 data frames, the header accounts for 1"):
+        matched[1].decode(frames(payload, payload))
+    with pytest.raises(FrameError, match="message has 0 data frames, the header accounts for 1"):
+        matched[1].decode([])
+    with pytest.raises(FrameError, match=f"{name!r}: data frame is {size + 1} bytes, header says {size}"):
+        matched[1].decode(frames(payload + b"\x00"))
+    if entry is BOOL_ENTRY:
+        with pytest.raises(FrameError, match="BOOL bytes must be 0 or 1"):
+            matched[1].decode(frames(b"\x00\x02\x00"))
+
+
+@pytest.mark.parametrize(
     "header",
     [
         {"op": "infer", "id": 1, "tensors": [{**ENTRY, "shm": ["h0", 0]}]},
