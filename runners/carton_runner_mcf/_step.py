@@ -7,9 +7,11 @@ so a thread that starts late or is descheduled only does less of it:
    one contiguous share per thread, which the thread takes a chunk at a time from the front; a thread done with its
    share takes the others' chunks from their back (`_atomics.take_share`), so each thread streams its own rows'
    codes in one run, and one descheduled mid-phase holds up only its current chunk;
-2. attention, one unit per (row of the batch, query head): rotary embedding of its query and of its kv head's new
-   key, scores over the cache and the new slot, softmax, the weighted values; the first query head of a kv head
-   also stores the new key and value in the cache;
+2. attention, one unit per (row of the batch, query head), the units cut into one contiguous share per thread and
+   taken one at a time the same way (a thread's heads then mostly share kv heads, whose cached keys and values
+   stay in its core's caches): rotary embedding of its query and of its kv head's new key, scores over the cache
+   and the new slot, softmax, the weighted values; the first query head of a kv head also stores the new key and
+   value in the cache;
 3. o rows, the same way;
 4. gate and up rows together, the same way, each chunk finishing its rows' SwiGLU;
 5. down rows, the same way.
@@ -30,7 +32,7 @@ import math
 import numba
 import numpy as np
 
-from ._atomics import barrier, depart, take, take_share, wait_departures
+from ._atomics import barrier, depart, take_share, wait_departures
 from ._blocks import JIT
 from ._compiled import _decode_rows, _matmul_rows, quantize
 from ._fused import _rotate, rms_norm, softmax_weights
@@ -232,9 +234,11 @@ def decode_step(  # type: ignore[no-untyped-def]
         passed = barrier(control, passed, team)
         if passed < 0:
             return ABORTED
+        share = 0
         while True:
-            unit = take(control, counter + team)
-            if unit >= m * heads:
+            # One head a chunk, from contiguous shares (module docstring).
+            unit, _, share = take_share(control, counter + team, m * heads, m * heads, team, worker, share)
+            if unit < 0:
                 break
             b, head = unit // heads, unit % heads
             _attend(layer, b, head, groups, q, k, v, cos, sin, keys, values, key_mask, slot, scale, query, key, scores,

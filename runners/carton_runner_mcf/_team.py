@@ -6,11 +6,12 @@ caller is worker 0). The function releases the GIL and hands out its work with `
 phases with `_atomics.barrier`; helpers call `_atomics.depart` when done and the caller returns only after
 `_atomics.wait_departures`, so no helper still reads or writes a shared array when `run` returns.
 
-A run may also name a compiled ``serve`` loop and the arguments it ``serves``: a helper then calls
-``serve(serves, control, board, epoch, seen, worker, size)``, which runs the function for each run posted on those
-arguments and stays in compiled code between them (`_atomics.await_run`): the next run on the same ``serves``
-(compared by identity) is posted without the GIL or a condition (`_atomics.claim`), and the helper starts it at
-once. Per-run values reach it through arrays among ``serves`` that the caller fills before the run. The loop
+`Team.run_posting(function, args, serve=..., serves=...)` is a run whose caller posts it from compiled code: the
+helpers call a compiled ``serve`` loop, ``serve(serves, control, board, epoch, seen, worker, size)``, which runs
+the team function for each run posted on those arguments and stays in compiled code between them
+(`_atomics.await_run`): the next run on the same ``serves`` (compared by identity) is posted by the caller's
+compiled function without the GIL or a condition (`_atomics.claim`, `_atomics.post`), and the helper starts it at
+once. Per-run values reach it through arrays among ``serves`` that the caller fills before the post. The loop
 returns to Python when a run comes on other arguments, when the team closes, or after a few idle milliseconds.
 
 Plain Python threads, not a numba parallel region: every worker is an OS thread that exists for the team's life,
@@ -31,7 +32,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ._atomics import ABORT, GENERATION, await_post, board_size, claim, control_size, post, recall
+from ._atomics import ABORT, GENERATION, await_post, board_size, control_size, post, recall
 
 __all__ = ["CLAIM", "OK", "POSTED", "PREPARE", "UNCLAIMED", "Team", "TeamFailed"]
 
@@ -135,29 +136,13 @@ class Team:
             thread.start()
             self._threads.append(thread)
 
-    def run(
-        self,
-        function: Callable[..., int],
-        args: tuple[Any, ...],
-        *,
-        serve: Callable[..., int] | None = None,
-        serves: Any = None,
-    ) -> None:
+    def run(self, function: Callable[..., int], args: tuple[Any, ...]) -> None:
         """``function(*args, control, worker, size)`` on every thread of the team; raises `TeamFailed` when a thread
-        failed or the run was aborted. With ``serve``, the helpers run it on ``serves`` instead (module docstring):
-        the same function on arguments that hold the same data as ``args`` for this run."""
+        failed or the run was aborted."""
         with self._lock:
-            self._run(function, args, serve, serves)
-
-    def _run(
-        self, function: Callable[..., int], args: tuple[Any, ...], serve: Callable[..., int] | None, serves: Any
-    ) -> None:
-        self._check()
-        if self.size > 1 and serve is not None and self._serves(serve, serves) and claim(self._shared.board, self.size):
-            post(self.control, self._shared.board, self._epoch)
-        else:
-            self._post(function, args, serve, serves)
-        self._call(function, args, self.control, 0, self.size)
+            self._check()
+            self._post(function, args, None, None)
+            self._call(function, args, self.control, 0, self.size)
 
     def _check(self) -> None:
         """Raise `TeamFailed` when the team failed earlier or a helper has stopped; start the helpers first."""
@@ -190,8 +175,9 @@ class Team:
         self, function: Callable[..., int], args: tuple[Any, ...], *, serve: Callable[..., int], serves: Any
     ) -> int:
         """A run whose caller posts it from compiled code: ``function(*args, epoch, mode)`` runs the caller's part
-        (worker 0, on the team's ``control``, ``board`` and size, which ``args`` hold) and the helpers run ``serve``
-        on ``serves``, as with `run`. It is called first with `CLAIM` when the helpers' loops run ``serve`` on
+        (worker 0, on the team's ``control``, ``board`` and size, which ``args`` hold) and the helpers run their
+        compiled loop ``serve`` on ``serves`` (module docstring), which runs the same team function on arguments
+        that hold the same data as ``args``. It is called first with `CLAIM` when the helpers' loops run ``serve`` on
         ``serves`` already: it prepares the run's inputs (which the helpers read once the run is posted), claims
         the helpers (`_atomics.claim`) and posts the run on ``epoch`` itself (`_atomics.post`), so the helpers
         start before the caller's own part without the GIL or a condition; when one is not waiting there (or,

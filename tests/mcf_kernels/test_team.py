@@ -76,10 +76,12 @@ def _serves(threads: int, *, fail: int = -1, stay: bool = False) -> tuple[np.nda
 
 
 def _run(team: _team.Team, serves: tuple[np.ndarray, ...], value: int) -> None:
+    """A run of `_mark` with ``value`` that the caller posts from compiled code when the helpers wait in their loop
+    (`_team.Team.run_posting`), as the decode step's runs are."""
     into, steps = serves[0], serves[1]
     into[:] = 0
-    steps[0] = value
-    team.run(_mark, (into, steps), serve=_serve_marks, serves=serves)
+    args = (into, steps, value, team.control, team.board, team.size)
+    assert team.run_posting(_posting_mark, args, serve=_serve_marks, serves=serves) == _team.OK
     np.testing.assert_array_equal(into[:, 0], value)  # every unit once, with this run's value
 
 
