@@ -218,13 +218,18 @@ def _one_by_one(port: int, requests: list[bytes]) -> bytes:
     return bytes(received)
 
 
+def _handled(http: HttpApp, request: bytes) -> HttpResponse:
+    """`http`'s response to the whole HTTP `request` (made by `_request`), handled without a transport."""
+    head, _, rest = request.partition(b"\r\n\r\n")
+    headers = dict(line.split(b": ", 1) for line in head.split(b"\r\n")[1:])
+    return asyncio.run(http.handle(HttpRequest("POST", b"/v2/models/echo/infer", headers, rest)))
+
+
 def test_only_binary_inference_responses_get_a_fixed_head(app: tuple[HttpApp, ModelRepository]) -> None:
     http, _ = app
 
     def infer(body: bytes) -> HttpResponse:
-        head, _, rest = body.partition(b"\r\n\r\n")
-        headers = dict(line.split(b": ", 1) for line in head.split(b"\r\n")[1:])
-        return asyncio.run(http.handle(HttpRequest("POST", b"/v2/models/echo/infer", headers, rest)))
+        return _handled(http, body)
 
     x = np.ones((2, 16), dtype=np.float32)
     first, *binary = [infer(_request(x, outputs=_binary("OUTPUT0"), request_id="z")) for _ in range(3)]
@@ -249,9 +254,7 @@ def test_an_output_the_model_left_out_is_refused_on_the_planned_path(app: tuple[
     http, _ = app
 
     def infer(body: bytes) -> HttpResponse:
-        head, _, rest = body.partition(b"\r\n\r\n")
-        headers = dict(line.split(b": ", 1) for line in head.split(b"\r\n")[1:])
-        return asyncio.run(http.handle(HttpRequest("POST", b"/v2/models/echo/infer", headers, rest)))
+        return _handled(http, body)
 
     x = np.ones((1, 16), dtype=np.float32)
     for array in (-x, x, x, -x):  # full decoding, then planned (the plan is kept by the second request)

@@ -472,22 +472,7 @@ def encode_infer_response(
         for name, _ in selected:
             if not binary_of.get(name, default):
                 return _json_response(served, request, selected)
-    # Every output binary (what tritonclient asks for): the header depends only on the request's id and the
-    # outputs' names, datatypes, shapes and sizes, which repeat from request to request. (Plain loops: on this
-    # path each comprehension would be one more function object and frame per request.)
-    laid_out = []
-    parts: list[bytes | memoryview] = []
-    described: list[Any] = [request.id]
-    for name, tensor in selected:
-        datatype, array, data = output_tensor(name, tensor)
-        laid_out.append((name, datatype, array, data))
-        parts.append(data)
-        described.append((name, datatype, array.shape, len(data)))
-    key = tuple(described)
-    header = served.response_heads.get(key)
-    if header is None:
-        header = remember(served.response_heads, key, _binary_header(served, request, laid_out), _PLANS)
-    return header, parts
+    return _binary_response(served, request, [name for name, _ in selected], dict(selected))
 
 
 def encode_binary_response(
@@ -498,6 +483,16 @@ def encode_binary_response(
     names = request.names
     if names is None:
         return encode_infer_response(served, request, select_outputs(served, outputs, None))
+    return _binary_response(served, request, names, outputs)
+
+
+def _binary_response(
+    served: ServedVersion, request: InferBody, names: Sequence[str], outputs: Mapping[str, Tensor]
+) -> tuple[bytes, list[bytes | memoryview]]:
+    """The JSON header and parts of a response whose outputs `names` (taken from `outputs`) are all binary."""
+    # The header depends only on the request's id and the outputs' names, datatypes, shapes and sizes, which repeat
+    # from request to request. (Plain loops: on this path each comprehension would be one more function object and
+    # frame per request.)
     laid_out = []
     parts: list[bytes | memoryview] = []
     described: list[Any] = [request.id]
