@@ -297,6 +297,10 @@ class RunnerProcess:
                 + self._log_text(),
                 limit_seconds=cpu,
             )
+        if cpu is not None and signum in (signal.SIGXCPU, signal.SIGKILL):
+            # A reader of the signal would blame the limit: say what the accounting showed instead.
+            shown = "its CPU time is not known" if used is None else f"it used {used:.2f} s"
+            text += f" (not its CPU-time limit cpu_seconds={cpu:g}: {shown})"
         return RunnerCrashed(f"{text}{self._log_text()}", returncode=returncode, signal=signum)
 
     def _start_error(self, what: str) -> RunnerError:
