@@ -24,10 +24,17 @@ def isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     cache = tmp_path / "cache"
     monkeypatch.setenv("CARTON_CACHE_DIR", str(cache))
     monkeypatch.setenv("CARTON_SPARE_RUNNERS", "0")  # every runner this test starts is one it must see end
+    _EARLIER.clear()
+    _EARLIER.update(_all_children())
     yield cache
 
 
-def _children() -> list[int]:
+#: The test process's children when the current test started: not this test's (a worker process shared with other
+#: tests' files may have some).
+_EARLIER: set[int] = set()
+
+
+def _all_children() -> list[int]:
     me = str(os.getpid())
     found = []
     for entry in Path("/proc").iterdir():
@@ -41,11 +48,29 @@ def _children() -> list[int]:
     return found
 
 
+def _children() -> list[str]:
+    """The live children this test started, each as its pid and command line (for the failure's message)."""
+    found = []
+    for pid in _all_children():
+        if pid not in _EARLIER:
+            try:
+                command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                command = "?"
+            found.append(f"{pid}: {command.strip()}")
+    return found
+
+
 def _packed_mlp(tmp_path: Path) -> tuple[Path, bytes]:
     write_mlp(tmp_path / "model")
     data = (tmp_path / "model" / "model.onnx").read_bytes()
-    packed = carton.pack(tmp_path / "model", tmp_path / "mlp.carton", runner_name="onnxruntime",
-                         required_framework_version="*", compression="stored")
+    packed = carton.pack(
+        tmp_path / "model",
+        tmp_path / "mlp.carton",
+        runner_name="onnxruntime",
+        required_framework_version="*",
+        compression="stored",
+    )
     return packed, data
 
 
