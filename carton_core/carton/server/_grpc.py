@@ -161,9 +161,9 @@ def _decode_known(served: ServedVersion, request: KnownRequest) -> _Decoded | No
     """A request of a learnt form decoded as `_decode_request` decodes one with a known input plan; None without one
     (the version is new, or its plan was forgotten)."""
     form = request.form
-    # The form's inputs placed for this version, kept beside its plans once the form's sizes matched its plan and
-    # its requested outputs were found declared (a form is kept by identity: its fields are not hashed per request).
-    places = served.input_plans.get(form)
+    # The form's inputs placed for this version, kept once the form's sizes matched its plan and its requested
+    # outputs were found declared (a form is kept by identity: its fields are not hashed per request).
+    places = served.form_places.get(form)
     if places is None:
         plan = served.input_plans.get(form.key)
         if plan is None or form.sizes != tuple(entry[4] for entry in plan):
@@ -174,7 +174,7 @@ def _decode_known(served: ServedVersion, request: KnownRequest) -> _Decoded | No
             (name, numpy_dtype, shape, count, offset, size, offset % numpy_dtype.alignment == 0)
             for (name, numpy_dtype, shape, count, size), offset in zip(plan, form.offsets, strict=True)
         )
-        remember(served.input_plans, form, places, _PLANS)
+        remember(served.form_places, form, places, _PLANS)
     message = request.message
     inputs = {}
     for name, numpy_dtype, shape, count, offset, size, aligned in places:

@@ -206,6 +206,8 @@ _BINARY_CONTENT_TYPE = (b"content-type", b"application/octet-stream")
 _FIRST = itemgetter(0)
 #: How many request targets' segments an app remembers.
 _SEGMENTS_KEPT = 1024
+#: How many binary inference response heads an app remembers (one per response header: model, outputs' layout, id).
+_FIXED_HEADS_KEPT = 1024
 
 
 class _Target:
@@ -442,7 +444,7 @@ class HttpApp:
                 # head is the same for every response with this header.
                 fixed = self._fixed_heads.get(header)
                 if fixed is None:
-                    fixed = remember(self._fixed_heads, header, _binary_head(header, parts), _SEGMENTS_KEPT)
+                    fixed = remember(self._fixed_heads, header, _binary_head(header, parts), _FIXED_HEADS_KEPT)
                 return HttpResponse(200, fixed.headers, [header, *parts], fixed)
             length = (b"inference-header-content-length", b"%d" % len(header))
             return HttpResponse(200, [_BINARY_CONTENT_TYPE, length], [header, *parts])

@@ -76,8 +76,8 @@ class ServedVersion:
     """One loaded model version: the handle, its config, its counters and its in-flight requests."""
 
     __slots__ = (
-        "_drained", "batcher", "config", "handle", "in_flight", "input_plans", "input_specs", "model", "output_specs",
-        "request_plans", "response_heads", "state", "stats", "version", "version_str",
+        "_drained", "batcher", "config", "form_places", "handle", "in_flight", "input_plans", "input_specs", "model",
+        "output_specs", "request_plans", "response_heads", "state", "stats", "version", "version_str",
     )  # fmt: skip
 
     def __init__(self, *, model: str, version: int, handle: ModelHandle, config: ModelConfig, stats: VersionStats):
@@ -97,9 +97,11 @@ class ServedVersion:
         self.batcher: DynamicBatcher | None = None
         #: Binary inference headers already checked against this version, by their bytes (see ``_http_codec``).
         self.request_plans: dict[bytes, Any] = {}
-        #: gRPC raw inputs already checked against this version, by their names, datatypes and shapes, and by the
-        #: learnt request forms checked against those (see ``_grpc``).
-        self.input_plans: dict[Any, Any] = {}
+        #: gRPC raw inputs already checked against this version, by their names, datatypes and shapes (see ``_grpc``).
+        self.input_plans: dict[tuple[Any, ...], Any] = {}
+        #: Where each learnt gRPC request form's inputs lie, by the form (by identity), once checked against this
+        #: version's input plan and declared outputs (see ``_grpc``).
+        self.form_places: dict[Any, Any] = {}
         #: JSON headers of all-binary inference responses, by the request's id and the outputs' layouts.
         self.response_heads: dict[tuple[Any, ...], bytes] = {}
         batching = config.dynamic_batching
