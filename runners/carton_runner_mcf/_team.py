@@ -188,20 +188,22 @@ class Team:
         with self._lock:
             self._check()
             mode = CLAIM if self.size == 1 or self._serves(serve, serves) else PREPARE
-            status = self._call(function, args, self._epoch, mode)
+            status = self._call(function, args, self._epoch, mode, declinable=True)
             if status != UNCLAIMED:
                 return status
             self._post(function, args, serve, serves)
-            return self._call(function, args, self._epoch, POSTED)
+            return self._call(function, args, self._epoch, POSTED, declinable=True)
 
-    def _call(self, function: Callable[..., int], args: tuple[Any, ...], *extra: Any) -> int:
+    def _call(self, function: Callable[..., int], args: tuple[Any, ...], *extra: Any, declinable: bool = False) -> int:
+        """The caller's part of a run; its status when it declined the run before posting it (`declinable`: a
+        `run_posting` function's `UNCLAIMED` or lower), else `OK`, or `TeamFailed`."""
         try:
             status = function(*args, *extra)
         except BaseException:
             self.control[ABORT] = 1
             self._broken = True
             raise
-        if status <= UNCLAIMED:
+        if declinable and status <= UNCLAIMED:
             return status
         if status != OK or self.control[ABORT] != 0:
             self._broken = True
