@@ -26,6 +26,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import carton
@@ -99,13 +100,8 @@ def row(name: str, samples: list[float], reference: float) -> str:
 
 
 def bench_small(repeat: int) -> None:
-    from carton_protocol import Infer
-    from carton_protocol._framing import encode_tensors
-    from carton_protocol._messages import encode
-
     x = np.random.default_rng(0).random((1, 16), dtype=np.float32)
-    encoded = encode_tensors({"x": x}, pool=None, threshold=1 << 62)
-    frames = [encode(Infer(id=1, tensors=encoded.entries)), x.tobytes()]
+    frames = raw_infer_frames({"x": x})
     declared = (TensorSpec(name="x", dtype=DType.FLOAT32, shape=("batch", 16)),)
     outputs = (TensorSpec(name="x", dtype=DType.FLOAT32, shape=("batch", 16)),)
     with tempfile.TemporaryDirectory() as folder:
@@ -231,54 +227,81 @@ def _thread_usage(pid: int) -> dict[int, tuple[str, int, int]]:
     return usage
 
 
-def bench_hop(calls: int) -> None:
-    """`Model.infer` of the ONNX identity carton vs raw REQ/REP, with CPU and switches per call by thread."""
-    from bench_server import build_repository
+def raw_infer_frames(tensors: dict[str, np.ndarray]) -> list[bytes]:
+    """The frames of an infer request carrying ``tensors`` inline, as the host sends it: what the raw REQ/REP
+    reference sends and its echo server answers."""
     from carton_protocol import Infer
     from carton_protocol._framing import encode_tensors
     from carton_protocol._messages import encode
 
+    encoded = encode_tensors(tensors, pool=None, threshold=1 << 62)
+    return [encode(Infer(id=1, tensors=encoded.entries)), *(array.tobytes() for array in tensors.values())]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Hop:
+    """`measure_hop`'s result, by path (``model``: `Model.infer`; ``raw``: the REQ/REP round trip): each timed call's
+    seconds, and by (side, role) of a thread (side ``caller`` or ``peer``; role as `_thread_usage` says) its CPU
+    nanoseconds and context switches over all the timed calls."""
+
+    samples: dict[str, list[float]]
+    totals: dict[str, dict[tuple[str, str], list[int]]]
+
+    def per_call(self, path: str, side: str, role: str | None = None) -> tuple[float, float]:
+        """CPU microseconds and switches per call of ``path`` on ``side``'s threads of ``role`` (None: all)."""
+        picked = [total for (at, kind), total in self.totals[path].items() if at == side and role in (None, kind)]
+        calls = len(self.samples[path])
+        return sum(total[0] for total in picked) / 1e3 / calls, sum(total[1] for total in picked) / calls
+
+
+def measure_hop(model_file: Path, calls: int, rounds: int = 10) -> Hop:
+    """`Model.infer` of ``model_file`` (the [1,16] FP32 identity carton, input ``INPUT0``) against a raw pyzmq REQ/REP
+    round trip of the same bytes between two processes, interleaved in ``rounds``, each path warmed before its block:
+    every call's time, and each thread's CPU time and switches (from /proc) in both processes."""
     x = np.random.default_rng(0).random((1, 16), dtype=np.float32)
-    frames = [
-        encode(Infer(id=1, tensors=encode_tensors({"INPUT0": x}, pool=None, threshold=1 << 62).entries)),
-        x.tobytes(),
-    ]
+    frames = raw_infer_frames({"INPUT0": x})
+    raw = RawZmq()
+    model = carton.load(model_file)
+    try:
+        model.infer({"INPUT0": x})
+        process = model._workers[0].process
+        assert process is not None and process.runner_pid is not None and raw.server.pid is not None
+        pids = {"raw": (os.getpid(), raw.server.pid), "model": (os.getpid(), process.runner_pid)}
+        paths: dict[str, Callable[[], object]] = {
+            "raw": lambda: raw.call(frames),
+            "model": lambda: model.infer({"INPUT0": x}),
+        }
+        hop = Hop(samples={name: [] for name in paths}, totals={name: {} for name in paths})
+        for _ in range(rounds):
+            for name, call in paths.items():
+                for _ in range(50):
+                    call()
+                before = [_thread_usage(pid) for pid in pids[name]]
+                for _ in range(calls // rounds):
+                    started = time.perf_counter()
+                    call()
+                    hop.samples[name].append(time.perf_counter() - started)
+                after = [_thread_usage(pid) for pid in pids[name]]
+                for side, first, last in zip(("caller", "peer"), before, after, strict=True):
+                    for tid, (role, cpu, switches) in last.items():
+                        start = first.get(tid, (role, 0, 0))  # a thread started meanwhile counts from 0
+                        total = hop.totals[name].setdefault((side, role), [0, 0])
+                        total[0] += cpu - start[1]
+                        total[1] += switches - start[2]
+    finally:
+        model.close()
+        raw.close()
+    return hop
+
+
+def bench_hop(calls: int) -> None:
+    """`Model.infer` of the ONNX identity carton vs raw REQ/REP, with CPU and switches per call by thread."""
+    from bench_server import build_repository
+
+    rounds = 10
     with tempfile.TemporaryDirectory() as folder:
-        raw = RawZmq()
-        model = carton.load(build_repository(Path(folder)) / "identity" / "1" / "model.carton")
-        try:
-            model.infer({"INPUT0": x})
-            process = model._workers[0].process
-            assert process is not None and process.runner_pid is not None and raw.server.pid is not None
-            pids = {"raw": (os.getpid(), raw.server.pid), "model": (os.getpid(), process.runner_pid)}
-            paths: dict[str, Callable[[], object]] = {
-                "raw": lambda: raw.call(frames),
-                "model": lambda: model.infer({"INPUT0": x}),
-            }
-            samples: dict[str, list[float]] = {name: [] for name in paths}
-            # (side, role) -> [nanoseconds, switches] over every timed call of the path
-            totals: dict[str, dict[tuple[str, str], list[int]]] = {name: {} for name in paths}
-            rounds = 10
-            for _ in range(rounds):
-                for name, call in paths.items():
-                    for _ in range(50):
-                        call()
-                    before = [_thread_usage(pid) for pid in pids[name]]
-                    for _ in range(calls // rounds):
-                        started = time.perf_counter()
-                        call()
-                        samples[name].append(time.perf_counter() - started)
-                    after = [_thread_usage(pid) for pid in pids[name]]
-                    for side, first, last in zip(("caller", "peer"), before, after, strict=True):
-                        for tid, (role, cpu, switches) in last.items():
-                            start = first.get(tid, (role, 0, 0))  # a thread started meanwhile counts from 0
-                            total = totals[name].setdefault((side, role), [0, 0])
-                            total[0] += cpu - start[1]
-                            total[1] += switches - start[2]
-        finally:
-            model.close()
-            raw.close()
-    raw_p50, model_p50 = (percentiles(samples[name])[0] for name in ("raw", "model"))
+        hop = measure_hop(build_repository(Path(folder)) / "identity" / "1" / "model.carton", calls, rounds)
+    raw_p50, model_p50 = (percentiles(hop.samples[name])[0] for name in ("raw", "model"))
     print(f"\n## The hop by thread: Model.infer of a [1,16] ONNX identity carton vs raw pyzmq REQ/REP "
           f"({calls} calls each, {rounds} interleaved rounds, load {os.getloadavg()[0]:.2f})\n")
     print(f"p50: Model.infer {model_p50 * 1e6:.1f} us, raw {raw_p50 * 1e6:.1f} us, ratio {model_p50 / raw_p50:.2f}x\n")
@@ -295,8 +318,8 @@ def bench_hop(calls: int) -> None:
     for (side, role), label in labels.items():
         cells = []
         for name in ("model", "raw"):
-            nanoseconds, switches = totals[name].get((side, role), [0, 0])
-            cells += [f"{nanoseconds / 1e3 / len(samples[name]):.1f} us", f"{switches / len(samples[name]):.2f}"]
+            cpu, switches = hop.per_call(name, side, role)
+            cells += [f"{cpu:.1f} us", f"{switches:.2f}"]
         print(f"| {label} | {' | '.join(cells)} |")
 
 

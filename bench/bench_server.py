@@ -537,43 +537,11 @@ def print_model_infer_ratio(repo: Path, calls: int) -> None:
     """`Model.infer` of the [1,16] ONNX identity carton against a raw pyzmq REQ/REP round trip of the same bytes
     between two processes, interleaved in rounds (the issue's in-process goal: at most 1.5x), with the CPU time one
     call costs in the calling process and in its peer (every thread of each, ZeroMQ's I/O threads included)."""
-    import carton
-    from _timing import process_cpu_seconds
-    from bench_runtime import RawZmq
-    from carton_protocol import Infer
-    from carton_protocol._framing import encode_tensors
-    from carton_protocol._messages import encode
+    from bench_runtime import measure_hop
 
-    x = np.random.default_rng(0).random((1, 16), dtype=np.float32)
-    frames = [
-        encode(Infer(id=1, tensors=encode_tensors({"INPUT0": x}, pool=None, threshold=1 << 62).entries)),
-        x.tobytes(),
-    ]
-    raw = RawZmq()
-    model = carton.load(repo / "identity" / "1" / "model.carton")
-    model.infer({"INPUT0": x})
-    process = model._workers[0].process
-    assert process is not None and process.runner_pid is not None and raw.server.pid is not None
-    peers = {"raw": raw.server.pid, "model": process.runner_pid}
-    samples: dict[str, list[float]] = {"raw": [], "model": []}
-    cpu: dict[str, list[float]] = {"raw": [0.0, 0.0], "model": [0.0, 0.0]}  # caller, peer: seconds over all calls
-    try:
-        for _ in range(10):
-            for name, call in (("raw", lambda: raw.call(frames)), ("model", lambda: model.infer({"INPUT0": x}))):
-                for _ in range(50):
-                    call()
-                caller, peer = time.process_time(), process_cpu_seconds(peers[name])
-                for _ in range(calls // 10):
-                    started = time.perf_counter()
-                    call()
-                    samples[name].append(time.perf_counter() - started)
-                cpu[name][0] += time.process_time() - caller
-                cpu[name][1] += process_cpu_seconds(peers[name]) - peer
-    finally:
-        raw.close()
-        model.close()
-    raw_p50, model_p50 = (statistics.median(samples[name]) * 1e6 for name in ("raw", "model"))
-    per_call = {name: [seconds / len(samples[name]) * 1e6 for seconds in cpu[name]] for name in cpu}
+    hop = measure_hop(repo / "identity" / "1" / "model.carton", calls)
+    raw_p50, model_p50 = (statistics.median(hop.samples[name]) * 1e6 for name in ("raw", "model"))
+    per_call = {name: [hop.per_call(name, side)[0] for side in ("caller", "peer")] for name in ("raw", "model")}
     print(
         f"\nModel.infer, [1,16] ONNX identity carton: p50 {model_p50:.1f} us; raw pyzmq REQ/REP: {raw_p50:.1f} us; "
         f"ratio {model_p50 / raw_p50:.2f}x (goal <= 1.5x); load {os.getloadavg()[0]:.2f}\n"
