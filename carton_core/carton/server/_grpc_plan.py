@@ -204,9 +204,12 @@ class ResponsePrefixes:
         head: bytes = head_message.SerializeToString()
         before = head + _id_field(request_id)
         if rest.startswith(before):
-            remember(self._parts, key, (head, rest[len(before) :]), _PREFIXES)
-            if self.serialize(key, request_id, datas) != payload:
-                del self._parts[key]
+            # Tried first, outside the bound (a mismatch must not empty the cache): `serialize` reads it.
+            parts = self._parts[key] = (head, rest[len(before) :])
+            made = self.serialize(key, request_id, datas)
+            del self._parts[key]
+            if made == payload:
+                remember(self._parts, key, parts, _PREFIXES)
         return payload
 
 
