@@ -14,7 +14,7 @@ from carton_protocol import OptValue
 
 from ._errors import InvalidRunnerOption
 
-__all__ = ["KNOWN_OPTIONS", "GraphOptimization", "OnnxOptions", "parse_options"]
+__all__ = ["KNOWN_OPTIONS", "GraphOptimization", "OnnxOptions", "Spinning", "parse_options"]
 
 
 class GraphOptimization(enum.StrEnum):
@@ -27,6 +27,14 @@ class GraphOptimization(enum.StrEnum):
     ALL = "all"
 
 
+class Spinning(enum.StrEnum):
+    """Values of the ``intra_op_spinning`` opt: when onnxruntime's pool threads spin waiting for work."""
+
+    RUN = "run"  # during a run; they block once the last concurrent run returns (`session.force_spinning_stop`)
+    ALWAYS = "always"  # during and after runs (onnxruntime's own default)
+    NEVER = "never"  # never: they block whenever they have no work (`session.intra_op.allow_spinning = 0`)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class OnnxOptions:
     """Parsed runner opts; ``None`` leaves onnxruntime's default in place."""
@@ -36,12 +44,17 @@ class OnnxOptions:
     inter_op_threads: int | None = None
     graph_optimization_level: GraphOptimization | None = None
     execution_providers: tuple[str, ...] = ()
+    # onnxruntime's default: stopping the spin when a run ends saves CPU between requests but makes a multi-op
+    # model's next run wake its pool threads, which costs latency when requests come close together
+    # (docs/performance.md has the measurements).
+    intra_op_spinning: Spinning = Spinning.ALWAYS
 
 
 KNOWN_OPTIONS = (
     "execution_providers",
     "graph_optimization_level",
     "inter_op_threads",
+    "intra_op_spinning",
     "intra_op_threads",
     "model_file",
 )
@@ -54,15 +67,20 @@ def parse_options(opts: Mapping[str, OptValue], warn: Callable[[str], None]) -> 
         names = ", ".join(repr(name) for name in unknown)
         warn(f"onnxruntime runner: ignoring unknown runner opts {names} (known: {', '.join(KNOWN_OPTIONS)})")
     level = opts.get("graph_optimization_level")
-    if level is not None and level not in set(GraphOptimization):
+    if level is not None and (not isinstance(level, str) or level not in set(GraphOptimization)):
         allowed = ", ".join(repr(value.value) for value in GraphOptimization)
         raise InvalidRunnerOption(f"runner opt 'graph_optimization_level' must be one of {allowed}, got {level!r}")
+    spinning = opts.get("intra_op_spinning", Spinning.ALWAYS.value)
+    if not isinstance(spinning, str) or spinning not in set(Spinning):
+        allowed = ", ".join(repr(value.value) for value in Spinning)
+        raise InvalidRunnerOption(f"runner opt 'intra_op_spinning' must be one of {allowed}, got {spinning!r}")
     return OnnxOptions(
         model_file=_optional_str(opts, "model_file"),
         intra_op_threads=_optional_thread_count(opts, "intra_op_threads"),
         inter_op_threads=_optional_thread_count(opts, "inter_op_threads"),
         graph_optimization_level=None if level is None else GraphOptimization(str(level)),
         execution_providers=_providers(opts.get("execution_providers")),
+        intra_op_spinning=Spinning(str(spinning)),
     )
 
 

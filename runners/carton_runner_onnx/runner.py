@@ -13,7 +13,7 @@ from onnxruntime.capi.onnxruntime_pybind11_state import EPFail, InvalidArgument
 
 from ._errors import InvalidRunnerOption, OnnxRunnerError
 from ._files import check_external_data, find_model_file
-from ._options import GraphOptimization, OnnxOptions, parse_options
+from ._options import GraphOptimization, OnnxOptions, Spinning, parse_options
 from ._specs import ORT_TYPES, Binding, bind, spec_from_node_arg
 
 __all__ = ["OnnxRunner"]
@@ -24,6 +24,12 @@ _LEVELS = {
     GraphOptimization.EXTENDED: "ORT_ENABLE_EXTENDED",
     GraphOptimization.LAYOUT: "ORT_ENABLE_LAYOUT",
     GraphOptimization.ALL: "ORT_ENABLE_ALL",
+}
+# The session config entries each `intra_op_spinning` sets (onnxruntime's keys; "always" leaves its defaults).
+_SPINNING_ENTRIES = {
+    Spinning.RUN: {"session.force_spinning_stop": "1"},
+    Spinning.ALWAYS: {},
+    Spinning.NEVER: {"session.intra_op.allow_spinning": "0", "session.inter_op.allow_spinning": "0"},
 }
 # Graph output types that onnxruntime's `run` always returns as a numeric (or bool) numpy array, passed on as they are.
 _ARRAY_OUTPUTS = frozenset(ORT_TYPES) - {"tensor(string)"} | {"tensor(bool)", "tensor(float16)"}
@@ -163,6 +169,8 @@ def _open_session(model_dir: Path, options: OnnxOptions, warn: Callable[[str], N
                 f" is not supported by onnxruntime {ort.__version__}"
             )
         session_options.graph_optimization_level = level
+    for key, value in _SPINNING_ENTRIES[options.intra_op_spinning].items():
+        session_options.add_session_config_entry(key, value)
     try:
         return ort.InferenceSession(
             str(model_path), sess_options=session_options, providers=_providers(options.execution_providers, warn)

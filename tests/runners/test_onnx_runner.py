@@ -47,6 +47,14 @@ def _load(model_dir: Path, *, opts: dict | None = None, inputs=(), outputs=(), w
     return runner
 
 
+def _config_entry(options: ort.SessionOptions, key: str) -> str:
+    """A session config entry, or "" when none was set (onnxruntime's own default applies)."""
+    try:
+        return options.get_session_config_entry(key)
+    except RuntimeError:  # onnxruntime's answer for a key never set
+        return ""
+
+
 def _reference(path: Path, feeds: dict) -> list:
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     return session.run(None, feeds)
@@ -432,11 +440,30 @@ def test_graph_optimization_levels_give_the_same_result(tmp_path: Path, level: s
     assert np.allclose(got, _reference(path, {"x": x})[0], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("opts, entries", [
+    ({}, {"session.force_spinning_stop": "", "session.intra_op.allow_spinning": ""}),
+    ({"intra_op_spinning": "run"}, {"session.force_spinning_stop": "1", "session.intra_op.allow_spinning": ""}),
+    ({"intra_op_spinning": "always"}, {"session.force_spinning_stop": "", "session.intra_op.allow_spinning": ""}),
+    ({"intra_op_spinning": "never"}, {"session.force_spinning_stop": "", "session.intra_op.allow_spinning": "0",
+                                      "session.inter_op.allow_spinning": "0"}),
+])
+def test_intra_op_spinning_reaches_the_session(tmp_path: Path, opts: dict, entries: dict[str, str]) -> None:
+    path = write_mlp(tmp_path)
+    runner = _load(tmp_path, opts=opts)
+    config = runner._session.get_session_options()
+    assert {key: _config_entry(config, key) for key in entries} == entries
+    x = sample(DType.FLOAT32, (3, 16))
+    assert np.array_equal(runner.infer({"x": x})["probs"], _reference(path, {"x": x})[0])
+
+
 @pytest.mark.parametrize("opts, message", [
     ({"intra_op_threads": "2"}, "runner opt 'intra_op_threads' must be an integer >= 0"),
     ({"inter_op_threads": True}, "runner opt 'inter_op_threads' must be an integer >= 0"),
     ({"intra_op_threads": -1}, "runner opt 'intra_op_threads' must be an integer >= 0"),
     ({"graph_optimization_level": "fast"}, "runner opt 'graph_optimization_level' must be one of"),
+    ({"graph_optimization_level": ["all"]}, "runner opt 'graph_optimization_level' must be one of"),
+    ({"intra_op_spinning": "sometimes"}, "runner opt 'intra_op_spinning' must be one of 'run', 'always', 'never'"),
+    ({"intra_op_spinning": True}, "runner opt 'intra_op_spinning' must be one of"),
     ({"execution_providers": [1, 2]}, "runner opt 'execution_providers' must be a list of provider names"),
     ({"model_file": 3}, "runner opt 'model_file' must be a non-empty string"),
 ])
