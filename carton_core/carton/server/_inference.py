@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from time import perf_counter_ns
 from typing import Any
 
 import numpy as np
@@ -41,6 +41,7 @@ __all__ = [
     "request_failed",
     "request_succeeded",
     "select_outputs",
+    "single_succeeded",
     "translate_error",
 ]
 
@@ -194,7 +195,7 @@ def request_failed(
     """End a failed inference of `served` (HTTP or gRPC): release the version, count the failure, and return the
     error to answer with."""
     served.exit()
-    now = time.perf_counter_ns()
+    now = perf_counter_ns()
     served.stats.record_failure(total_ns=now - started_ns, now_ns=now)
     return translate_error(exc, scrub, served)
 
@@ -202,10 +203,23 @@ def request_failed(
 def request_succeeded(served: ServedVersion, *, started_ns: int, decoded_ns: int, inferred_ns: int) -> None:
     """End a successful inference of `served`: record its timings and release the version."""
     try:
-        now = time.perf_counter_ns()
+        now = perf_counter_ns()
         served.stats.record_success(
             total_ns=now - started_ns, input_ns=decoded_ns - started_ns, output_ns=now - inferred_ns, now_ns=now
         )
+    finally:
+        served.exit()
+
+
+def single_succeeded(served: ServedVersion, *, started_ns: int, decoded_ns: int, inferred_ns: int) -> None:
+    """`request_succeeded` for a request that ran the model through `ServedVersion.direct` (its execution is counted
+    with it)."""
+    try:
+        now = perf_counter_ns()
+        served.stats.record_single(
+            total_ns=now - started_ns, input_ns=decoded_ns - started_ns, output_ns=now - inferred_ns,
+            infer_ns=inferred_ns - decoded_ns, now_ns=now,
+        )  # fmt: skip
     finally:
         served.exit()
 

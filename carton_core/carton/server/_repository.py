@@ -76,8 +76,8 @@ class ServedVersion:
     """One loaded model version: the handle, its config, its counters and its in-flight requests."""
 
     __slots__ = (
-        "_drained", "batcher", "config", "form_places", "handle", "in_flight", "input_plans", "input_specs", "model",
-        "output_specs", "request_plans", "response_heads", "state", "stats", "version", "version_str",
+        "_drained", "batcher", "config", "direct", "form_places", "handle", "in_flight", "input_plans", "input_specs",
+        "model", "output_specs", "request_plans", "response_heads", "state", "stats", "version", "version_str",
     )  # fmt: skip
 
     def __init__(self, *, model: str, version: int, handle: ModelHandle, config: ModelConfig, stats: VersionStats):
@@ -95,6 +95,10 @@ class ServedVersion:
         #: a request does not clear and set an event of its own.
         self._drained: asyncio.Future[None] | None = None
         self.batcher: DynamicBatcher | None = None
+        #: The handle's `infer`, for a caller that runs every request as an execution of its own (batch size 1) and
+        #: records it with `VersionStats.record_single` (or, if it fails after the model ran, `record_execution`);
+        #: None when the model batches, and every request must go through `infer`.
+        self.direct = handle.infer if config.max_batch_size == 0 else None
         #: Binary inference headers already checked against this version, by their bytes (see ``_http_codec``).
         self.request_plans: dict[bytes, Any] = {}
         #: gRPC raw inputs already checked against this version, by their names, datatypes and shapes (see ``_grpc``).
