@@ -129,8 +129,9 @@ def check_requested(served: ServedVersion, requested: Iterable[str]) -> None:
             raise BadRequest(f"unexpected inference output {name!r} for model {served.model!r}")
 
 
-#: Fixed-size output dtypes met so far: the KServe datatype of each and the little-endian dtype it is sent in.
-_SENT_AS: dict[np.dtype[Any], tuple[str, np.dtype[Any]]] = {}
+#: Fixed-size output dtypes met so far: the KServe datatype of each, the little-endian dtype it is sent in, and
+#: whether that is the dtype itself.
+_SENT_AS: dict[np.dtype[Any], tuple[str, np.dtype[Any], bool]] = {}
 
 
 def output_tensor(name: str, tensor: Tensor) -> tuple[str, np.ndarray, bytes | memoryview]:
@@ -145,7 +146,15 @@ def output_tensor(name: str, tensor: Tensor) -> tuple[str, np.ndarray, bytes | m
             raise ServerError(str(exc)) from exc
         if datatype == "BYTES":
             return datatype, tensor, encode_bytes_elements(tensor)
-        sent = _SENT_AS[tensor.dtype] = (datatype, tensor.dtype.newbyteorder("<"))
+        little = tensor.dtype.newbyteorder("<")
+        sent = _SENT_AS[tensor.dtype] = (datatype, little, little == tensor.dtype)
+    if sent[2] and tensor.ndim:
+        # Already in the dtype it is sent in: its bytes as they lie, unless they are not C-contiguous, which the
+        # cast refuses. (A scalar goes through `ascontiguousarray`, which makes it shape [1].)
+        try:
+            return sent[0], tensor, tensor.data.cast("B")
+        except TypeError:
+            pass
     array = np.ascontiguousarray(tensor, dtype=sent[1])
     return sent[0], array, array.data.cast("B")
 

@@ -77,7 +77,8 @@ class ServedVersion:
 
     __slots__ = (
         "_drained", "batcher", "config", "direct", "form_places", "handle", "in_flight", "input_plans", "input_specs",
-        "model", "output_specs", "request_plans", "response_heads", "state", "stats", "version", "version_str",
+        "last_plan", "model", "output_specs", "request_plans", "response_heads", "state", "stats", "version",
+        "version_str",
     )  # fmt: skip
 
     def __init__(self, *, model: str, version: int, handle: ModelHandle, config: ModelConfig, stats: VersionStats):
@@ -101,6 +102,8 @@ class ServedVersion:
         self.direct = handle.infer if config.max_batch_size == 0 else None
         #: Binary inference headers already checked against this version, by their bytes (see ``_http_codec``).
         self.request_plans: dict[bytes, Any] = {}
+        #: The header of the last request decoded from one of those, and its plan.
+        self.last_plan: tuple[bytes, Any] | None = None
         #: gRPC raw inputs already checked against this version, by their names, datatypes and shapes (see ``_grpc``).
         self.input_plans: dict[tuple[Any, ...], Any] = {}
         #: Where each learnt gRPC request form's inputs lie, by the form (by identity), once checked against this
