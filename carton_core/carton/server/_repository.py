@@ -267,8 +267,12 @@ class ModelRepository:
     def acquire(self, name: str, version: str = "") -> ServedVersion:
         """The ready version serving `name` (the given one, else the latest), entered for one request: the caller
         must `ServedVersion.exit` it. `ModelNotFound` if there is none."""
-        served = self.get(name, version)
-        served.enter()
+        model = self._models.get(name)
+        serving = model.serving if model is not None else None
+        # The usual request, for the latest version, without a call of `get`.
+        served = serving[max(serving)] if serving and not version else self.get(name, version)
+        served.in_flight += 1  # (`ServedVersion.enter`, inline)
+        served.stats.series.in_flight += 1
         return served
 
     def is_ready(self) -> bool:
