@@ -12,9 +12,10 @@ import numpy as np
 import orjson
 import pytest
 from carton.server._http import HttpApp
-from carton.server._http_messages import HttpRequest, HttpResponse
+from carton.server._http_messages import DIGITS, HttpRequest, HttpResponse, read_digits, whole_body
 from carton.server._repository import ModelRepository, RepositoryOptions
 from carton.server._stats import ServerMetrics
+from carton.server.errors import BadRequest, RequestTooLarge
 from carton_protocol import DType, TensorSpec
 
 
@@ -217,3 +218,16 @@ def test_a_planned_request_answers_its_outputs_as_the_full_path_does(
     again = _infer(app, body, len(encoded))  # from the plan
     assert first.status == again.status == 200
     assert (first.headers, first.body()) == (again.headers, again.body())
+
+
+def test_length_values_read_once_mean_what_they_say() -> None:
+    # `Content-Length` values of digits only are kept once read (`DIGITS`); others are read every time.
+    for _ in range(2):
+        assert whole_body(b"x" * 12, declared=b"12", limit=100) == b"x" * 12
+        with pytest.raises(RequestTooLarge, match="101 bytes"):
+            whole_body(b"", declared=b"101", limit=100)
+        assert whole_body(b"abc", declared=b" 3 ", limit=100) == b"abc"
+        with pytest.raises(BadRequest, match="not a number"):
+            whole_body(b"abc", declared=b"3x", limit=100)
+    assert DIGITS[b"12"] == 12 and DIGITS[b"101"] == 101 and b" 3 " not in DIGITS
+    assert read_digits(b"0042") == 42 and read_digits(b"4 2") is None and read_digits(b"") is None

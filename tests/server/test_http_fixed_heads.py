@@ -266,3 +266,9 @@ def test_an_output_the_model_left_out_is_refused_on_the_planned_path(app: tuple[
         else:
             assert response.status == 200
     assert len(app[1].get("echo").request_plans) == 1
+    # Each of the four ran the model (an execution of its own); two failed after it ran.
+    stats = app[1].get("echo").stats.to_json()
+    assert (stats["execution_count"], stats["inference_count"]) == (4, 4)
+    assert stats["inference_stats"]["compute_infer"]["count"] == 4
+    assert (stats["inference_stats"]["success"]["count"], stats["inference_stats"]["fail"]["count"]) == (2, 2)
+    assert [batch["compute_infer"]["count"] for batch in stats["batch_stats"]] == [4]

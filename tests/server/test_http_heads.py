@@ -295,6 +295,24 @@ def test_a_connection_stops_learning_when_its_heads_go_unused() -> None:
         assert HEAD in conn.known
 
 
+def test_a_head_dropped_for_newer_ones_goes_to_the_parser_again() -> None:
+    # The head a request last began with is compared first; once it is dropped from the learnt ones, it is not.
+    others = [REQUEST.replace(b"/infer", b"/%04d" % index) for index in range(HEADS)]
+    with connection(learn=True) as (conn, _, parser, settle):
+        for data in (REQUEST, REQUEST, *others):  # learnt, replayed, then dropped as the oldest of HEADS + 1
+            conn.data_received(data)
+            settle()
+        assert HEAD not in conn.known and conn.last_head is None
+        fed = parser.fed
+        conn.data_received(REQUEST)
+        settle()
+        assert parser.fed - fed == len(REQUEST)
+        conn.data_received(REQUEST)
+        settle()
+        assert parser.fed - fed == len(REQUEST) and conn.last_head == HEAD
+    same_as_parser([REQUEST, *others, REQUEST, REQUEST + REQUEST, REQUEST])
+
+
 # ---- over a socket -------------------------------------------------------------------------------------------------
 def test_over_a_socket_each_request_gets_the_fields_the_parser_gave_the_first() -> None:
     with served(echo) as (port, server):  # type: ignore[arg-type]

@@ -74,3 +74,37 @@ def test_every_reader_sees_the_requests_not_yet_counted() -> None:
     assert 'carton_inference_executions_total{model="m",version="1"} 1.0' in text
     assert stats.to_json()["inference_stats"]["success"]["count"] == 3
     assert again.to_json()["inference_stats"]["success"]["count"] == 1
+
+
+def _without_clock(body: dict[str, object]) -> dict[str, object]:
+    return {key: value for key, value in body.items() if key != "last_inference"}
+
+
+def test_a_single_record_counts_as_a_success_and_an_execution() -> None:
+    # `record_single` (a request run as an execution of its own) against the two records it stands for, mixed with
+    # every other record and over several folds: the statistics extension's JSON and the scrape are the same.
+    rng = random.Random(11)
+    apart_metrics, single_metrics = ServerMetrics(), ServerMetrics()
+    apart, single = VersionStats("m", "1", apart_metrics), VersionStats("m", "1", single_metrics)
+    for done in range(3000):
+        total, input_ns, output_ns = rng.randrange(1, 3 * 10**9), rng.randrange(10**6), rng.randrange(10**6)
+        infer = rng.choice((rng.randrange(1, 10**9), _BOUNDS_NS[rng.randrange(len(_BOUNDS_NS))]))
+        kind = rng.random()
+        if kind < 0.8:
+            apart.record_execution(batch_size=1, infer_ns=infer)
+            apart.record_success(total_ns=total, input_ns=input_ns, output_ns=output_ns, now_ns=done)
+            single.record_single(total_ns=total, input_ns=input_ns, output_ns=output_ns, infer_ns=infer, now_ns=done)
+        elif kind < 0.9:  # a request that failed after its model ran
+            for stats in (apart, single):
+                stats.record_execution(batch_size=1, infer_ns=infer)
+                stats.record_failure(total_ns=total, now_ns=done)
+        else:  # another caller's records (gRPC, the dynamic batcher)
+            for stats in (apart, single):
+                stats.record_execution(batch_size=4, infer_ns=infer, queue_ns=input_ns, requests=2)
+                stats.record_success(total_ns=total, input_ns=input_ns, output_ns=output_ns, now_ns=done)
+        if done % 997 == 0:  # a reader in between
+            assert _without_clock(single.to_json()) == _without_clock(apart.to_json())
+    assert single.last_ns == apart.last_ns == 2999
+    assert _without_clock(single.to_json()) == _without_clock(apart.to_json())
+    assert single.to_json()["execution_count"] > 2000
+    assert generate_latest(single_metrics.registry) == generate_latest(apart_metrics.registry)

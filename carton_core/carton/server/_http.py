@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import zlib
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from operator import itemgetter
+from time import perf_counter_ns
 from typing import Any, Protocol
 from urllib.parse import unquote
 
@@ -47,7 +47,7 @@ from ._http_messages import (
     collect_body,
     whole_body,
 )
-from ._inference import request_failed, request_succeeded, select_outputs
+from ._inference import request_failed, request_succeeded, select_outputs, single_succeeded
 from ._repository import ModelRepository, ServedVersion
 from ._stats import ServerMetrics
 from .errors import BadRequest, ModelNotFound, RequestTooLarge, ServerError
@@ -404,11 +404,15 @@ class HttpApp:
     # ---- inference (the hot path) --------------------------------------------------------------------------------
     async def _infer(self, repository: ModelRepository, request: HttpRequest, name: str, version: str) -> HttpResponse:
         """Answer an inference request, refusals included."""
-        started = time.perf_counter_ns()
+        started = perf_counter_ns()
         try:
             served = repository.acquire(name, version)
         except ServerError as exc:
             return self.refusal(exc)
+        # A version that runs each request as an execution of its own is called directly and its execution counted
+        # with the request (one record, no `ServedVersion.infer` between); `inferred_at` says whether the model ran.
+        direct = served.direct
+        inferred_at = 0
         try:
             headers = request.headers
             body = request.body
@@ -423,9 +427,12 @@ class HttpApp:
                     decoded = unplanned_request(served, body, header_length)
                 else:  # JSON tensors: decoded on a thread, so that other requests and health probes keep answering
                     decoded = await asyncio.to_thread(unplanned_request, served, body, header_length)
-            decoded_at = time.perf_counter_ns()
-            outputs, _ = await served.infer(decoded.inputs)
-            inferred_at = time.perf_counter_ns()
+            decoded_at = perf_counter_ns()
+            if direct is not None:
+                outputs = await direct(decoded.inputs)
+            else:
+                outputs, _ = await served.infer(decoded.inputs)
+            inferred_at = perf_counter_ns()
             if decoded.binary_only:  # a planned request (its outputs known binary): nothing to count
                 header, parts = encode_binary_response(served, decoded, outputs)
             else:
@@ -436,8 +443,13 @@ class HttpApp:
                 else:
                     header, parts = await asyncio.to_thread(encode_infer_response, served, decoded, selected)
         except Exception as exc:
+            if direct is not None and inferred_at:  # the model ran: its execution counts
+                served.stats.record_execution(batch_size=1, infer_ns=inferred_at - decoded_at)
             return self.refusal(request_failed(served, exc, repository.scrub, started_ns=started))
-        request_succeeded(served, started_ns=started, decoded_ns=decoded_at, inferred_ns=inferred_at)
+        if direct is not None:
+            single_succeeded(served, started_ns=started, decoded_ns=decoded_at, inferred_ns=inferred_at)
+        else:
+            request_succeeded(served, started_ns=started, decoded_ns=decoded_at, inferred_ns=inferred_at)
         if parts:
             if decoded.binary_only:
                 # The header is one `encode_infer_response` keeps, and it gives every part's size: the response's

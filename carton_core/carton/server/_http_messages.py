@@ -22,9 +22,11 @@ from typing import Any
 
 import msgspec
 
+from ._bounded import remember
 from .errors import BadRequest, RequestTooLarge
 
 __all__ = [
+    "DIGITS",
     "JOIN_ON_A_THREAD_BYTES",
     "AsgiAdapter",
     "BodyReader",
@@ -37,6 +39,7 @@ __all__ = [
     "Scope",
     "Send",
     "collect_body",
+    "read_digits",
     "whole_body",
 ]
 
@@ -111,14 +114,32 @@ HttpHandler = Callable[[HttpRequest], Awaitable[HttpResponse]]
 #: A body at least this large is joined from its pieces off the event loop (`collect_body`).
 JOIN_ON_A_THREAD_BYTES = 1 << 20
 
+#: Header values of digits only met so far, and the numbers they say (``Content-Length``,
+#: ``Inference-Header-Content-Length``): a client repeats them, and a learnt head's values are the same objects
+#: every time (their hashes kept), so a look-up costs less than reading the number again.
+DIGITS: dict[bytes, int] = {}
+_DIGITS_KEPT = 256
+
+
+def read_digits(value: bytes) -> int | None:
+    """The number `value` says if it is digits only (then kept in `DIGITS`), else None."""
+    if not value.isdigit():
+        return None
+    return remember(DIGITS, value, int(value), _DIGITS_KEPT)
+
 
 def whole_body(body: bytes | bytearray, *, declared: bytes | None, limit: int) -> bytes | bytearray:
     """`collect_body` of a body that arrived whole, without an await."""
     if declared is not None:
-        if not declared.strip().isdigit():
-            raise BadRequest("Content-Length is not a number")
-        if int(declared) > limit:
-            raise RequestTooLarge(f"request body of {int(declared)} bytes is over the {limit}-byte limit")
+        size = DIGITS.get(declared)
+        if size is None:
+            size = read_digits(declared)
+            if size is None:
+                if not declared.strip().isdigit():
+                    raise BadRequest("Content-Length is not a number")
+                size = int(declared)
+        if size > limit:
+            raise RequestTooLarge(f"request body of {size} bytes is over the {limit}-byte limit")
     if len(body) > limit:
         raise RequestTooLarge(f"request body is over the {limit}-byte limit")
     return body

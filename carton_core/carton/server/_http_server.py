@@ -108,6 +108,11 @@ class _Connection(asyncio.Protocol):
         #: is arriving, the bytes of it still due.
         self.known: dict[bytes, KnownHead] = {}
         self.known_rest = 0
+        #: The learnt head a request last began with, and what it stands for: the next request of a client that
+        #: repeats itself is taken by comparing its first bytes with it, without slicing, hashing and looking up its
+        #: head. (Its first blank line ends it, so a request that begins with it has a head of just those bytes.)
+        self.last_head: bytes | None = None
+        self.last_known: KnownHead | None = None
         #: Heads learnt since one was last replayed, and what the parser is being fed when it is from a boundary
         #: (the first request it begins there may be learnt).
         self.unused = 0
@@ -161,8 +166,16 @@ class _Connection(asyncio.Protocol):
         if self.parsing is None and self.fresh and self.known:
             # The usual request of a client that repeats itself: one whole request of a learnt head, nothing being
             # answered (what `_replay`, then `_start_next`, do for it, in short).
-            end = data.find(b"\r\n\r\n", 0, HEAD_LIMIT) + 4
-            head = self.known.get(data[:end])
+            last = self.last_head
+            if last is not None and data.startswith(last):
+                end = len(last)
+                head = self.last_known
+            else:
+                end = data.find(b"\r\n\r\n", 0, HEAD_LIMIT) + 4
+                head = self.known.get(data[:end])
+                if head is not None:
+                    self.last_head = data[:end]
+                    self.last_known = head
             if head is None:
                 rest = data
             elif len(data) - end == head.length and self.current is None and not self.queue:
@@ -271,7 +284,10 @@ class _Connection(asyncio.Protocol):
             return
         known = self.known
         if len(known) >= HEADS:
-            del known[next(iter(known))]
+            oldest = next(iter(known))
+            del known[oldest]
+            if oldest == self.last_head:
+                self.last_head = self.last_known = None
         known[learnt[0]] = learnt[1]
         self.unused += 1
 

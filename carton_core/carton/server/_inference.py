@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from time import perf_counter_ns
 from typing import Any
 
 import numpy as np
@@ -41,6 +41,7 @@ __all__ = [
     "request_failed",
     "request_succeeded",
     "select_outputs",
+    "single_succeeded",
     "translate_error",
 ]
 
@@ -128,8 +129,9 @@ def check_requested(served: ServedVersion, requested: Iterable[str]) -> None:
             raise BadRequest(f"unexpected inference output {name!r} for model {served.model!r}")
 
 
-#: Fixed-size output dtypes met so far: the KServe datatype of each and the little-endian dtype it is sent in.
-_SENT_AS: dict[np.dtype[Any], tuple[str, np.dtype[Any]]] = {}
+#: Fixed-size output dtypes met so far: the KServe datatype of each, the little-endian dtype it is sent in, and
+#: whether that is the dtype itself.
+_SENT_AS: dict[np.dtype[Any], tuple[str, np.dtype[Any], bool]] = {}
 
 
 def output_tensor(name: str, tensor: Tensor) -> tuple[str, np.ndarray, bytes | memoryview]:
@@ -144,7 +146,15 @@ def output_tensor(name: str, tensor: Tensor) -> tuple[str, np.ndarray, bytes | m
             raise ServerError(str(exc)) from exc
         if datatype == "BYTES":
             return datatype, tensor, encode_bytes_elements(tensor)
-        sent = _SENT_AS[tensor.dtype] = (datatype, tensor.dtype.newbyteorder("<"))
+        little = tensor.dtype.newbyteorder("<")
+        sent = _SENT_AS[tensor.dtype] = (datatype, little, little == tensor.dtype)
+    if sent[2] and tensor.ndim:
+        # Already in the dtype it is sent in: its bytes as they lie, unless they are not C-contiguous, which the
+        # cast refuses. (A scalar goes through `ascontiguousarray`, which makes it shape [1].)
+        try:
+            return sent[0], tensor, tensor.data.cast("B")
+        except TypeError:
+            pass
     array = np.ascontiguousarray(tensor, dtype=sent[1])
     return sent[0], array, array.data.cast("B")
 
@@ -194,7 +204,7 @@ def request_failed(
     """End a failed inference of `served` (HTTP or gRPC): release the version, count the failure, and return the
     error to answer with."""
     served.exit()
-    now = time.perf_counter_ns()
+    now = perf_counter_ns()
     served.stats.record_failure(total_ns=now - started_ns, now_ns=now)
     return translate_error(exc, scrub, served)
 
@@ -202,10 +212,23 @@ def request_failed(
 def request_succeeded(served: ServedVersion, *, started_ns: int, decoded_ns: int, inferred_ns: int) -> None:
     """End a successful inference of `served`: record its timings and release the version."""
     try:
-        now = time.perf_counter_ns()
+        now = perf_counter_ns()
         served.stats.record_success(
             total_ns=now - started_ns, input_ns=decoded_ns - started_ns, output_ns=now - inferred_ns, now_ns=now
         )
+    finally:
+        served.exit()
+
+
+def single_succeeded(served: ServedVersion, *, started_ns: int, decoded_ns: int, inferred_ns: int) -> None:
+    """`request_succeeded` for a request that ran the model through `ServedVersion.direct` (its execution is counted
+    with it)."""
+    try:
+        now = perf_counter_ns()
+        served.stats.record_single(
+            total_ns=now - started_ns, input_ns=decoded_ns - started_ns, output_ns=now - inferred_ns,
+            infer_ns=inferred_ns - decoded_ns, now_ns=now,
+        )  # fmt: skip
     finally:
         served.exit()
 

@@ -76,8 +76,9 @@ class ServedVersion:
     """One loaded model version: the handle, its config, its counters and its in-flight requests."""
 
     __slots__ = (
-        "_drained", "batcher", "config", "form_places", "handle", "in_flight", "input_plans", "input_specs", "model",
-        "output_specs", "request_plans", "response_heads", "state", "stats", "version", "version_str",
+        "_drained", "batcher", "config", "direct", "form_places", "handle", "in_flight", "input_plans", "input_specs",
+        "last_plan", "model", "output_specs", "request_plans", "response_heads", "state", "stats", "version",
+        "version_str",
     )  # fmt: skip
 
     def __init__(self, *, model: str, version: int, handle: ModelHandle, config: ModelConfig, stats: VersionStats):
@@ -95,8 +96,14 @@ class ServedVersion:
         #: a request does not clear and set an event of its own.
         self._drained: asyncio.Future[None] | None = None
         self.batcher: DynamicBatcher | None = None
+        #: The handle's `infer`, for a caller that runs every request as an execution of its own (batch size 1) and
+        #: records it with `VersionStats.record_single` (or, if it fails after the model ran, `record_execution`);
+        #: None when the model batches, and every request must go through `infer`.
+        self.direct = handle.infer if config.max_batch_size == 0 else None
         #: Binary inference headers already checked against this version, by their bytes (see ``_http_codec``).
         self.request_plans: dict[bytes, Any] = {}
+        #: The header of the last request decoded from one of those, and its plan.
+        self.last_plan: tuple[bytes, Any] | None = None
         #: gRPC raw inputs already checked against this version, by their names, datatypes and shapes (see ``_grpc``).
         self.input_plans: dict[tuple[Any, ...], Any] = {}
         #: Where each learnt gRPC request form's inputs lie, by the form (by identity), once checked against this
@@ -260,8 +267,12 @@ class ModelRepository:
     def acquire(self, name: str, version: str = "") -> ServedVersion:
         """The ready version serving `name` (the given one, else the latest), entered for one request: the caller
         must `ServedVersion.exit` it. `ModelNotFound` if there is none."""
-        served = self.get(name, version)
-        served.enter()
+        model = self._models.get(name)
+        serving = model.serving if model is not None else None
+        # The usual request, for the latest version, without a call of `get`.
+        served = serving[max(serving)] if serving and not version else self.get(name, version)
+        served.in_flight += 1  # (`ServedVersion.enter`, inline)
+        served.stats.series.in_flight += 1
         return served
 
     def is_ready(self) -> bool:

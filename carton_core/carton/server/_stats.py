@@ -190,7 +190,8 @@ class VersionStats:
 
     __slots__ = (
         "_batches", "_compute_infer", "_compute_input", "_compute_output", "_execution_count", "_executions",
-        "_inference_count", "_queue", "_success", "_successes", "fail", "last_ns", "model", "series", "version",
+        "_inference_count", "_queue", "_singles", "_success", "_successes", "fail", "last_ns", "model", "series",
+        "version",
     )  # fmt: skip
 
     def __init__(self, model: str, version: str, metrics: ServerMetrics) -> None:
@@ -210,10 +211,13 @@ class VersionStats:
         self.series = metrics.series(model, version)
         self._successes: list[int] = []  # per success not yet counted: total, input and output ns
         self._executions: list[int] = []  # per execution not yet counted: batch size, infer ns, queue ns, requests
+        #: per successful request that was an execution of its own (batch size 1, not queued) not yet counted:
+        #: total, input, output and infer ns
+        self._singles: list[int] = []
 
-    # The two records below run on every request: each keeps its figures with one list extension (and, when the
-    # list was empty, marks the series as having figures to fold); `fold` counts them, a few hundred at a time,
-    # with array operations instead of a dozen attribute updates and a bisection per request.
+    # The records below run on every request: each keeps its figures with one list extension (and, when the list
+    # was empty, marks the series as having figures to fold); `fold` counts them, a few hundred at a time, with
+    # array operations instead of a dozen attribute updates and a bisection per request.
 
     def record_execution(self, *, batch_size: int, infer_ns: int, queue_ns: int = 0, requests: int = 1) -> None:
         """One model execution over `batch_size` elements gathered from `requests` requests."""
@@ -235,52 +239,79 @@ class VersionStats:
         if len(pending) >= _FOLD_AT:
             self.fold()
 
+    def record_single(self, *, total_ns: int, input_ns: int, output_ns: int, infer_ns: int, now_ns: int) -> None:
+        """Count a successful inference that was a model execution of its own (batch size 1, not queued): what
+        `record_execution` and `record_success` count for it, in one record."""
+        self.last_ns = now_ns
+        pending = self._singles
+        if not pending:
+            self.series.unfolded.add(self)
+        pending += (total_ns, input_ns, output_ns, infer_ns)
+        if len(pending) >= _FOLD_AT:
+            self.fold()
+
     def fold(self) -> None:
         """Count the successes and executions recorded since the last fold."""
         self.series.unfolded.discard(self)
-        series = self.series
+        if singles := self._singles:  # each a success and an execution of batch size 1
+            self._singles = []
+            self._count_successes(singles[0::4], sum(singles[1::4]), sum(singles[2::4]))
+            infers = singles[3::4]
+            count = len(infers)
+            self._inference_count += count
+            self._count_executions(count, infers, {1: (count, sum(infers))}, count)
         if successes := self._successes:
             self._successes = []
-            totals = successes[0::3]
-            count = len(totals)
-            total_ns = sum(totals)
-            self._success.count += count
-            self._success.ns += total_ns
-            self._compute_input.count += count
-            self._compute_input.ns += sum(successes[1::3])
-            self._compute_output.count += count
-            self._compute_output.ns += sum(successes[2::3])
-            series.success += count
-            series.duration.observe_all(totals, total_ns)
+            self._count_successes(successes[0::3], sum(successes[1::3]), sum(successes[2::3]))
         if executions := self._executions:
             self._executions = []
             sizes, infers, queues, requests = (executions[at::4] for at in range(4))
-            self._execution_count += len(sizes)
             self._inference_count += sum(sizes)
-            infer_ns = sum(infers)
-            self._compute_infer.count += sum(requests)
-            self._compute_infer.ns += infer_ns
-            series.executions += len(sizes)
-            series.compute.observe_all(infers, infer_ns)
             if any(queues):  # executions of the dynamic batcher
                 queued = [(ns, count) for ns, count in zip(queues, requests, strict=True) if ns]
                 queue_ns = sum(ns for ns, _ in queued)
                 self._queue.count += sum(count for _, count in queued)
                 self._queue.ns += queue_ns
-                series.queue.observe_all([ns for ns, _ in queued], queue_ns)
+                self.series.queue.observe_all([ns for ns, _ in queued], queue_ns)
             if sizes.count(sizes[0]) == len(sizes):  # one batch size throughout, as a model without batching has
-                by_size = {sizes[0]: (len(sizes), infer_ns)}
+                by_size = {sizes[0]: (len(sizes), sum(infers))}
             else:
                 by_size = {}
                 for size, ns in zip(sizes, infers, strict=True):
                     count, total = by_size.get(size, (0, 0))
                     by_size[size] = (count + 1, total + ns)
-            for size, (count, total) in by_size.items():
-                batch = self._batches.get(size)
-                if batch is None:
-                    batch = self._batches[size] = _BatchStats()
-                batch.compute_infer.count += count
-                batch.compute_infer.ns += total
+            self._count_executions(len(sizes), infers, by_size, sum(requests))
+
+    def _count_successes(self, totals: list[int], input_ns: int, output_ns: int) -> None:
+        """Count successes taking `totals` (ns each), and `input_ns` and `output_ns` in all."""
+        count = len(totals)
+        total_ns = sum(totals)
+        self._success.count += count
+        self._success.ns += total_ns
+        self._compute_input.count += count
+        self._compute_input.ns += input_ns
+        self._compute_output.count += count
+        self._compute_output.ns += output_ns
+        self.series.success += count
+        self.series.duration.observe_all(totals, total_ns)
+
+    def _count_executions(
+        self, count: int, infers: list[int], by_size: dict[int, tuple[int, int]], requests: int
+    ) -> None:
+        """Count `count` executions taking `infers` (ns each) for `requests` requests; `by_size` holds, per batch
+        size, how many there were and their ns in all."""
+        infer_ns = sum(infers)
+        self._execution_count += count
+        self._compute_infer.count += requests
+        self._compute_infer.ns += infer_ns
+        self.series.executions += count
+        self.series.compute.observe_all(infers, infer_ns)
+        for size, (executions, total) in by_size.items():
+            batch = self._batches.get(size)
+            if batch is None:
+                batch = self._batches[size] = _BatchStats()
+            batch.compute_infer.count += executions
+            batch.compute_infer.ns += total
 
     @property
     def inference_count(self) -> int:
