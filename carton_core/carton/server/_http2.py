@@ -22,6 +22,7 @@ import logging
 import struct
 from typing import cast
 
+import msgspec
 from hpack import Decoder
 from hpack.exceptions import HPACKError
 
@@ -118,14 +119,14 @@ def header_block(headers: list[tuple[bytes, bytes]]) -> bytes:
     return b"".join(out)
 
 
-class _Stream:
-    __slots__ = ("ended", "received", "send_window")
+class _Stream(msgspec.Struct, gc=False, eq=False):
+    """A stream's state. (A struct: made in C, without a Python ``__init__``; it holds numbers only, so the garbage
+    collector need not track it.)"""
 
-    def __init__(self, send_window: int, ended: bool) -> None:
-        self.send_window = send_window
-        # Bytes received and not yet given back with a WINDOW_UPDATE: the stream's receive window is what is left.
-        self.received = 0
-        self.ended = ended  # the client's END_STREAM came
+    send_window: int
+    ended: bool  # the client's END_STREAM came
+    # Bytes received and not yet given back with a WINDOW_UPDATE: the stream's receive window is what is left.
+    received: int = 0
 
 
 class Http2Connection(asyncio.Protocol, abc.ABC):
