@@ -224,6 +224,7 @@ class _Connection(Http2Connection):
         self._server = server
         self._calls: dict[int, _Call] = {}
         self._forms = RequestForms(message_type("ModelInferRequest").FromString)
+        self._limit = server.max_message_size
         # The headers of the last call routed (held, so `is` cannot match another dict at the same address), its
         # method and deadline: a client's calls repeat their header block, which the frame layer gives as one dict.
         self._last_routed: tuple[dict[bytes, bytes], str, _Method, float | None] | None = None
@@ -275,7 +276,7 @@ class _Connection(Http2Connection):
         else:
             call.pending.append(data)
         call.size += len(data)
-        limit = self._server.max_message_size
+        limit = self._limit
         if call.queue is None:
             # A unary request is parsed once it has all come; past the size of one message at the limit it can
             # only be refused: a message over the limit, or more than one message.
@@ -301,7 +302,7 @@ class _Connection(Http2Connection):
         # The usual unary request: its whole body in one DATA frame, one uncompressed message within the limit.
         if call is not None and call.queue is None and not call.pending and not call.refused and len(data) >= _PREFIX:
             compressed, length = _MESSAGE_PREFIX.unpack_from(data)
-            if not compressed and length == len(data) - _PREFIX <= self._server.max_message_size:
+            if not compressed and length == len(data) - _PREFIX <= self._limit:
                 self._start(call, self._run_unary(call, data[_PREFIX:]))
                 return
         super().body_ending(stream_id, data)
@@ -318,11 +319,11 @@ class _Connection(Http2Connection):
         if pending is not None and len(pending) == 1:
             data = pending[0]
             size = len(data) - _PREFIX
-            if not data[0] and int.from_bytes(data[1:_PREFIX], "big") == size <= self._server.max_message_size:
+            if not data[0] and int.from_bytes(data[1:_PREFIX], "big") == size <= self._limit:
                 self._start(call, self._run_unary(call, data[_PREFIX:]))
                 return
         try:
-            messages = _split_messages(call, self._server.max_message_size)
+            messages = _split_messages(call, self._limit)
             if len(messages) != 1 or call.size:
                 raise _Failure(grpc.StatusCode.INVALID_ARGUMENT, _ONE_MESSAGE.format(call.name))
         except _Failure as failure:
@@ -403,8 +404,7 @@ class _Connection(Http2Connection):
         """`call` is over: its deadline is stopped and it is no longer the stream's call."""
         if call.timer is not None:
             call.timer.cancel()
-        if self._calls.get(call.stream_id) is call:
-            del self._calls[call.stream_id]
+        self._calls.pop(call.stream_id, None)  # (a stream id is never reused on a connection: it is this call)
 
     def _end(self, call: _Call, exc: BaseException | None) -> None:
         """End `call`, whose task finished (raising `exc`, if not None), with its status; re-raises a cancellation
@@ -436,11 +436,17 @@ class _Connection(Http2Connection):
         try:
             if call.timeout is not None:
                 self._arm(call, call.timeout)
-            function = call.method.function  # (a bound method held in a slot: loaded, then called)
-            response = await function(self._request(call, message))
+            method = call.method
+            try:
+                request = self._forms.parse(message) if method.learns else method.request.FromString(message)
+            except DecodeError as exc:
+                raise BadRequest(f"the {call.name} request is not a valid {method.request.__name__} message") from exc
+            function = method.function  # (a bound method held in a slot: loaded, then called)
+            response = await function(request)
             payload = response if type(response) is bytes else response.SerializeToString()
-            pieces = (_MESSAGE_PREFIX.pack(0, len(payload)), payload)
-            if self.send_response_now(call.stream_id, _RESPONSE_BLOCK, pieces, _OK_TRAILERS_BLOCK):
+            size = len(payload)
+            pieces = (_MESSAGE_PREFIX.pack(0, size), payload)
+            if self.send_response_now(call.stream_id, _RESPONSE_BLOCK, pieces, _PREFIX + size, _OK_TRAILERS_BLOCK):
                 self._forget(call)  # the whole response is buffered: the call is done
                 self.flush()
                 return

@@ -540,17 +540,19 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
         if not stream.ended:
             self._out.append(_frame(_RST_STREAM, 0, stream_id, ErrorCode.NO_ERROR.to_bytes(4, "big")))
 
-    def send_response_now(self, stream_id: int, headers: bytes, pieces: tuple[bytes, ...], trailers: bytes) -> bool:
+    def send_response_now(
+        self, stream_id: int, headers: bytes, pieces: tuple[bytes, ...], size: int, trailers: bytes
+    ) -> bool:
         """Buffer a whole response if the client's windows and frame size take its body, the concatenation of
-        `pieces`, in one DATA frame now: a HEADERS frame with the header block `headers`, the DATA frame, and a
-        HEADERS frame with the block `trailers` that ends the stream (as `send_headers`, `send_data` and
-        `send_headers` with `end_stream` would, without waiting and in fewer steps: the usual small response); False,
-        with nothing buffered, if they do not (then those three). Each header block must be at most 16384 bytes (the
-        smallest frame size a client may set). `StreamGone` if the stream or connection is gone."""
+        `pieces` (`size` bytes in all), in one DATA frame now: a HEADERS frame with the header block `headers`, the
+        DATA frame, and a HEADERS frame with the block `trailers` that ends the stream (as `send_headers`,
+        `send_data` and `send_headers` with `end_stream` would, without waiting and in fewer steps: the usual small
+        response); False, with nothing buffered, if they do not (then those three). Each header block must be at
+        most 16384 bytes (the smallest frame size a client may set). `StreamGone` if the stream or connection is
+        gone."""
         stream = self._streams.get(stream_id)
         if stream is None or self.closed:
             raise StreamGone(stream_id)
-        size = sum(map(len, pieces))
         if size > self._send_window or size > stream.send_window or size > self._max_frame:
             return False
         self._out += (_HEAD.pack(0, len(headers), _HEADERS, _END_HEADERS, stream_id), headers)
