@@ -447,7 +447,10 @@ class _Connection(Http2Connection):
             size = len(payload)
             pieces = (_MESSAGE_PREFIX.pack(0, size), payload)
             if self.send_response_now(call.stream_id, _RESPONSE_BLOCK, pieces, _PREFIX + size, _OK_TRAILERS_BLOCK):
-                self._forget(call)  # the whole response is buffered: the call is done
+                # The whole response is buffered: the call is done (`_forget`, written out).
+                if call.timer is not None:
+                    call.timer.cancel()
+                self._calls.pop(call.stream_id, None)
                 self.flush()
                 return
             self._headers_once(call)

@@ -555,10 +555,20 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
             raise StreamGone(stream_id)
         if size > self._send_window or size > stream.send_window or size > self._max_frame:
             return False
-        self._out += (_HEAD.pack(0, len(headers), _HEADERS, _END_HEADERS, stream_id), headers)
-        self._buffer_data(stream_id, stream, pieces, size)
-        self._out += (_HEAD.pack(0, len(trailers), _HEADERS, _END_HEADERS | _END_STREAM, stream_id), trailers)
-        self._response_ended(stream_id, stream)
+        self._out += (
+            _HEAD.pack(0, len(headers), _HEADERS, _END_HEADERS, stream_id),
+            headers,
+            _HEAD.pack(size >> 16, size & 0xFFFF, _DATA, 0, stream_id),
+            *pieces,
+            _HEAD.pack(0, len(trailers), _HEADERS, _END_HEADERS | _END_STREAM, stream_id),
+            trailers,
+        )
+        # `_buffer_data` and `_response_ended` written out (the usual response's path): the DATA counted against the
+        # connection's window (the stream's is gone with it), the stream done.
+        self._send_window -= size
+        del self._streams[stream_id]
+        if not stream.ended:
+            self._out.append(_frame(_RST_STREAM, 0, stream_id, ErrorCode.NO_ERROR.to_bytes(4, "big")))
         return True
 
     async def send_data(self, stream_id: int, data: bytes) -> None:
