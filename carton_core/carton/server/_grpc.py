@@ -397,7 +397,9 @@ class GrpcService:
         repository = self._repository if self._repository is not None else self.repository
         served = repository.acquire(request.model_name, request.model_version)
         try:
-            inputs, requested = _decode_request(served, request)
+            # A request of a learnt form is decoded at once (`_decode_request` would first test its type).
+            decoded = _decode_known(served, request) if type(request) is KnownRequest else None
+            inputs, requested = decoded if decoded is not None else _decode_request(served, request)
             decoded_at = time.perf_counter_ns()
             outputs, _ = await served.infer(inputs)
             inferred_at = time.perf_counter_ns()

@@ -346,7 +346,12 @@ class _Connection(Http2Connection):
             return
         call.coroutine = coroutine
         call.context = context
-        call.wait(yielded)
+        if getattr(yielded, "_asyncio_future_blocking", None):  # the usual: a future, awaited (`wait`, written out)
+            yielded._asyncio_future_blocking = False
+            yielded.add_done_callback(call.step, context=context)
+            call.waiting = yielded
+        else:
+            call.wait(yielded)
 
     def stream_reset(self, stream_id: int) -> None:
         call = self._calls.pop(stream_id, None)
