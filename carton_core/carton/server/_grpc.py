@@ -113,12 +113,10 @@ _Described = list[tuple[str, str, tuple[int, ...]]]
 
 def _decode_request(served: ServedVersion, request: Any) -> _Decoded:
     """A ``ModelInferRequest``'s inputs as arrays for `served`, and the names of the outputs it asks for (None: all).
-    `BadRequest` naming the field or tensor at fault."""
+    `BadRequest` naming the field or tensor at fault. A `KnownRequest` comes here when `_decode_known` had no plan for
+    it: it is parsed by upb and decoded in full, which makes the plan (or says what is wrong)."""
     if type(request) is KnownRequest:
-        known = _decode_known(served, request)
-        if known is not None:
-            return known
-        request = _M["ModelInferRequest"].FromString(request.message)  # the full decoding says what is wrong
+        request = _M["ModelInferRequest"].FromString(request.message)
     # The repeated fields are taken as lists (a slice, one call): iterating the message's own containers ends each
     # loop with an `IndexError` made and formatted in C.
     raw = request.raw_input_contents[:]
