@@ -199,3 +199,29 @@ def test_a_call_past_its_deadline_inside_the_model_is_cancelled_and_released(
     np.testing.assert_array_equal(
         client.infer("identity", [_input(arange((1, 3)))]).as_numpy("OUTPUT0"), arange((1, 3)) * 2
     )
+
+
+@pytest.mark.parametrize("delay", [0.3, 30.0], ids=["within-the-grace", "past-the-grace"])
+def test_a_call_under_way_when_the_server_stops_is_answered_or_cancelled(repository: Path, delay: float) -> None:
+    # The server's stop gives calls under way a grace of a second: a unary call stepped without a task is waited
+    # for (answered), or cancelled past it (its version released and the call counted as failed).
+    loader = _Loader()
+    options = ServerOptions(
+        repository=repository, http_port=0, grpc_port=0, model_control_mode=ModelControlMode.EXPLICIT,
+        load_models=("identity",), loader=loader, upload_sandbox=None,
+    )  # fmt: skip
+    with ThreadPoolExecutor(1) as pool:
+        with serve_in_thread(options) as running:
+            loader.handles["identity"].delay = delay
+            (served,) = running.repository.versions("identity")
+            failed = served.stats.fail.count
+            call = pool.submit(_infer_once, f"127.0.0.1:{running.grpc_port}", "identity", arange((1, 4)))
+            _wait_for(lambda: served.in_flight == 1, "the call inside the model")
+        if delay < 1.0:
+            np.testing.assert_array_equal(call.result(timeout=60), arange((1, 4)) * 2)
+            assert served.stats.fail.count == failed
+        else:
+            with pytest.raises(InferenceServerException):
+                call.result(timeout=60)
+            assert served.stats.fail.count == failed + 1
+        assert served.in_flight == 0

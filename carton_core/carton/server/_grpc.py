@@ -113,12 +113,10 @@ _Described = list[tuple[str, str, tuple[int, ...]]]
 
 def _decode_request(served: ServedVersion, request: Any) -> _Decoded:
     """A ``ModelInferRequest``'s inputs as arrays for `served`, and the names of the outputs it asks for (None: all).
-    `BadRequest` naming the field or tensor at fault."""
+    `BadRequest` naming the field or tensor at fault. A `KnownRequest` comes here when `_decode_known` had no plan for
+    it: it is parsed by upb and decoded in full, which makes the plan (or says what is wrong)."""
     if type(request) is KnownRequest:
-        known = _decode_known(served, request)
-        if known is not None:
-            return known
-        request = _M["ModelInferRequest"].FromString(request.message)  # the full decoding says what is wrong
+        request = _M["ModelInferRequest"].FromString(request.message)
     # The repeated fields are taken as lists (a slice, one call): iterating the message's own containers ends each
     # loop with an `IndexError` made and formatted in C.
     raw = request.raw_input_contents[:]
@@ -397,7 +395,9 @@ class GrpcService:
         repository = self._repository if self._repository is not None else self.repository
         served = repository.acquire(request.model_name, request.model_version)
         try:
-            inputs, requested = _decode_request(served, request)
+            # A request of a learnt form is decoded at once (`_decode_request` would first test its type).
+            decoded = _decode_known(served, request) if type(request) is KnownRequest else None
+            inputs, requested = decoded if decoded is not None else _decode_request(served, request)
             decoded_at = time.perf_counter_ns()
             outputs, _ = await served.infer(inputs)
             inferred_at = time.perf_counter_ns()

@@ -4,7 +4,7 @@
 is the glue between it and `GrpcService`: the gRPC framing of messages (a 5-byte prefix: compressed flag and
 length), the response's ``grpc-status``/``grpc-message`` trailers, ``grpc-timeout`` deadlines, the message size
 limit, and the calls, which a client's ``RST_STREAM`` cancels: a unary call of ``ModelInfer`` and the methods that
-answer from the server's state without a task (`_Driven`; the code it runs must not need a current task), any other
+answer from the server's state without a task (`_Call.step`; the code it runs must not need a current task), any other
 call in a task. Why not grpcio's server: docs/server.md, "The gRPC
 server".
 
@@ -27,6 +27,7 @@ from typing import Any, cast
 from urllib.parse import quote
 
 import grpc
+import msgspec
 from google.protobuf.message import DecodeError
 
 from ._grpc import GrpcService, message_type
@@ -61,7 +62,7 @@ def _code(status: grpc.StatusCode) -> bytes:
 class _Method:
     """One method of the service: its function (which answers with a message, or with its bytes), the class its
     requests parse into, whether they are parsed through the connection's `RequestForms` (``ModelInfer``), and
-    whether a unary call of it runs without a task (`_Driven`: its code must not need a current task)."""
+    whether a unary call of it runs without a task (`_Call.step`: its code must not need a current task)."""
 
     function: Callable[[Any], Any]
     request: Any
@@ -86,39 +87,101 @@ class _Failure(Exception):
         self.status = status
 
 
-class _Call:
-    """One stream: the method it calls, the bytes received not yet parsed, and its task."""
+class _Call(msgspec.Struct, eq=False):
+    """One stream: the method it calls, the bytes received not yet parsed, and what runs it: a streamed call's (or a
+    call in a task's) task, or a unary call's coroutine stepped without a task (`_start`).
 
-    __slots__ = (
-        "done",
-        "expired",
-        "headers_sent",
-        "method",
-        "name",
-        "need",
-        "pending",
-        "queue",
-        "size",
-        "stream_id",
-        "task",
-        "timeout",
-        "timer",
-    )
+    A coroutine stepped without a task is run on the loop as a task would step it: stepped each time a future it
+    awaits is done, in a context of its own, a `CancelledError` thrown in on `cancel`. A task costs its creation,
+    its registration in asyncio's set of tasks and a loop turn for its first step; most calls need none of it (a
+    method answered from the server's state answers in its first step), and a call to a model in its runner awaits
+    one future, the runner's reply. (A struct: made in C, without a Python ``__init__``.)"""
 
-    def __init__(self, stream_id: int, name: str, method: _Method, timeout: float | None) -> None:
-        self.stream_id = stream_id
-        self.name = name
-        self.method = method
-        self.pending: list[bytes] = []
-        self.size = 0
-        self.need = _PREFIX  # pending bytes that make the next whole message (its prefix, once that is known)
-        self.task: asyncio.Task[None] | _Driven | None = None  # a streamed call's task, a unary call's `_Driven`
-        self.queue: asyncio.Queue[bytes | None] | None = None
-        self.timeout = timeout
-        self.timer: asyncio.TimerHandle | None = None
-        self.expired = False  # the deadline cancelled the task
-        self.headers_sent = False
-        self.done = False
+    stream_id: int
+    name: str
+    method: _Method
+    timeout: float | None
+    pending: list[bytes] | None = None  # made when a first piece is kept
+    size: int = 0
+    need: int = _PREFIX  # pending bytes that make the next whole message (its prefix, once that is known)
+    task: asyncio.Task[None] | None = None
+    queue: asyncio.Queue[bytes | None] | None = None
+    timer: asyncio.TimerHandle | None = None
+    expired: bool = False  # the deadline cancelled the call
+    headers_sent: bool = False
+    refused: bool = False  # answered with an error before its request was whole
+    # A unary call's coroutine stepped without a task, its context, the future it awaits, what to throw in at its
+    # next step (a cancellation, a bad yield), whether it ended, and a future for the server's close to wait on.
+    coroutine: Coroutine[Any, Any, None] | None = None
+    context: contextvars.Context | None = None
+    waiting: asyncio.Future[Any] | None = None
+    thrown: BaseException | None = None
+    over: bool = False
+    ended: asyncio.Future[None] | None = None
+
+    def step(self, _: object = None) -> None:
+        """Run the coroutine up to its next suspension (or its end); called in its context, as a task's steps are."""
+        self.waiting = None
+        coroutine = self.coroutine
+        assert coroutine is not None  # (a call is stepped only once it has its coroutine)
+        try:
+            thrown = self.thrown
+            if thrown is not None:
+                self.thrown = None
+                yielded = coroutine.throw(thrown)
+            else:
+                yielded = _send(coroutine, None)
+        except (StopIteration, asyncio.CancelledError):  # answered; or cancelled, which the call's code handled
+            self.over = True
+            if self.ended is not None:
+                self.ended.set_result(None)
+            return
+        except BaseException:
+            self.over = True
+            if self.ended is not None:
+                self.ended.set_result(None)
+            raise
+        self.wait(yielded)
+
+    def wait(self, yielded: Any) -> None:
+        """Step again when what the coroutine yielded says: a future it awaits is done, or the loop's next turn."""
+        if getattr(yielded, "_asyncio_future_blocking", None):  # an asyncio future, awaited
+            yielded._asyncio_future_blocking = False
+            yielded.add_done_callback(self.step, context=self.context)
+            self.waiting = yielded
+        elif yielded is None:  # a bare yield (`asyncio.sleep(0)`): the next turn of the loop
+            asyncio.get_running_loop().call_soon(self.step, context=self.context)
+        else:
+            self.thrown = RuntimeError(f"a gRPC call yielded {yielded!r}, not a future")  # as a task refuses it
+            asyncio.get_running_loop().call_soon(self.step, context=self.context)
+
+    def running(self) -> bool:
+        """Whether a task or a stepped coroutine runs the call and has not finished."""
+        if self.task is not None:
+            return not self.task.done()
+        return self.coroutine is not None and not self.over
+
+    def cancel(self) -> None:
+        """Cancel the call: its task; or the future its coroutine awaits (the call's `await` raises
+        `CancelledError`), or, if that is already done, `CancelledError` is thrown in at its next step."""
+        if self.task is not None:
+            self.task.cancel()
+            return
+        if self.coroutine is None or self.over:
+            return
+        waiting = self.waiting
+        if waiting is None or not waiting.cancel():
+            self.thrown = asyncio.CancelledError()
+
+    def finished(self) -> asyncio.Future[Any]:
+        """A future done when the call is (for the server's close to wait on)."""
+        if self.task is not None:
+            return self.task
+        if self.ended is None:
+            self.ended = asyncio.get_running_loop().create_future()
+            if self.over:
+                self.ended.set_result(None)
+        return self.ended
 
 
 def _timeout(value: bytes | None) -> float | None:
@@ -131,7 +194,8 @@ def _timeout(value: bytes | None) -> float | None:
 def _split_messages(call: _Call, limit: int) -> list[bytes]:
     """The whole messages in `call`'s pending bytes (the rest stays pending); `_Failure` if one is compressed or over
     `limit`."""
-    data = b"".join(call.pending) if len(call.pending) != 1 else call.pending[0]
+    pending = call.pending or []
+    data = b"".join(pending) if len(pending) != 1 else pending[0]
     messages = []
     at = 0
     while len(data) - at >= _PREFIX:
@@ -160,6 +224,7 @@ class _Connection(Http2Connection):
         self._server = server
         self._calls: dict[int, _Call] = {}
         self._forms = RequestForms(message_type("ModelInferRequest").FromString)
+        self._limit = server.max_message_size
         # The headers of the last call routed (held, so `is` cannot match another dict at the same address), its
         # method and deadline: a client's calls repeat their header block, which the frame layer gives as one dict.
         self._last_routed: tuple[dict[bytes, bytes], str, _Method, float | None] | None = None
@@ -173,8 +238,9 @@ class _Connection(Http2Connection):
         super().connection_lost(exc)  # each call's stream is reset: its task is cancelled
 
     @property
-    def calls(self) -> list[asyncio.Task[None] | _Driven]:
-        return [call.task for call in self._calls.values() if call.task is not None]
+    def calls(self) -> list[_Call]:
+        """The calls under way (run by a task or a stepped coroutine)."""
+        return [call for call in self._calls.values() if call.task is not None or call.coroutine is not None]
 
     # ---- requests ------------------------------------------------------------------------------------------------
     def request_received(self, stream_id: int, headers: dict[bytes, bytes]) -> None:
@@ -203,11 +269,14 @@ class _Connection(Http2Connection):
 
     def body_received(self, stream_id: int, data: bytes) -> None:
         call = self._calls.get(stream_id)
-        if call is None or call.done:
+        if call is None or call.refused:
             return
-        call.pending.append(data)
+        if call.pending is None:
+            call.pending = [data]
+        else:
+            call.pending.append(data)
         call.size += len(data)
-        limit = self._server.max_message_size
+        limit = self._limit
         if call.queue is None:
             # A unary request is parsed once it has all come; past the size of one message at the limit it can
             # only be refused: a message over the limit, or more than one message.
@@ -231,29 +300,30 @@ class _Connection(Http2Connection):
     def body_ending(self, stream_id: int, data: bytes) -> None:
         call = self._calls.get(stream_id)
         # The usual unary request: its whole body in one DATA frame, one uncompressed message within the limit.
-        if call is not None and call.queue is None and not call.pending and not call.done and len(data) >= _PREFIX:
+        if call is not None and call.queue is None and not call.pending and not call.refused and len(data) >= _PREFIX:
             compressed, length = _MESSAGE_PREFIX.unpack_from(data)
-            if not compressed and length == len(data) - _PREFIX <= self._server.max_message_size:
+            if not compressed and length == len(data) - _PREFIX <= self._limit:
                 self._start(call, self._run_unary(call, data[_PREFIX:]))
                 return
         super().body_ending(stream_id, data)
 
     def body_ended(self, stream_id: int) -> None:
         call = self._calls.get(stream_id)
-        if call is None or call.done:
+        if call is None or call.refused:
             return
         if call.queue is not None:
             call.queue.put_nowait(None)
             return
         pending = call.pending
-        if len(pending) == 1:  # the usual unary request: one DATA frame of one uncompressed message within the limit
+        # A unary request in one DATA frame (of one uncompressed message within the limit) that did not end it.
+        if pending is not None and len(pending) == 1:
             data = pending[0]
             size = len(data) - _PREFIX
-            if not data[0] and int.from_bytes(data[1:_PREFIX], "big") == size <= self._server.max_message_size:
+            if not data[0] and int.from_bytes(data[1:_PREFIX], "big") == size <= self._limit:
                 self._start(call, self._run_unary(call, data[_PREFIX:]))
                 return
         try:
-            messages = _split_messages(call, self._server.max_message_size)
+            messages = _split_messages(call, self._limit)
             if len(messages) != 1 or call.size:
                 raise _Failure(grpc.StatusCode.INVALID_ARGUMENT, _ONE_MESSAGE.format(call.name))
         except _Failure as failure:
@@ -262,8 +332,8 @@ class _Connection(Http2Connection):
         self._start(call, self._run_unary(call, messages[0]))
 
     def _start(self, call: _Call, coroutine: Coroutine[Any, Any, None]) -> None:
-        """Run a unary call up to its first suspension now (in a context of its own, as a task would); `_Driven`
-        goes on with it, without a task, if it suspends. A method not `taskless` runs in a task."""
+        """Run a unary call up to its first suspension now (in a context of its own, as a task would); `call` steps
+        it on, without a task, if it suspends. A method not `taskless` runs in a task."""
         if not call.method.taskless:
             call.task = asyncio.get_running_loop().create_task(coroutine)
             return
@@ -274,19 +344,25 @@ class _Connection(Http2Connection):
             return
         except asyncio.CancelledError:  # raised by the call's own code (nothing can cancel it here): as a task's
             return
-        call.task = _Driven(coroutine, context, yielded)
+        call.coroutine = coroutine
+        call.context = context
+        if getattr(yielded, "_asyncio_future_blocking", None):  # the usual: a future, awaited (`wait`, written out)
+            yielded._asyncio_future_blocking = False
+            yielded.add_done_callback(call.step, context=context)
+            call.waiting = yielded
+        else:
+            call.wait(yielded)
 
     def stream_reset(self, stream_id: int) -> None:
         call = self._calls.pop(stream_id, None)
-        if call is not None and call.task is not None:
-            call.task.cancel()  # the client cancelled: the handler's `CancelledError` releases what it holds
+        if call is not None:
+            call.cancel()  # the client cancelled: the handler's `CancelledError` releases what it holds
 
     # ---- answering -----------------------------------------------------------------------------------------------
     def _refuse(self, call: _Call, failure: _Failure) -> None:
-        call.done = True
+        call.refused = True
         self._calls.pop(call.stream_id, None)
-        if call.task is not None:
-            call.task.cancel()
+        call.cancel()
         self._finish(call, failure.status, str(failure))
 
     def _trailers_only(self, stream_id: int, status: grpc.StatusCode, message: str) -> None:
@@ -333,8 +409,7 @@ class _Connection(Http2Connection):
         """`call` is over: its deadline is stopped and it is no longer the stream's call."""
         if call.timer is not None:
             call.timer.cancel()
-        if self._calls.get(call.stream_id) is call:
-            del self._calls[call.stream_id]
+        self._calls.pop(call.stream_id, None)  # (a stream id is never reused on a connection: it is this call)
 
     def _end(self, call: _Call, exc: BaseException | None) -> None:
         """End `call`, whose task finished (raising `exc`, if not None), with its status; re-raises a cancellation
@@ -366,12 +441,21 @@ class _Connection(Http2Connection):
         try:
             if call.timeout is not None:
                 self._arm(call, call.timeout)
-            function = call.method.function  # (a bound method held in a slot: loaded, then called)
-            response = await function(self._request(call, message))
+            method = call.method
+            try:
+                request = self._forms.parse(message) if method.learns else method.request.FromString(message)
+            except DecodeError as exc:
+                raise BadRequest(f"the {call.name} request is not a valid {method.request.__name__} message") from exc
+            function = method.function  # (a bound method held in a slot: loaded, then called)
+            response = await function(request)
             payload = response if type(response) is bytes else response.SerializeToString()
-            pieces = (_MESSAGE_PREFIX.pack(0, len(payload)), payload)
-            if self.send_response_now(call.stream_id, _RESPONSE_BLOCK, pieces, _OK_TRAILERS_BLOCK):
-                self._forget(call)  # the whole response is buffered: the call is done
+            size = len(payload)
+            pieces = (_MESSAGE_PREFIX.pack(0, size), payload)
+            if self.send_response_now(call.stream_id, _RESPONSE_BLOCK, pieces, _PREFIX + size, _OK_TRAILERS_BLOCK):
+                # The whole response is buffered: the call is done (`_forget`, written out).
+                if call.timer is not None:
+                    call.timer.cancel()
+                self._calls.pop(call.stream_id, None)
                 self.flush()
                 return
             self._headers_once(call)
@@ -401,92 +485,15 @@ class _Connection(Http2Connection):
             self._end(call, None)
 
 
-class _Driven:
-    """A unary call's coroutine run on the loop without a task: stepped now, then each time a future it awaits is
-    done, as a task steps its coroutine (in a context of its own, a `CancelledError` thrown in on `cancel`).
-
-    A task costs its creation, its registration in asyncio's set of tasks and a loop turn for its first step; most
-    calls need none of it (a method answered from the server's state answers in its first step), and a call to a
-    model in its runner awaits one future, the runner's reply."""
-
-    __slots__ = ("_context", "_coroutine", "_done", "_finished", "_thrown", "_waiting")
-
-    def __init__(self, coroutine: Coroutine[Any, Any, None], context: contextvars.Context, yielded: Any) -> None:
-        """Go on with `coroutine`, whose first step (run in `context`, which its later steps share) yielded
-        `yielded`."""
-        self._coroutine = coroutine
-        self._context = context
-        self._waiting: asyncio.Future[Any] | None = None
-        self._thrown: BaseException | None = None  # to throw in at the next step (a cancellation, a bad yield)
-        self._done = False
-        self._finished: asyncio.Future[None] | None = None  # made when `finished` is first asked for
-        self._wait(yielded)
-
-    def step(self, _: object = None) -> None:
-        """Run the coroutine up to its next suspension (or its end); called in its context, as a task's steps are."""
-        self._waiting = None
-        try:
-            thrown = self._thrown
-            if thrown is not None:
-                self._thrown = None
-                yielded = self._coroutine.throw(thrown)
-            else:
-                yielded = self._coroutine.send(None)
-        except (StopIteration, asyncio.CancelledError):  # answered; or cancelled, which the call's code handled
-            self._end()
-            return
-        except BaseException:
-            self._end()
-            raise
-        self._wait(yielded)
-
-    def _wait(self, yielded: Any) -> None:
-        """Step again when what the coroutine yielded says: a future it awaits is done, or the loop's next turn."""
-        if getattr(yielded, "_asyncio_future_blocking", None):  # an asyncio future, awaited
-            yielded._asyncio_future_blocking = False
-            yielded.add_done_callback(self.step, context=self._context)
-            self._waiting = yielded
-        elif yielded is None:  # a bare yield (`asyncio.sleep(0)`): the next turn of the loop
-            asyncio.get_running_loop().call_soon(self.step, context=self._context)
-        else:
-            self._thrown = RuntimeError(f"a gRPC call yielded {yielded!r}, not a future")  # as a task refuses it
-            asyncio.get_running_loop().call_soon(self.step, context=self._context)
-
-    def _end(self) -> None:
-        self._done = True
-        if self._finished is not None and not self._finished.done():
-            self._finished.set_result(None)
-
-    def done(self) -> bool:
-        return self._done
-
-    def cancel(self) -> None:
-        """Cancel the call: the future it awaits is cancelled (the call's `await` raises `CancelledError`), or, if
-        that is already done, `CancelledError` is thrown in at its next step."""
-        if self._done:
-            return
-        waiting = self._waiting
-        if waiting is None or not waiting.cancel():
-            self._thrown = asyncio.CancelledError()
-
-    def finished(self) -> asyncio.Future[None]:
-        """A future done when the call is (for the server's close to wait on)."""
-        if self._finished is None:
-            self._finished = asyncio.get_running_loop().create_future()
-            if self._done:
-                self._finished.set_result(None)
-        return self._finished
-
-
 # A coroutine's `send`, taken from its type once (not a bound method made per call).
 _send = cast(Callable[[Coroutine[Any, Any, None], None], Any], types.CoroutineType.send)
 
 
 def _expire(call: _Call) -> None:
     """The call's deadline passed: its task is cancelled, and ends the call with ``DEADLINE_EXCEEDED``."""
-    if call.task is not None and not call.task.done():
+    if call.running():
         call.expired = True
-        call.task.cancel()
+        call.cancel()
 
 
 def _framed(payload: bytes) -> bytes:
@@ -532,11 +539,7 @@ class GrpcServer:
             self._server.close()
         for connection in list(self.connections):
             connection.goaway()
-        running = {
-            call if isinstance(call, asyncio.Task) else call.finished(): call
-            for connection in self.connections
-            for call in connection.calls
-        }
+        running = {call.finished(): call for connection in self.connections for call in connection.calls}
         if running:
             _, late = await asyncio.wait(running, timeout=grace)
             for future in late:

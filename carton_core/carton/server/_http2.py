@@ -22,6 +22,7 @@ import logging
 import struct
 from typing import cast
 
+import msgspec
 from hpack import Decoder
 from hpack.exceptions import HPACKError
 
@@ -118,14 +119,14 @@ def header_block(headers: list[tuple[bytes, bytes]]) -> bytes:
     return b"".join(out)
 
 
-class _Stream:
-    __slots__ = ("ended", "received", "send_window")
+class _Stream(msgspec.Struct, gc=False, eq=False):
+    """A stream's state. (A struct: made in C, without a Python ``__init__``; it holds numbers only, so the garbage
+    collector need not track it.)"""
 
-    def __init__(self, send_window: int, ended: bool) -> None:
-        self.send_window = send_window
-        # Bytes received and not yet given back with a WINDOW_UPDATE: the stream's receive window is what is left.
-        self.received = 0
-        self.ended = ended  # the client's END_STREAM came
+    send_window: int
+    ended: bool  # the client's END_STREAM came
+    # Bytes received and not yet given back with a WINDOW_UPDATE: the stream's receive window is what is left.
+    received: int = 0
 
 
 class Http2Connection(asyncio.Protocol, abc.ABC):
@@ -539,23 +540,35 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
         if not stream.ended:
             self._out.append(_frame(_RST_STREAM, 0, stream_id, ErrorCode.NO_ERROR.to_bytes(4, "big")))
 
-    def send_response_now(self, stream_id: int, headers: bytes, pieces: tuple[bytes, ...], trailers: bytes) -> bool:
+    def send_response_now(
+        self, stream_id: int, headers: bytes, pieces: tuple[bytes, ...], size: int, trailers: bytes
+    ) -> bool:
         """Buffer a whole response if the client's windows and frame size take its body, the concatenation of
-        `pieces`, in one DATA frame now: a HEADERS frame with the header block `headers`, the DATA frame, and a
-        HEADERS frame with the block `trailers` that ends the stream (as `send_headers`, `send_data` and
-        `send_headers` with `end_stream` would, without waiting and in fewer steps: the usual small response); False,
-        with nothing buffered, if they do not (then those three). Each header block must be at most 16384 bytes (the
-        smallest frame size a client may set). `StreamGone` if the stream or connection is gone."""
+        `pieces` (`size` bytes in all), in one DATA frame now: a HEADERS frame with the header block `headers`, the
+        DATA frame, and a HEADERS frame with the block `trailers` that ends the stream (as `send_headers`,
+        `send_data` and `send_headers` with `end_stream` would, without waiting and in fewer steps: the usual small
+        response); False, with nothing buffered, if they do not (then those three). Each header block must be at
+        most 16384 bytes (the smallest frame size a client may set). `StreamGone` if the stream or connection is
+        gone."""
         stream = self._streams.get(stream_id)
         if stream is None or self.closed:
             raise StreamGone(stream_id)
-        size = sum(map(len, pieces))
         if size > self._send_window or size > stream.send_window or size > self._max_frame:
             return False
-        self._out += (_HEAD.pack(0, len(headers), _HEADERS, _END_HEADERS, stream_id), headers)
-        self._buffer_data(stream_id, stream, pieces, size)
-        self._out += (_HEAD.pack(0, len(trailers), _HEADERS, _END_HEADERS | _END_STREAM, stream_id), trailers)
-        self._response_ended(stream_id, stream)
+        self._out += (
+            _HEAD.pack(0, len(headers), _HEADERS, _END_HEADERS, stream_id),
+            headers,
+            _HEAD.pack(size >> 16, size & 0xFFFF, _DATA, 0, stream_id),
+            *pieces,
+            _HEAD.pack(0, len(trailers), _HEADERS, _END_HEADERS | _END_STREAM, stream_id),
+            trailers,
+        )
+        # `_buffer_data` and `_response_ended` written out (the usual response's path): the DATA counted against the
+        # connection's window (the stream's is gone with it), the stream done.
+        self._send_window -= size
+        del self._streams[stream_id]
+        if not stream.ended:
+            self._out.append(_frame(_RST_STREAM, 0, stream_id, ErrorCode.NO_ERROR.to_bytes(4, "big")))
         return True
 
     async def send_data(self, stream_id: int, data: bytes) -> None:
