@@ -199,15 +199,16 @@ def _bound_child(args: argparse.Namespace) -> dict[str, Any]:
 
     def read(function: Any, data: Any, threads: int) -> tuple[float, float]:
         """Wall time of one read of ``data`` by ``threads`` threads (each its part, started together), and the
-        slowest thread's own time."""
-        spans = [(0.0, 0.0)] * threads
+        slowest thread's CPU time for its part (what the read takes while the thread has a core: other processes
+        can still take memory bandwidth, but not the core)."""
+        spans = [(0.0, 0.0, 0.0)] * threads
         start = threading.Barrier(threads)
 
         def part(index: int) -> None:
             start.wait()
-            begun = time.perf_counter()
+            begun, cpu = time.perf_counter(), time.thread_time()
             function(data, index, threads)
-            spans[index] = (begun, time.perf_counter())
+            spans[index] = (begun, time.perf_counter(), time.thread_time() - cpu)
 
         helpers = [threading.Thread(target=part, args=(index,)) for index in range(1, threads)]
         for helper in helpers:
@@ -215,10 +216,11 @@ def _bound_child(args: argparse.Namespace) -> dict[str, Any]:
         part(0)
         for helper in helpers:
             helper.join()
-        return max(end for _, end in spans) - min(begun for begun, _ in spans), max(b - a for a, b in spans)
+        return max(span[1] for span in spans) - min(span[0] for span in spans), max(span[2] for span in spans)
 
-    def best_read(function: Any, data: Any, threads: int) -> float:
-        return min(read(function, data, threads)[0] for _ in range(5))
+    def best_read(function: Any, data: Any, threads: int) -> tuple[float, float]:
+        runs = [read(function, data, threads) for _ in range(5)]
+        return min(wall for wall, _ in runs), min(cpu for _, cpu in runs)
 
     for threads in (1, 2):
         best_read(fold_one, synthetic, threads)
@@ -228,8 +230,8 @@ def _bound_child(args: argparse.Namespace) -> dict[str, Any]:
     for index in range(args.rounds):
         row: dict[str, float] = {}
         for threads in (1, 2) if index % 2 else (2, 1):
-            row[f"synthetic {threads}"] = best_read(fold_one, synthetic, threads)
-            row[f"real {threads}"] = best_read(fold_all, real, threads)
+            row[f"synthetic {threads}"], row[f"synthetic cpu {threads}"] = best_read(fold_one, synthetic, threads)
+            row[f"real {threads}"], row[f"real cpu {threads}"] = best_read(fold_all, real, threads)
             row[f"decode {threads}"] = best_decode(threads)
         row["load"] = os.getloadavg()[0]
         rounds.append(row)
@@ -261,10 +263,11 @@ def _bound(tree: Path, model: Path, args: argparse.Namespace) -> None:
           f"load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after. GB/s: a streaming read (compiled "
           f"XOR over 64-bit words) of a {total / 1e6:.1f} MB buffer, and of the model's own arrays "
           f"({found['real_bytes'] / 1e6:.1f} MB: payloads, norms, the cache's slots), by 1 thread and by 2 (each "
-          "half); a decode's GB/s is the bytes above over its time per token")  # fmt: skip
-    print("| round (load) | buffer 1 / 2 threads GB/s | own arrays 1 / 2 GB/s | read 2 / 1 | decode 1 / 2 threads "
-          "ms/token | decode 1 / 2 GB/s | decode 2 / 1 | decode / read rate, 1 / 2 threads |")  # fmt: skip
-    print("|---|---|---|---:|---|---|---:|---|")
+          "half); 'by CPU time': the own arrays over the slowest thread's CPU time for its part; a decode's GB/s is "
+          "the bytes above over its time per token")  # fmt: skip
+    print("| round (load) | buffer 1 / 2 threads GB/s | own arrays 1 / 2 GB/s | by CPU time | read 2 / 1 | decode 1 "
+          "/ 2 threads ms/token | decode 1 / 2 GB/s | decode 2 / 1 | decode / read rate, 1 / 2 threads |")  # fmt: skip
+    print("|---|---|---|---|---:|---|---|---:|---|")
 
     def rate(size: float, seconds: float) -> float:
         return size / seconds / 1e9
@@ -273,8 +276,10 @@ def _bound(tree: Path, model: Path, args: argparse.Namespace) -> None:
         real = (rate(found["real_bytes"], row["real 1"]), rate(found["real_bytes"], row["real 2"]))
         buffer = (rate(total, row["synthetic 1"]), rate(total, row["synthetic 2"]))
         decoded = (rate(total, row["decode 1"]), rate(total, row["decode 2"]))
+        cpu = (rate(found["real_bytes"], row["real cpu 1"]), rate(found["real_bytes"], row["real cpu 2"]))
         print(f"| {index + 1} ({row['load']:.2f}) | {buffer[0]:.1f} / {buffer[1]:.1f} | {real[0]:.1f} / {real[1]:.1f} "
-              f"| {real[1] / real[0]:.2f}x | {row['decode 1'] * 1e3:.2f} / {row['decode 2'] * 1e3:.2f} | "
+              f"| {cpu[0]:.1f} / {cpu[1]:.1f} | {real[1] / real[0]:.2f}x | "
+              f"{row['decode 1'] * 1e3:.2f} / {row['decode 2'] * 1e3:.2f} | "
               f"{decoded[0]:.1f} / {decoded[1]:.1f} | {row['decode 1'] / row['decode 2']:.2f}x | "
               f"{decoded[0] / real[0]:.2f} / {decoded[1] / real[1]:.2f} |")  # fmt: skip
 
