@@ -51,7 +51,6 @@ __all__ = [
     "SERVING",
     "SLOT",
     "WAIT_LIMIT_S",
-    "arrive",
     "atomic_add",
     "atomic_load",
     "atomic_store",
@@ -66,11 +65,9 @@ __all__ = [
     "leave",
     "pointer_like",
     "post",
-    "prefetch_until",
     "recall",
     "take",
     "take_share",
-    "wait_arrivals",
     "wait_departures",
 ]
 
@@ -212,7 +209,6 @@ def _libc_symbol(name: str) -> None:
 _libc_symbol("sched_yield")
 _libc_symbol("usleep")
 _I32 = ir.IntType(32)
-_I8 = ir.IntType(8)
 
 
 @intrinsic
@@ -275,60 +271,6 @@ def barrier(control, passed, team):  # type: ignore[no-untyped-def]
     if not _wait(control, ARRIVALS, (passed + 1) * team):
         return -1
     return passed + 1
-
-
-@numba.njit(**JIT)
-def arrive(control, passed, team):  # type: ignore[no-untyped-def]
-    """A thread's arrival at barrier number ``passed + 1`` of the run (`barrier` in three steps: arrive, then
-    `prefetch_until`, then `wait_arrivals`): the arrival count that passes it."""
-    if team > 1:
-        atomic_add(control, ARRIVALS, 1)
-    return (passed + 1) * team
-
-
-@intrinsic
-def _prefetch(typingctx: Any, array: Any, index: Any) -> tuple[Any, Codegen]:
-    """A hint to bring byte ``index`` of a C-contiguous uint8 array into the core's caches (never faults)."""
-
-    def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: list[Any]) -> Any:
-        data = context.make_array(sig.args[0])(context, builder, args[0]).data
-        pointer = builder.gep(builder.bitcast(data, _I8.as_pointer()), [args[1]])
-        signature = ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32])
-        hint = cgutils.get_or_insert_function(builder.module, signature, "llvm.prefetch.p0")
-        # a read, kept in every level of cache, of data
-        builder.call(hint, [pointer, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
-        return context.get_dummy_value()
-
-    return types.none(array, index), codegen
-
-
-_LINE = 64  # bytes of a cache line
-_STRETCH = 2048  # bytes prefetched between two looks at the arrivals
-
-
-@numba.njit(**JIT)
-def prefetch_until(control, target, payload, first, last):  # type: ignore[no-untyped-def]
-    """A thread that has arrived at a barrier (`arrive`) brings bytes ``first .. last`` of ``payload`` (work of its
-    next phase) into its core's caches, a stretch at a time, until the barrier is passed (``target`` arrivals): the
-    memory the wait would leave idle. Returns whether the barrier was passed before every byte was asked for."""
-    last = min(last, payload.size)
-    while first < last:
-        if atomic_load(control, ARRIVALS) >= target:
-            return True
-        stop = min(first + _STRETCH, last)
-        for at in range(first, stop, _LINE):
-            _prefetch(payload, at)
-        first = stop
-    return False
-
-
-@numba.njit(**JIT)
-def wait_arrivals(control, passed, target, team):  # type: ignore[no-untyped-def]
-    """The end of barrier number ``passed + 1`` (`arrive`): the new count of barriers passed, or -1 when the run was
-    aborted."""
-    if team == 1 or _wait(control, ARRIVALS, target):
-        return passed + 1
-    return -1
 
 
 @numba.njit(**JIT)

@@ -32,7 +32,7 @@ import math
 import numba
 import numpy as np
 
-from ._atomics import arrive, barrier, depart, prefetch_until, take_share, wait_arrivals, wait_departures
+from ._atomics import barrier, depart, take_share, wait_departures
 from ._blocks import JIT
 from ._compiled import _decode_rows, _matmul_rows, quantize
 from ._fused import _rotate, rms_norm, softmax_weights
@@ -199,62 +199,6 @@ def _rows_by_share(  # type: ignore[no-untyped-def]
 
 
 @numba.njit(**JIT)
-def _own_share(units, worker, team):  # type: ignore[no-untyped-def]
-    """Units ``first .. last - 1`` of ``worker``'s own share of a phase (`_atomics.take_share`'s cut)."""
-    return units * worker // team, units * (worker + 1) // team
-
-
-@numba.njit(**JIT)
-def _prefetch_rows(control, target, payload, meta, first, last):  # type: ignore[no-untyped-def]
-    """`_atomics.prefetch_until` over the codes of rows ``first .. last - 1`` of a q* / k* payload (``meta``:
-    `_packed.CompiledPayload.meta`); True once the barrier is passed."""
-    row_bytes = meta[3] * 4 * meta[9]  # blocks per row, 32 codes of ``bits`` bits a block
-    at = meta[0] + meta[5] * row_bytes
-    return prefetch_until(control, target, payload, at + first * row_bytes, at + last * row_bytes)
-
-
-@numba.njit(**JIT)
-def _prefetch_share(control, target, payloads, metas, first_matrix, count, paired, sizes, worker, team):  # type: ignore[no-untyped-def]
-    """`_prefetch_rows` over this thread's own share of a phase, in the order it computes it: matrices
-    ``first_matrix ..`` (``count`` of them, ``sizes`` their rows) whose groups of `ROWS` rows follow each other
-    among the phase's units, or, ``paired``, share them (gate and up: chunk by chunk, both matrices' rows)."""
-    if paired:
-        first, last = _own_share(_groups(sizes[0]), worker, team)
-        high = min(sizes[0], last * ROWS)
-        for low in range(first * ROWS, high, CHUNK_ROWS):
-            for which in range(count):
-                index = first_matrix + which
-                if _prefetch_rows(control, target, payloads[index], metas[index], low, min(high, low + CHUNK_ROWS)):
-                    return
-        return
-    units = 0
-    for which in range(count):
-        units += _groups(sizes[which])
-    first, last = _own_share(units, worker, team)
-    start = 0
-    for which in range(count):
-        end = start + _groups(sizes[which])
-        low, high = max(first, start), min(last, end)
-        if low < high:
-            index = first_matrix + which
-            if _prefetch_rows(control, target, payloads[index], metas[index], (low - start) * ROWS,
-                              min(sizes[which], (high - start) * ROWS)):  # fmt: skip
-                return
-        start = end
-
-
-@numba.njit(**JIT)
-def _filled_barrier(control, passed, team, worker, payloads, metas, first_matrix, count, paired, sizes):  # type: ignore[no-untyped-def]
-    """`_atomics.barrier`, with the wait spent bringing this thread's own share of the next phase's rows into its
-    core's caches (`_prefetch_share`), memory the wait would leave idle; the last thread to arrive prefetches
-    nothing, and the results do not change."""
-    target = arrive(control, passed, team)
-    if team > 1:
-        _prefetch_share(control, target, payloads, metas, first_matrix, count, paired, sizes, worker, team)
-    return wait_arrivals(control, passed, target, team)
-
-
-@numba.njit(**JIT)
 def decode_step(  # type: ignore[no-untyped-def]
     payloads, metas, widths, norms, final_norm, eps, embedding, ids, hidden_in, cos, sin, keys, values, key_mask,
     slot, scale, q, k, v, attended, projected, gate, up, activated, out, head_table, logits, own, control, worker, team,
@@ -299,16 +243,12 @@ def decode_step(  # type: ignore[no-untyped-def]
             b, head = unit // heads, unit % heads
             _attend(layer, b, head, groups, q, k, v, cos, sin, keys, values, key_mask, slot, scale, query, key, scores,
                     attended)  # fmt: skip
-        passed = _filled_barrier(
-            control, passed, team, worker, payloads, metas, base + 3, 1, False, (hidden.shape[1], 0, 0)
-        )
+        passed = barrier(control, passed, team)
         if passed < 0:
             return ABORTED
         _rows_by_share(control, counter + 2 * team, tables, base + 3, 1, attended, xq, xs, xe, xoff, projected,
                        projected, projected, worker, team)  # fmt: skip
-        passed = _filled_barrier(
-            control, passed, team, worker, payloads, metas, base + 4, 2, True, (gate.shape[1], gate.shape[1], 0)
-        )
+        passed = barrier(control, passed, team)
         if passed < 0:
             return ABORTED
         _add(hidden, projected)
@@ -330,18 +270,12 @@ def decode_step(  # type: ignore[no-untyped-def]
                 rows_of(payloads[index], metas[index], rounded, xq, xs, xe, xoff, gate if which == 0 else up, first,
                         last)  # fmt: skip
             _swiglu_rows(gate, up, activated, first, last)
-        passed = _filled_barrier(
-            control, passed, team, worker, payloads, metas, base + 6, 1, False, (hidden.shape[1], 0, 0)
-        )
+        passed = barrier(control, passed, team)
         if passed < 0:
             return ABORTED
         _rows_by_share(control, counter + 4 * team, tables, base + 6, 1, activated, xq, xs, xe, xoff, projected,
                        projected, projected, worker, team)  # fmt: skip
-        if layer + 1 < norms.shape[0]:
-            sizes = (q.shape[1], k.shape[1], v.shape[1])
-            passed = _filled_barrier(control, passed, team, worker, payloads, metas, base + MATRICES, 3, False, sizes)
-        else:
-            passed = barrier(control, passed, team)
+        passed = barrier(control, passed, team)
         if passed < 0:
             return ABORTED
         _add(hidden, projected)
