@@ -3,7 +3,8 @@ another, in alternating rounds.
 
     python bench/bench_llm.py --threads 1 --rounds 1 --methods q4 --new-tokens 8   # converts SmolLM2 once
     git worktree add --detach ../carton-base <commit>                             # the code before a change
-    python bench/bench_decode_threads.py --baseline ../carton-base [--rounds 4] [--method q4] [--bandwidth]
+    python bench/bench_decode_threads.py --baseline ../carton-base [--rounds 4] [--method q4]
+    python bench/bench_decode_threads.py --bandwidth [--rounds 5] [--repeats 3]                 # the memory bound
 
 Every round starts one child process per (side, thread count), in alternating order (the baseline first in even
 rounds). A child has that side's ``carton_core``, ``protocol`` and ``runners`` first on ``PYTHONPATH``, loads the
@@ -13,11 +14,13 @@ carton gives that checkout's runner process (its plugin's ``RunnerSpec.env``) wi
 ``--new-tokens`` greedily (the loop of the runner's generate: step, output head, argmax), ``--repeats`` times; it
 reports the best time per token and the process's CPU time per token (every thread, from /proc).
 
-``--bandwidth`` first measures what bounds a step from below: the time to read the model file's bytes once (a
-compiled XOR over them as 64-bit words, the file already in the page cache) by one thread and by two (each half),
-best of 5, alternated over ``--rounds``: a decode step reads every weight once; and what a second thread gives to
-work that touches no memory at all (eight multiply-add chains in registers, each thread the whole count): whether
-the machine's two CPUs compute independently.
+``--bandwidth`` measures instead what the memory system allows, in one child of this checkout: the bytes a decode
+step reads per token (every product's payload as stored, the output head's included, the norms, an embedding row,
+the cache's keys and values at the decode's mean length), then, alternated over ``--rounds`` in that one process,
+a compiled streaming read (an XOR over 64-bit words) of a buffer of that size and of the model's own arrays, by one
+thread and by two (each half of every array), against the decode itself at one thread and two (two regions on the
+same weights): the bytes per second the decode reaches at each thread count against what the machine streams, and
+the two-thread token's floor, the step's bytes read at the machine's two-thread rate.
 
 The table gives, per side and thread count, the median over rounds of the best time per token, and the scaling
 from one thread to two as the median of the per-round ratios (each round's two children ran back to back, so a
@@ -79,11 +82,49 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
     return {"step_ms": best[0] * 1e3, "cpu_ms": best[1] * 1e3}
 
 
-def _bandwidth(model: Path, rounds: int) -> None:
+def _step_bytes(model: Any, region: Any, prompt: int, new: int) -> dict[str, int]:
+    """The bytes a q* / k* decode step of ``model`` reads from memory per token, by what holds them: every layer's
+    products and the output head as their payloads are stored (the compiled kernels read them in place), the norms,
+    one embedding row, and the keys and values of the cache at the decode's mean length (each cached slot read once;
+    a kv head's three query heads re-read it from the core's caches)."""
+    config = model.config
+    head = region._head[0]
+    layers = sum(payload.nbytes for payload in region.payloads)
+    slots = prompt + (new - 1) / 2 + 1  # the mean number of slots a step attends to, the new one included
+    cache = 2 * config.num_layers * model.kv_heads * config.head_dim * 4 * slots
+    return {
+        "layers' products": layers,
+        "output head": head.nbytes,
+        "norms": region.norms.nbytes + region.final_norm.nbytes,
+        "embedding row": head.nbytes // max(region.vocab, 1),
+        "kv cache": int(cache),
+    }
+
+
+def _words(array: Any) -> Any:
+    """The 8-byte-aligned middle of a byte array as uint64 words (a compiled XOR over them is vectorized)."""
+    import numpy as np
+
+    flat = array.reshape(-1).view(np.uint8)
+    skip = -flat.ctypes.data % 8
+    words = flat[skip : skip + (flat.size - skip) // 8 * 8].view(np.uint64)
+    words.flags.writeable = False  # one numba type for payloads (read-only maps) and the cache
+    return words
+
+
+def _bound_child(args: argparse.Namespace) -> dict[str, Any]:
+    """In one process, alternated: a compiled streaming read of a buffer the size of a decode step's reads and of
+    the model's own arrays (payloads, cache) at one thread and at two (each half), and the decode at one and two
+    threads (two regions on the same weights)."""
     import threading
 
     import numba
     import numpy as np
+    from carton_protocol import DType, LoadContext, TensorSpec
+    from carton_runner_mcf._llama import positions_from_mask
+    from carton_runner_mcf._region import DecodeRegion
+    from carton_runner_mcf.runner import MCFRunner
+    from numba.typed import List
 
     @numba.njit(nogil=True, cache=False)
     def fold(words: Any, first: int, last: int) -> int:
@@ -93,66 +134,163 @@ def _bandwidth(model: Path, rounds: int) -> None:
         return int(total)
 
     @numba.njit(nogil=True, cache=False)
-    def compute(steps: int) -> float:
-        # Eight independent multiply-add chains on registers: no memory traffic at all.
-        a0, a1, a2, a3, a4, a5, a6, a7 = 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8
-        for _ in range(steps):
-            a0, a1, a2, a3 = a0 * 0.999 + 0.001, a1 * 0.999 + 0.001, a2 * 0.999 + 0.001, a3 * 0.999 + 0.001
-            a4, a5, a6, a7 = a4 * 0.999 + 0.001, a5 * 0.999 + 0.001, a6 * 0.999 + 0.001, a7 * 0.999 + 0.001
-        return a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7
+    def fold_all(arrays: Any, part: int, parts: int) -> int:
+        total = 0
+        for words in arrays:
+            n = words.size
+            total ^= fold(words, n * part // parts, n * (part + 1) // parts)
+        return total
 
-    raw = np.fromfile(model / "model.mcf", dtype=np.uint8)
-    words = raw[: raw.size // 8 * 8].view(np.uint64)
-    n = words.size
-    steps = 20_000_000
-    fold(words, 0, 8)
-    compute(8)
+    @numba.njit(nogil=True, cache=False)
+    def fold_one(words: Any, part: int, parts: int) -> int:
+        n = words.size
+        return fold(words, n * part // parts, n * (part + 1) // parts)
 
-    def run(calls: list[tuple[Any, tuple[Any, ...]]]) -> tuple[float, float]:
-        """Wall time of ``calls`` run at once (the first on this thread, each other on a thread of its own), and
-        the mean of their threads' CPU times: unlike the wall time, that one does not count what other processes
-        take of the cores, only how fast a thread runs while it has one."""
-        cpu = [0.0] * len(calls)
+    runner = MCFRunner()
+    opts: dict[str, Any] = {"mode": "generate", "threads": 2}
+    inputs = (TensorSpec(name="input_ids", dtype=DType.INT64, shape=("batch", "seq")),)
+    outputs = (TensorSpec(name="output_ids", dtype=DType.INT64, shape=("batch", "new")),)
+    runner.load(LoadContext(model_dir=Path(args.model), opts=opts, inputs=inputs, outputs=outputs))
+    model = runner._loaded.model
+    regions = {threads: DecodeRegion.build(model, threads=threads) for threads in (1, 2)}
+    if regions[1] is None or regions[2] is None:
+        raise SystemExit("the model's decode step does not run in one region (not a whole q* / k* model)")
+    parts = _step_bytes(model, regions[1], args.prompt_tokens, args.new_tokens)
+    total = sum(parts.values())
+    ids = np.random.default_rng(0).integers(100, 40000, size=(1, args.prompt_tokens), dtype=np.int64)
+    mask = np.ones(ids.shape, dtype=bool)
+    one = np.ones((1, 1), dtype=bool)
+    steps = args.new_tokens
 
-        def call(index: int) -> None:
-            function, arguments = calls[index]
-            begun = time.thread_time()
-            function(*arguments)
-            cpu[index] = time.thread_time() - begun
+    def decode(threads: int, count: int) -> list[float]:
+        """Each token's time (step, output head, argmax) of a greedy decode of ``count`` tokens."""
+        model._region = regions[threads]
+        cache = model.new_cache(1, args.prompt_tokens + steps + 1)
+        hidden = model.forward(ids, positions_from_mask(mask), mask, cache)
+        token = model.logits(hidden[:, -1]).argmax(-1)
+        times = []
+        for step in range(count):
+            started = time.perf_counter()
+            position = np.array([[args.prompt_tokens + step]], dtype=np.int64)
+            hidden = model.forward(token[:, None], position, one, cache)
+            token = model.logits(hidden[:, 0]).argmax(-1)
+            times.append(time.perf_counter() - started)
+        return times
 
-        helpers = [threading.Thread(target=call, args=(index,)) for index in range(1, len(calls))]
-        started = time.perf_counter()
+    def best_decode(threads: int) -> float:
+        """The mean over a decode's tokens of each token's fastest time over ``--repeats`` decodes: the least
+        disturbed token at each length of the cache (a loaded machine disturbs whole decodes)."""
+        runs = [decode(threads, steps) for _ in range(args.repeats)]
+        return float(np.mean(np.min(runs, axis=0)))
+
+    # The model's own arrays: every payload, the norms, and the cache's slots at the decode's mean length.
+    slots = args.prompt_tokens + steps // 2 + 1
+    cache = model.new_cache(1, args.prompt_tokens + steps + 1)
+    real = List()
+    for array in (*regions[1].payloads, regions[1]._head[0], regions[1].norms):
+        real.append(_words(array))
+    for store in (cache.key_store, cache.value_store):
+        for layer in range(store.shape[0]):
+            for group in range(store.shape[2]):
+                real.append(_words(store[layer, 0, group, :slots]))
+    real_bytes = sum(words.nbytes for words in real)
+    synthetic = np.ones(total // 8, np.uint64)
+    synthetic.flags.writeable = False
+
+    def read(function: Any, data: Any, threads: int) -> tuple[float, float]:
+        """Wall time of one read of ``data`` by ``threads`` threads (each its part, started together), and the
+        slowest thread's CPU time for its part (what the read takes while the thread has a core: other processes
+        can still take memory bandwidth, but not the core)."""
+        spans = [(0.0, 0.0, 0.0)] * threads
+        start = threading.Barrier(threads)
+
+        def part(index: int) -> None:
+            start.wait()
+            begun, cpu = time.perf_counter(), time.thread_time()
+            function(data, index, threads)
+            spans[index] = (begun, time.perf_counter(), time.thread_time() - cpu)
+
+        helpers = [threading.Thread(target=part, args=(index,)) for index in range(1, threads)]
         for helper in helpers:
             helper.start()
-        call(0)
+        part(0)
         for helper in helpers:
             helper.join()
-        return time.perf_counter() - started, sum(cpu) / len(cpu)
+        return max(span[1] for span in spans) - min(span[0] for span in spans), max(span[2] for span in spans)
 
-    def best(calls: list[tuple[Any, tuple[Any, ...]]]) -> tuple[float, float]:
-        runs = [run(calls) for _ in range(5)]
+    def best_read(function: Any, data: Any, threads: int) -> tuple[float, float]:
+        runs = [read(function, data, threads) for _ in range(5)]
         return min(wall for wall, _ in runs), min(cpu for _, cpu in runs)
 
-    read, computed = [], []
-    for _ in range(rounds):
-        read.append((best([(fold, (words, 0, n))]), best([(fold, (words, 0, n // 2)), (fold, (words, n // 2, n))])))
-        # Both threads do the whole count: twice the work in the same wall time is a speed-up of 2.
-        computed.append((best([(compute, (steps,))]), best([(compute, (steps,)), (compute, (steps,))])))
-    mb = raw.size / 1e6
-    print(f"# what a second thread gives, best of 5 per round, {rounds} rounds; load average {os.getloadavg()[0]:.2f}. "
-          "'by wall' counts what other processes take of the cores; 'by CPU time' compares each thread's own CPU "
-          "time for its share of the work (2.00x: two CPUs that do not slow each other)")  # fmt: skip
-    print("| work | round | 1 thread ms | CPU ms | 2 threads ms | CPU ms per thread | 2 threads / 1 by wall "
-          "| by CPU time |")  # fmt: skip
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
-    for label, results, scale in ((f"read the {mb:.0f} MB file", read, 1), ("registers only", computed, 2)):
-        for index, ((one_wall, one_cpu), (two_wall, two_cpu)) in enumerate(results):
-            # Reading: each thread reads half, so its CPU time against one thread's whole read is the speed-up.
-            # Registers: each thread does the whole count, twice the work.
-            wall_ratio = scale * one_wall / two_wall
-            cpu_ratio = (2 * one_cpu / two_cpu) if scale == 2 else one_cpu / two_cpu
-            print(f"| {label} | {index + 1} | {one_wall * 1e3:.1f} | {one_cpu * 1e3:.1f} | {two_wall * 1e3:.1f} | "
-                  f"{two_cpu * 1e3:.1f} | {wall_ratio:.2f}x | {cpu_ratio:.2f}x |")  # fmt: skip
+    for threads in (1, 2):
+        best_read(fold_one, synthetic, threads)
+        best_read(fold_all, real, threads)
+        decode(threads, 4)  # compiled code loaded, threads started
+    rounds = []
+    for index in range(args.rounds):
+        row: dict[str, float] = {}
+        for threads in (1, 2) if index % 2 else (2, 1):
+            row[f"synthetic {threads}"], row[f"synthetic cpu {threads}"] = best_read(fold_one, synthetic, threads)
+            row[f"real {threads}"], row[f"real cpu {threads}"] = best_read(fold_all, real, threads)
+            row[f"decode {threads}"] = best_decode(threads)
+        row["load"] = os.getloadavg()[0]
+        rounds.append(row)
+    runner.close()
+    return {"parts": parts, "total": total, "real_bytes": real_bytes, "rounds": rounds}
+
+
+def _bound(tree: Path, model: Path, args: argparse.Namespace) -> None:
+    """Print what the machine's memory allows the decode at one and two threads (`_bound_child`, one child)."""
+    import statistics
+
+    from _timing import run_in_checkout
+
+    arguments = ["--child-bound", "--model", str(model), "--rounds", str(args.rounds),
+                 "--prompt-tokens", str(args.prompt_tokens), "--new-tokens", str(args.new_tokens),
+                 "--repeats", str(args.repeats)]  # fmt: skip
+    load_before = os.getloadavg()[0]
+    found = run_in_checkout(__file__, tree, arguments, env=_child_env(tree, 2))
+    total, rounds = found["total"], found["rounds"]
+    print(f"# the memory bound: bytes a decode step reads per token (prompt {args.prompt_tokens}, "
+          f"{args.new_tokens} new tokens)")  # fmt: skip
+    print("| part | MB |")
+    print("|---|---:|")
+    for name, size in found["parts"].items():
+        print(f"| {name} | {size / 1e6:.2f} |")
+    print(f"| **total** | **{total / 1e6:.2f}** |")
+    print(f"# in one process, alternated, {args.rounds} rounds; reads best of 5, decodes per token the "
+          f"fastest of {args.repeats}; "
+          f"load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after. GB/s: a streaming read (compiled "
+          f"XOR over 64-bit words) of a {total / 1e6:.1f} MB buffer, and of the model's own arrays "
+          f"({found['real_bytes'] / 1e6:.1f} MB: payloads, norms, the cache's slots), by 1 thread and by 2 (each "
+          "half); 'by CPU time': the own arrays over the slowest thread's CPU time for its part; a decode's GB/s is "
+          "the bytes above over its time per token")  # fmt: skip
+    print("| round (load) | buffer 1 / 2 threads GB/s | own arrays 1 / 2 GB/s | by CPU time | read 2 / 1 | decode 1 "
+          "/ 2 threads ms/token | decode 1 / 2 GB/s | decode 2 / 1 | decode / read rate, 1 / 2 threads |")  # fmt: skip
+    print("|---|---|---|---|---:|---|---|---:|---|")
+
+    def rate(size: float, seconds: float) -> float:
+        return size / seconds / 1e9
+
+    for index, row in enumerate(rounds):
+        real = (rate(found["real_bytes"], row["real 1"]), rate(found["real_bytes"], row["real 2"]))
+        buffer = (rate(total, row["synthetic 1"]), rate(total, row["synthetic 2"]))
+        decoded = (rate(total, row["decode 1"]), rate(total, row["decode 2"]))
+        cpu = (rate(found["real_bytes"], row["real cpu 1"]), rate(found["real_bytes"], row["real cpu 2"]))
+        print(f"| {index + 1} ({row['load']:.2f}) | {buffer[0]:.1f} / {buffer[1]:.1f} | {real[0]:.1f} / {real[1]:.1f} "
+              f"| {cpu[0]:.1f} / {cpu[1]:.1f} | {real[1] / real[0]:.2f}x | "
+              f"{row['decode 1'] * 1e3:.2f} / {row['decode 2'] * 1e3:.2f} | "
+              f"{decoded[0]:.1f} / {decoded[1]:.1f} | {row['decode 1'] / row['decode 2']:.2f}x | "
+              f"{decoded[0] / real[0]:.2f} / {decoded[1] / real[1]:.2f} |")  # fmt: skip
+
+    def median(key: str) -> float:
+        return float(statistics.median(row[key] for row in rounds))
+
+    one, two = median("decode 1"), median("decode 2")
+    floor = statistics.median(row["real 2"] * total / found["real_bytes"] for row in rounds)
+    print(f"# medians: decode {one * 1e3:.2f} / {two * 1e3:.2f} ms per token; reading the step's {total / 1e6:.1f} MB "
+          f"at the machine's two-thread rate takes {floor * 1e3:.2f} ms, so the memory system allows two threads "
+          f"{one / floor:.2f}x one thread's token (decode two threads / one: {one / two:.2f}x)")  # fmt: skip
 
 
 _RUNNER_ENVS: dict[tuple[Path, int], dict[str, str]] = {}
@@ -188,19 +326,28 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--bandwidth", action="store_true", help="also time reading the model at 1 and 2 threads")
+    parser.add_argument(
+        "--bandwidth",
+        action="store_true",
+        help="measure the memory bound instead: streaming reads against the decode, 1 and 2 threads",
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--child-bound", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(_child(args)))
         return
+    if args.child_bound:
+        print(json.dumps(_bound_child(args)))
+        return
     model = args.work / f"mcf-{args.method}"
     if not (model / "model.mcf").is_file():
         raise SystemExit(f"{model}/model.mcf is missing: run bench/bench_llm.py --methods {args.method} first")
     if args.bandwidth:
-        _bandwidth(model, args.rounds)
+        _bound(HERE.parent, model, args)
+        return
     sides = [("this checkout", HERE.parent)]
     if args.baseline is not None:
         sides.append(("baseline", args.baseline.resolve()))
