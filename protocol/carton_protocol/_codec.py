@@ -212,6 +212,9 @@ class HostCodec(_Codec):
 
     def __init__(self, *, limits: WireLimits = DEFAULT_LIMITS, shm_threshold: int | None) -> None:
         super().__init__(limits, copy_shared=True)
+        #: `match` of the header frame's bytes (``frame.bytes``), bound to the templates: one Python call fewer on the
+        #: path every reply takes.
+        self.match_bytes: Callable[[bytes], tuple[int, Plan] | None] = self._templates.match
         self._runner_end: socket.socket | None = None
         self.shm_threshold: int | None = None
         if shm_threshold is not None and SHM_AVAILABLE:

@@ -57,7 +57,13 @@ def send_routed(sock: zmq.Socket[Any], ident: bytes, parts: Sequence[Any]) -> No
 
 def recv_message(sock: zmq.Socket[Any]) -> list[zmq.Frame]:
     """Receive one message from `sock` (a plain `zmq.Socket`, as for `send_message`) as frames, without copies."""
-    return _recv_frames(sock, [])
+    # `_recv_frames`'s loop, written out: the host's every reply, one Python call fewer.
+    frame: zmq.Frame = _recv(sock, 0, False)
+    frames = [frame]
+    while frame.more:
+        frame = _recv(sock, 0, False)
+        frames.append(frame)
+    return frames
 
 
 def recv_routed(sock: zmq.Socket[Any]) -> list[Any]:

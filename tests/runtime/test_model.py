@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import select
 import signal
 import threading
 import time
@@ -14,7 +15,7 @@ from pathlib import Path
 import carton
 import numpy as np
 import pytest
-from carton._runtime import Model, RunnerLimits
+from carton._runtime import Model, RunnerLimits, RunnerProcess
 from carton._workflows import load_unpacked
 from carton.errors import (
     InvalidInput,
@@ -153,6 +154,66 @@ def test_a_runner_killed_between_calls_is_restarted_by_the_next_call(affine_dir:
         second_pid = int(model.infer({"x": special(1.0)})["pid"])
         assert second_pid != first_pid
         assert model._workers[0].process is not process
+
+
+def _wait_exited(process: RunnerProcess) -> None:
+    """Block (without yielding to an event loop) until `process`'s pidfd says it exited."""
+    pidfd = process._resources.pidfd
+    assert pidfd is not None
+    assert select.select([pidfd], [], [], 10)[0], "the killed runner did not exit"
+
+
+def test_an_async_call_after_the_runner_died_restarts_it(affine_dir: Path) -> None:
+    """`infer_async` has no liveness check of its own: its send reads the runner's pidfd in the poll it makes before
+    sending. Right before a call (the runner has exited and the loop has not run since, so its watch on the pidfd has
+    not fired) and between calls (the loop saw the exit and closed its channel), the call restarts the runner and is
+    answered by the new one."""
+    with load_affine(affine_dir) as model:
+
+        async def main() -> None:
+            x = {"x": special(1.0)}
+            first = int((await model.infer_async(x))["pid"])
+            process = model._workers[0].process
+            assert process is not None
+            os.kill(process.pid, signal.SIGKILL)  # the supervisor: its runner gets its parent-death signal
+            _wait_exited(process)  # no await between the exit and the call
+            second = int((await model.infer_async(x))["pid"])
+            assert second != first
+            assert model._workers[0].process is not process
+            process = model._workers[0].process
+            assert process is not None
+            os.kill(process.pid, signal.SIGKILL)
+            _wait_exited(process)
+            await asyncio.sleep(0.2)  # the loop's watch fires and closes the channel
+            third = int((await model.infer_async(x))["pid"])
+            assert third not in (first, second)
+
+        asyncio.run(main())
+
+
+def test_an_async_call_whose_runner_dies_under_it_fails_and_is_not_sent_again(affine_dir: Path) -> None:
+    """A runner that exits once the request is sent may have read it: the call fails with `RunnerCrashed` and its
+    request goes to no other runner (the model keeps the dead process until the next call restarts it)."""
+    with load_affine(affine_dir) as model:
+
+        async def main() -> None:
+            await model.infer_async({"x": special(1.0)})
+            process = model._workers[0].process
+            assert process is not None
+            slow = asyncio.ensure_future(model.infer_async({"x": special(SLEEP, 30.0)}))
+            await asyncio.sleep(0.3)
+            os.kill(process.pid, signal.SIGKILL)
+            with pytest.raises(RunnerCrashed):
+                await slow
+            assert model._workers[0].process is process
+            await model.infer_async({"x": special(1.0)})  # the next call restarts it
+            process = model._workers[0].process
+            assert process is not None
+            with pytest.raises(RunnerCrashed, match="SIGSEGV"):
+                await model.infer_async({"x": special(CRASH)})
+            assert model._workers[0].process is process  # sent once: no restart made for it
+
+        asyncio.run(main())
 
 
 def test_threads_share_a_model(affine_dir: Path) -> None:

@@ -43,7 +43,7 @@ from carton_protocol import (
 )
 from zmq.backend import zmq_poll
 
-__all__ = ["Answer", "AsyncChannel", "CallTimeout", "Connection", "PeerGone"]
+__all__ = ["Answer", "AsyncChannel", "CallTimeout", "Connection", "NotSent", "PeerGone"]
 
 # Without a pidfd, a waiting call checks the process this often.
 _LIVENESS_SLICE_MS = 100
@@ -55,6 +55,11 @@ _wake_ids = itertools.count()
 
 class PeerGone(Exception):
     """The runner process exited while a call waited for its reply."""
+
+
+class NotSent(PeerGone):
+    """The runner process had exited before the request was sent: nothing of it reached the runner, so the caller
+    may start another runner and send it there (`AsyncChannel.send`)."""
 
 
 class CallTimeout(Exception):
@@ -89,7 +94,8 @@ class Connection:
         self._sockets_lock = threading.Lock()
         # Every thread's socket, with the inproc address it also binds: where the exit watch wakes it from.
         self._sockets: dict[zmq.Socket[Any], str] = {}
-        self._ids = itertools.count(1)
+        #: The next request id (a C callable: no Python frame on the path every call takes).
+        self.next_id: Callable[[], int] = itertools.count(1).__next__
         # Both set under `_sockets_lock`: the runner exited (and every socket was woken), the connection closed.
         self._exited = False
         self._closed = False
@@ -136,9 +142,6 @@ class Connection:
         reply: Reply = self.exchange([data], request_id, timeout=timeout).message
         return reply
 
-    def next_id(self) -> int:
-        return next(self._ids)
-
     def exchange(self, parts: Sequence[Any], request_id: int, *, timeout: float | None) -> Received:
         """Send a ready message (header bytes with `request_id`, then data frames) and wait for its reply."""
         if self._exited:
@@ -180,10 +183,14 @@ class Connection:
         # by its plan, without making the message or a `Received`.
         codec = self.codec
         try:
-            sock = self._send(parts).socket
+            state: _ThreadSocket | None = getattr(self._local, "state", None)
+            if state is None:
+                state = self._thread_socket()
+            sock = state.socket
+            send_message(sock, parts)
             while True:
                 frames = recv_message(sock)
-                matched = codec.match(frames[0])
+                matched = codec.match_bytes(frames[0].bytes)
                 if matched is not None and matched[0] == request_id:
                     plan = matched[1]
                     return plan.decode(frames[1:]), plan
@@ -333,14 +340,21 @@ class AsyncChannel:
     """The wire to one runner for one asyncio event loop; used only from that loop's thread.
 
     ZeroMQ's descriptor is edge-triggered: it signals that the socket's state may have changed, not that a message
-    is waiting. So every wake-up, and every send, ends with asking the socket (``EVENTS``, through ``zmq_poll``)
-    until no message is left; a message that arrived while we were sending would otherwise never wake the loop. The
-    read after a send is needed even when no other reply is due: a new ZeroMQ pipe starts with its reader counted as
-    awake, so the first reply into it sends no signal at all; the read that finds the pipe empty is what makes the
-    next reply signal. (Skipping it when nothing else was due left a call waiting for good; reading once per loop
-    step instead of once per send cost more than it saved: docs/performance.md.) A wake-up's reads stop once no
-    call is left waiting (nor given up with its reply still due): whatever comes after that is no one's, and the
-    next send's read collects it.
+    is waiting. So every wake-up ends with asking the socket (``EVENTS``, through ``zmq_poll``) until no message is
+    left, and so does every send, just before it: a reply then arrives in a pipe whose reader was last seen finding
+    it empty, which is what makes ZeroMQ signal the next message (a new pipe starts with its reader counted as
+    awake, so the first reply into it would send no signal at all; reading once per loop step instead of once per
+    send cost more than it saved: docs/performance.md). A wake-up's reads stop once no call is left waiting (nor
+    given up with its reply still due): whatever comes after that is no one's, and the next send's read collects it.
+    A send itself may take in ZeroMQ's commands, among them the signal of a reply that arrived just before it: so
+    when any other reply is still due (`_unanswered`: requests sent minus replies read, never under the truth), the
+    socket is read after the send too. A lone call's own reply cannot arrive before its send, so it needs no
+    second read.
+
+    The read before a send asks the runner's pidfd in the same ``zmq_poll``: a runner that had exited by then gets
+    nothing, and `send` raises `NotSent` (the caller may restart it and send again) instead of sending a request
+    that could only fail. This is the call's liveness check, at no system call of its own. A runner that exits after
+    that read may have read the request: its calls fail (`PeerGone`), never sent twice.
 
     A reply in a learnt header template (the usual one) reaches its call as the plan that reads it and its data
     frames, with no message decoded; anything else as the `Received`.
@@ -365,6 +379,12 @@ class AsyncChannel:
         self._readable: list[tuple[Any, int]] = [(sock, zmq.POLLIN)]
         self._fd: int = sock.get(zmq.FD)
         self._pidfd = os.dup(connection.pidfd)
+        # What a send asks first: a reply waiting on the socket, and whether the runner has exited (its pidfd).
+        self._before_send: list[tuple[Any, int]] = [(sock, zmq.POLLIN), (self._pidfd, zmq.POLLIN)]
+        # Requests sent whose reply has not been read: a message that cannot be told to answer one (an error about no
+        # request in particular, an unreadable one) is not counted off, so this is never less than the truth.
+        self._unanswered = 0
+        self._match = connection.codec.match_bytes
         try:
             loop.add_reader(self._fd, self._drain)
             loop.add_reader(self._pidfd, self._on_exit)
@@ -381,22 +401,32 @@ class AsyncChannel:
         self, parts: Sequence[Any], request_id: int, *, timeout: float | None
     ) -> tuple[asyncio.Future[Answer], asyncio.TimerHandle | None]:
         """Send a ready request; its reply comes in the future (PeerGone, CallTimeout or ProtocolError instead): the
-        plan and data frames of a reply in a learnt header template, else the `Received`.
-        The caller awaits the future and then always calls `forget` with both: no coroutine of the channel's own
-        stands between the caller and the send, one frame fewer on each step of the call."""
+        plan and data frames of a reply in a learnt header template, else the `Received`. `NotSent` when the runner
+        had exited before the request left (or the channel is closed, which it is once the runner exited).
+        The caller awaits the future; if that raises, it calls `forget` with both, else it cancels the timer (the
+        reply took the future out of the channel): no coroutine of the channel's own stands between the caller and
+        the send, one frame fewer on each step of the call."""
         if self.closed:
-            raise PeerGone
+            raise NotSent
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Answer] = loop.create_future()
+        # Waiting before the read below: with a call waiting, a drain reads the socket until it is empty.
         self._pending[request_id] = future
-        timer = None if timeout is None else loop.call_later(timeout, self._expire, request_id)
         try:
+            ready = zmq_poll(self._before_send, 0)
+            if ready:
+                if ready[-1][0] is not self._sock:  # the pidfd, listed last
+                    raise NotSent
+                self._drain()
             send_message(self._sock, parts)
-            self._drain()
+            self._unanswered += 1
+            if self._unanswered > 1:
+                # Another reply may have arrived while this request was sent, its signal taken by the send.
+                self._drain()
         except BaseException:
-            self.forget(request_id, timer)
+            self._pending.pop(request_id, None)
             raise
-        return future, timer
+        return future, None if timeout is None else loop.call_later(timeout, self._expire, request_id)
 
     def forget(self, request_id: int, timer: asyncio.TimerHandle | None) -> None:
         """The call `send` started is over (answered, failed, timed out or cancelled)."""
@@ -419,10 +449,26 @@ class AsyncChannel:
     def _drain(self) -> None:
         sock = self._sock
         readable = self._readable
+        pending = self._pending
+        match = self._match
         try:
             while zmq_poll(readable, 0):
-                self._dispatch(recv_message(sock))
-                if not self._pending and not self._orphans:
+                frames = recv_message(sock)
+                matched = match(frames[0].bytes)
+                if matched is None:
+                    self._dispatch(frames)
+                else:
+                    self._unanswered -= 1
+                    # An infer reply in a learnt layout (the usual one): its tensors are in its frames, no shared
+                    # memory to free. Handled here, one Python call fewer per reply.
+                    waiting = pending.pop(matched[0], None)
+                    if waiting is not None and not waiting.done():
+                        waiting.set_result((matched[1], frames[1:]))
+                    else:
+                        release = self._orphans.pop(matched[0], None)
+                        if release is not None:
+                            release()
+                if not pending and not self._orphans:
                     # Every call is answered: a message still coming is no one's, and stops here. Not asking the
                     # socket again leaves its pipe counted as awake, so what arrives next may not signal; the next
                     # `send` asks before its call waits, and reads it then.
@@ -432,17 +478,7 @@ class AsyncChannel:
                 raise
 
     def _dispatch(self, frames: list[zmq.Frame]) -> None:
-        matched = self._codec.match(frames[0])
-        if matched is not None:
-            # An infer reply in a learnt layout: its tensors are in its frames, no shared memory to free.
-            waiting = self._pending.pop(matched[0], None)
-            if waiting is not None and not waiting.done():
-                waiting.set_result((matched[1], frames[1:]))
-            else:
-                release = self._orphans.pop(matched[0], None)
-                if release is not None:
-                    release()
-            return
+        """A message that is not an infer reply in a learnt layout (`_drain` handles those)."""
         try:
             received = self._codec.decode(frames)
         except ProtocolError as exc:
@@ -457,6 +493,7 @@ class AsyncChannel:
                     future.set_result(received)
             pending.clear()
             return
+        self._unanswered -= 1
         waiting = pending.pop(message.id, None)
         if waiting is None or waiting.done():
             self._discard(received)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from carton_protocol import OptValue, RunnerSpec, Tensor
 
 from ..errors import ModelClosed, RunnerCrashed
+from ._connection import NotSent
 from ._process import RunnerProcess
 from ._selftest import SelfTestResult, run_self_tests
 from ._settings import LoadSettings
@@ -88,6 +89,8 @@ class Model:
         self._closed = False
         self._workers = tuple(_Worker(i) for i in range(settings.workers))
         self._balanced = len(self._workers) > 1  # calls counted in and out per worker, to pick the least busy
+        # A one-worker model's calls take its worker without a call to `_acquire` (nothing to balance).
+        self._only = None if self._balanced else self._workers[0]
         self._finalizer = weakref.finalize(self, _close_workers, self._workers)
         # A process `load` started while the carton was being extracted; the first worker takes it.
         self._prestarted = prestarted if settings.wrap is None else None
@@ -303,7 +306,9 @@ class Model:
         (`LoadSettings.request_timeout`).
         """
         tensors, checked = self._signature.prepare_inputs(inputs)
-        worker = self._acquire()
+        worker = self._only
+        if worker is None or self._closed:
+            worker = self._acquire()
         try:
             process = worker.process
             if process is None or not process.alive:
@@ -325,15 +330,25 @@ class Model:
     ) -> dict[str, Tensor]:
         """`infer` for asyncio: the event loop is never blocked (restarts included)."""
         tensors, checked = self._signature.prepare_inputs(inputs)
-        worker = self._acquire()
+        worker = self._only
+        if worker is None or self._closed:
+            worker = self._acquire()
         try:
             process = worker.process
-            if process is None or not process.alive:
+            if process is None:
                 process = await asyncio.to_thread(self._process_for, worker)
             limit = self._settings.request_timeout if timeout is None else timeout
-            outputs, reply_layout = await process.infer_async_with_layouts(
-                tensors, timeout=limit, layout_key=checked.layout_key
-            )
+            try:
+                # The liveness check is the send's own: it reads the runner's pidfd in the poll it makes anyway.
+                outputs, reply_layout = await process.infer_async_with_layouts(
+                    tensors, timeout=limit, layout_key=checked.layout_key, unsent=True
+                )
+            except NotSent:
+                # The runner had exited (or was closed) before the request left: restart it and send it once more.
+                process = await asyncio.to_thread(self._process_for, worker)
+                outputs, reply_layout = await process.infer_async_with_layouts(
+                    tensors, timeout=limit, layout_key=checked.layout_key
+                )
         finally:
             if self._balanced:
                 self._release(worker)

@@ -66,7 +66,7 @@ from ..errors import (
     RunnerWarning,
 )
 from ._cgroups import runner_cgroup
-from ._connection import AsyncChannel, CallTimeout, Connection, PeerGone
+from ._connection import AsyncChannel, CallTimeout, Connection, NotSent, PeerGone
 from ._exits import Resources as _Resources
 from ._exits import describe_exit as _describe_exit
 from ._exits import exit_signal as _exit_signal
@@ -446,14 +446,29 @@ class RunnerProcess:
         return (await self.infer_async_with_layouts(tensors, timeout=timeout))[0]
 
     async def infer_async_with_layouts(
-        self, tensors: Mapping[str, Tensor], *, timeout: float | None = None, layout_key: Hashable | None = None
+        self,
+        tensors: Mapping[str, Tensor],
+        *,
+        timeout: float | None = None,
+        layout_key: Hashable | None = None,
+        unsent: bool = False,
     ) -> tuple[dict[str, Tensor], Hashable | None]:
-        """`infer_async` with layouts, as `infer_with_layouts`."""
+        """`infer_async` with layouts, as `infer_with_layouts`. With `unsent`, a runner found exited (or this process
+        closed) before the request left raises `NotSent` instead of failing: nothing reached the runner, and the
+        caller may send the request to another one (`Model` restarts it). Once the request is sent, the runner's exit
+        is `RunnerCrashed` whatever `unsent` says."""
         # Not counted in flight: the loop's channel owns its socket, which `close` does not tear down under it.
         connection = self._resources.connection
         if connection is None or self._closed:
+            if unsent:
+                raise NotSent
             raise ModelClosed(f"runner {self.spec.entry} is closed; cannot infer")
-        channel = self._async_channel()
+        # This loop's channel: the last one used, else `_new_async_channel`'s (None: run on the thread pool).
+        loop = asyncio.get_running_loop()
+        last = self._last_channel
+        channel = last[1] if last is not None and last[0]() is loop and not last[1].closed else None
+        if channel is None:
+            channel = self._new_async_channel(loop)
         outgoing = None
         if channel is not None:
             # A small request in a layout sent before copies nothing: no need to count what it would copy.
@@ -462,16 +477,21 @@ class RunnerProcess:
             if outgoing is None and connection.codec.copied_bytes(tensors) < _ASYNC_COPY_BYTES:
                 outgoing = self._encode(connection, request_id, tensors)
         if channel is None or outgoing is None:
-            loop = asyncio.get_running_loop()
+            if unsent and not self.alive:  # the thread pool's call sends at once: the liveness check comes first
+                raise NotSent
             call = functools.partial(self.infer_with_layouts, tensors, timeout=timeout, layout_key=layout_key)
             return await loop.run_in_executor(self._async_pool(), call)
         try:
             try:
+                # `send` reads the runner's pidfd just before sending: `NotSent` if it had exited.
                 future, timer = channel.send(outgoing.parts, outgoing.id, timeout=timeout)
                 try:
                     answer = await future
-                finally:
+                except BaseException:
                     channel.forget(outgoing.id, timer)
+                    raise
+                if timer is not None:
+                    timer.cancel()
             except asyncio.CancelledError:
                 # The runner may still be reading the input: what it lies in is freed only once its reply is in.
                 channel.orphan(outgoing.id, outgoing.done)
@@ -490,15 +510,9 @@ class RunnerProcess:
             failure = await asyncio.to_thread(self._failure, exc, Operation.INFER, timeout, "infer timeout")
             raise failure from None
         except _FOREIGN as exc:
+            if unsent and type(exc) is NotSent:
+                raise
             raise self._failure(exc, Operation.INFER, timeout, "infer timeout") from _cause(exc)
-
-    def _async_channel(self) -> AsyncChannel | None:
-        """This loop's channel to the runner, or None when calls should run on the thread pool instead."""
-        loop = asyncio.get_running_loop()
-        last = self._last_channel
-        if last is not None and last[0]() is loop and not last[1].closed:
-            return last[1]
-        return self._new_async_channel(loop)
 
     def _new_async_channel(self, loop: asyncio.AbstractEventLoop) -> AsyncChannel | None:
         connection = self._resources.connection
