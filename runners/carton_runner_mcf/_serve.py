@@ -48,6 +48,9 @@ STEPS = 2
 #: model's `Embedding` must look the tokens up (and report bad ids), and a generation without a table run the step
 #: (below `_team.UNCLAIMED`: `_team.Team.run_posting` returns it).
 NEEDS_EMBEDDINGS = -2
+# The caller's worker index, an int64 rather than a literal 0: the helpers' loop (`serve_steps`) calls `decode_step`
+# with an int64 worker, and a literal here would make numba compile the whole step a second time for the caller.
+_CALLER = np.int64(0)
 
 
 @structref.register
@@ -113,7 +116,7 @@ def run_step(generation, input_ids, positions, slot, out, logits, epoch, mode): 
         post(control, board, epoch)
     return decode_step(
         payloads, metas, widths, norms, final_norm, eps, embedding, ids, hidden_in, cos, sin, keys, values, key_mask,
-        slot, scale, q, k, v, attended, projected, gate, up, activated, out, head, logits, own, control, 0, team,
+        slot, scale, q, k, v, attended, projected, gate, up, activated, out, head, logits, own, control, _CALLER, team,
     )  # fmt: skip
 
 
