@@ -13,10 +13,11 @@ import orjson
 import pytest
 from carton.server._http import HttpApp
 from carton.server._http_messages import DIGITS, HttpRequest, HttpResponse, read_digits, whole_body
-from carton.server._repository import ModelRepository, RepositoryOptions
-from carton.server._stats import ServerMetrics
+from carton.server._repository import ModelRepository
 from carton.server.errors import BadRequest, RequestTooLarge
 from carton_protocol import DType, TensorSpec
+
+from .in_process import in_process_app
 
 
 class Echo:
@@ -46,18 +47,11 @@ class Echo:
 
 @pytest.fixture
 def app(tmp_path: Path) -> Iterator[tuple[HttpApp, asyncio.AbstractEventLoop, ModelRepository]]:
-    for name in ("echo", "texts"):
-        (tmp_path / name / "1").mkdir(parents=True)
-        (tmp_path / name / "1" / "model.carton").write_bytes(b"")
-    metrics = ServerMetrics()
-    repository = ModelRepository(
-        tmp_path, loader=lambda spec: Echo(texts="texts" in str(spec.path)), metrics=metrics,
-        upload_root=tmp_path / "uploads", options=RepositoryOptions(explicit=False),
-    )  # fmt: skip
     loop = asyncio.new_event_loop()
-    for name in ("echo", "texts"):
-        loop.run_until_complete(repository.load_at_startup(name))
-    yield HttpApp(repository, metrics, max_body_size=1 << 20, server_version="t"), loop, repository
+    app, repository = in_process_app(
+        tmp_path, ("echo", "texts"), lambda spec: Echo(texts="texts" in str(spec.path)), loop.run_until_complete
+    )
+    yield app, loop, repository
     loop.run_until_complete(repository.close())
     loop.close()
 

@@ -16,10 +16,10 @@ from carton.server._http import HttpApp
 from carton.server._http_exchange import fixed_wire, response_head
 from carton.server._http_messages import FixedHead, HttpRequest, HttpResponse
 from carton.server._http_server import serve_http
-from carton.server._repository import ModelRepository, RepositoryOptions
-from carton.server._stats import ServerMetrics
+from carton.server._repository import ModelRepository
 from carton_protocol import DType, TensorSpec
 
+from .in_process import in_process_app
 from .test_http_transport import connect, served
 
 uvloop = pytest.importorskip("uvloop")
@@ -110,15 +110,8 @@ class Echo:
 
 @pytest.fixture
 def app(tmp_path: Path) -> Iterator[tuple[HttpApp, ModelRepository]]:
-    (tmp_path / "echo" / "1").mkdir(parents=True)
-    (tmp_path / "echo" / "1" / "model.carton").write_bytes(b"")
-    metrics = ServerMetrics()
-    repository = ModelRepository(
-        tmp_path, loader=lambda spec: Echo(), metrics=metrics, upload_root=tmp_path / "uploads",
-        options=RepositoryOptions(explicit=False),
-    )  # fmt: skip
-    asyncio.run(repository.load_at_startup("echo"))
-    yield HttpApp(repository, metrics, max_body_size=1 << 20, server_version="t"), repository
+    app, repository = in_process_app(tmp_path, ("echo",), lambda spec: Echo(), asyncio.run)
+    yield app, repository
     asyncio.run(repository.close())
 
 
