@@ -14,7 +14,6 @@ import pytest
 import tritonclient.grpc as grpcclient
 from carton.server import Server
 from carton.server._proto import message_class
-from carton.server._repository import ServedVersion
 from tritonclient.utils import InferenceServerException
 
 from .conftest import arange
@@ -174,13 +173,18 @@ def test_repository_calls_run_in_a_task_and_infer_answers_without_one(
     monkeypatch.setattr(control, "load", load)
     client.load_model("strings")
     assert seen["load"] is not None
-    original_infer = ServedVersion.infer
+    # The probe is what a call runs the model through: the handle's `infer`, called by `ServedVersion.infer` and,
+    # for a version without batching, directly (`ServedVersion.direct`, bound at load, so patched on the version).
+    served = server.repository.get("identity")
+    assert served.direct is not None
+    original_infer = served.handle.infer
 
-    async def infer(self: Any, *args: Any, **kwargs: Any) -> Any:
+    async def infer(inputs: dict[str, np.ndarray]) -> Any:
         seen["infer"] = asyncio.current_task()
-        return await original_infer(self, *args, **kwargs)
+        return await original_infer(inputs)
 
-    monkeypatch.setattr(ServedVersion, "infer", infer)
+    monkeypatch.setattr(served.handle, "infer", infer)
+    monkeypatch.setattr(served, "direct", infer)
     x = arange((1, 4))
     result = client.infer("identity", [_input("INPUT0", x, "FP32")])
     np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), x * 2)
