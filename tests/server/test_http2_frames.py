@@ -27,9 +27,21 @@ SERVICE = "/inference.GRPCInferenceService"
 SERVER_SETTINGS = bytes.fromhex("000012 04 00 00000000 0003000003e8 000400400000 000500100000".replace(" ", ""))
 SERVER_WINDOW = bytes.fromhex("000004 08 00 00000000 003f0001".replace(" ", ""))
 SETTINGS_ACK = bytes.fromhex("000000 04 01 00000000".replace(" ", ""))
-# The response's header block: `:status: 200` indexed, then literals never indexed into the dynamic table.
-RESPONSE_BLOCK = b"\x88\x0f\x10\x10application/grpc\x00\x14grpc-accept-encoding\x08identity"
-OK_TRAILERS_BLOCK = b"\x00\x0bgrpc-status\x010"
+# The response's header blocks through the client's dynamic table, as grpc's own servers send them: `:status: 200`
+# from the static table; the first response's headers insert the other two (its trailers, in the same write, are a
+# literal never indexed), the next OK trailers insert the status, and from then on every one is named by its index.
+HEAD_FIRST = b"\x88\x5f\x10application/grpc\x40\x14grpc-accept-encoding\x08identity"
+OK_LITERAL = b"\x00\x0bgrpc-status\x010"
+HEAD_THEN = b"\x88\xbf\xbe"  # 63 content-type, 62 grpc-accept-encoding
+OK_FIRST = b"\x40\x0bgrpc-status\x010"
+HEAD_INDEXED = b"\x88\xc0\xbf"  # 64 content-type, 63 grpc-accept-encoding
+OK_INDEXED = b"\xbe"  # 62 grpc-status
+# The same headers never indexed, once the client's HEADER_TABLE_SIZE setting went below the default.
+HEAD_LITERAL = b"\x88\x0f\x10\x10application/grpc\x00\x14grpc-accept-encoding\x08identity"
+RESPONSE_HEADERS = [
+    (b":status", b"200"), (b"content-type", b"application/grpc"), (b"grpc-accept-encoding", b"identity"),
+]  # fmt: skip
+OK_TRAILERS = [(b"grpc-status", b"0")]
 
 
 def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
@@ -37,7 +49,7 @@ def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
 
 
 def settings(**values: int) -> bytes:
-    codes = {"INITIAL_WINDOW_SIZE": 4, "MAX_FRAME_SIZE": 5}
+    codes = {"HEADER_TABLE_SIZE": 1, "INITIAL_WINDOW_SIZE": 4, "MAX_FRAME_SIZE": 5}
     return frame(SETTINGS, 0, 0, b"".join(struct.pack(">HI", codes[key], value) for key, value in values.items()))
 
 
@@ -139,9 +151,53 @@ def test_a_unary_call_answered_exactly(peer: Peer) -> None:
         frame(HEADERS, END_HEADERS, 1, peer.request_block("ServerLive")),
         frame(DATA, END_STREAM, 1, message(b"")),
     )
-    assert peer.frame_of(1) == (HEADERS, END_HEADERS, RESPONSE_BLOCK)
+    assert peer.frame_of(1) == (HEADERS, END_HEADERS, HEAD_FIRST)
     assert peer.frame_of(1) == (DATA, 0, message(b"\x08\x01"))  # ServerLiveResponse(live=True)
-    assert peer.frame_of(1) == (HEADERS, END_HEADERS | END_STREAM, OK_TRAILERS_BLOCK)
+    assert peer.frame_of(1) == (HEADERS, END_HEADERS | END_STREAM, OK_LITERAL)
+
+
+def _live_calls(peer: Peer, stream_ids: range) -> list[tuple[int, int, bytes]]:
+    """ServerLive called on each of `stream_ids` in turn: the HEADERS frames answering each (flags and block)."""
+    answers = []
+    for stream_id in stream_ids:
+        peer.send(
+            frame(HEADERS, END_HEADERS, stream_id, peer.request_block("ServerLive")),
+            frame(DATA, END_STREAM, stream_id, message(b"")),
+        )
+        head = peer.frame_of(stream_id)
+        assert peer.frame_of(stream_id) == (DATA, 0, message(b"\x08\x01"))
+        answers += [head, peer.frame_of(stream_id)]
+    return answers
+
+
+def test_response_header_blocks_go_through_the_clients_dynamic_table(peer: Peer) -> None:
+    peer.start()
+    answers = _live_calls(peer, range(1, 9, 2))
+    blocks = [HEAD_FIRST, OK_LITERAL, HEAD_THEN, OK_FIRST, HEAD_INDEXED, OK_INDEXED, HEAD_INDEXED, OK_INDEXED]
+    assert answers == [
+        (HEADERS, END_HEADERS | (END_STREAM if index % 2 else 0), block) for index, block in enumerate(blocks)
+    ]
+    client = Decoder()  # the client's decoder, block after block in the order they came
+    assert [client.decode(block, raw=True) for _, _, block in answers] == [RESPONSE_HEADERS, OK_TRAILERS] * 4
+    # A client whose table size setting stays at the default or above changes nothing.
+    peer.send(settings(HEADER_TABLE_SIZE=4096), settings(HEADER_TABLE_SIZE=1 << 16))
+    assert [block for _, _, block in _live_calls(peer, range(9, 13, 2))] == [HEAD_INDEXED, OK_INDEXED] * 2
+
+
+@pytest.mark.parametrize("calls_before", [0, 3])
+def test_a_lowered_header_table_size_empties_the_table_and_blocks_insert_nothing(peer: Peer, calls_before: int) -> None:
+    peer.start()
+    client = Decoder()
+    before = _live_calls(peer, range(1, 1 + 2 * calls_before, 2))
+    assert [client.decode(block, raw=True) for _, _, block in before] == [RESPONSE_HEADERS, OK_TRAILERS] * calls_before
+    peer.send(settings(HEADER_TABLE_SIZE=100))
+    assert peer.frame_of(0) == (SETTINGS, 1, b"")  # the setting taken
+    after = [block for _, _, block in _live_calls(peer, range(1 + 2 * calls_before, 7 + 2 * calls_before, 2))]
+    # The next block starts with a size update to 0, then none inserts anything.
+    assert after == [b"\x20" + HEAD_LITERAL, OK_LITERAL, HEAD_LITERAL, OK_LITERAL, HEAD_LITERAL, OK_LITERAL]
+    client.max_allowed_table_size = 100
+    assert [client.decode(block, raw=True) for block in after] == [RESPONSE_HEADERS, OK_TRAILERS] * 3
+    assert client.header_table_size == 0 and len(client.header_table.dynamic_entries) == 0
 
 
 def test_frames_split_across_reads_are_answered_exactly(peer: Peer) -> None:
@@ -158,10 +214,10 @@ def test_frames_split_across_reads_are_answered_exactly(peer: Peer) -> None:
         peer.send(sent[at : at + 7])
         time.sleep(0.002)  # so that the server reads the pieces one by one
     assert peer.read_exact(len(SERVER_SETTINGS) + len(SERVER_WINDOW)) == SERVER_SETTINGS + SERVER_WINDOW
-    for stream_id in (1, 3):
-        assert peer.frame_of(stream_id) == (HEADERS, END_HEADERS, RESPONSE_BLOCK)
+    for stream_id, head, trailers in ((1, HEAD_FIRST, OK_LITERAL), (3, HEAD_THEN, OK_FIRST)):
+        assert peer.frame_of(stream_id) == (HEADERS, END_HEADERS, head)
         assert peer.frame_of(stream_id) == (DATA, 0, message(b"\x08\x01"))
-        assert peer.frame_of(stream_id) == (HEADERS, END_HEADERS | END_STREAM, OK_TRAILERS_BLOCK)
+        assert peer.frame_of(stream_id) == (HEADERS, END_HEADERS | END_STREAM, trailers)
 
 
 @pytest.mark.parametrize(
@@ -220,9 +276,9 @@ def test_a_header_block_in_continuation_frames_with_padding_and_priority(peer: P
         frame(0xFA, 0, 0, b"an extension frame"),  # ignored
         frame(DATA, PADDED | END_STREAM, 1, bytes((10,)) + message(b"") + b"\x00" * 10),
     )
-    assert peer.frame_of(1) == (HEADERS, END_HEADERS, RESPONSE_BLOCK)
+    assert peer.frame_of(1) == (HEADERS, END_HEADERS, HEAD_FIRST)
     assert peer.frame_of(1) == (DATA, 0, message(b"\x08\x01"))
-    assert peer.frame_of(1) == (HEADERS, END_HEADERS | END_STREAM, OK_TRAILERS_BLOCK)
+    assert peer.frame_of(1) == (HEADERS, END_HEADERS | END_STREAM, OK_LITERAL)
 
 
 @pytest.mark.parametrize("window", [7, 6])
@@ -233,19 +289,21 @@ def test_a_small_response_within_the_window_goes_at_once_and_one_past_it_waits(p
         frame(DATA, END_STREAM, 1, message(b"")),
     )
     data = message(b"\x08\x01")  # 7 bytes
-    assert peer.frame_of(1) == (HEADERS, END_HEADERS, RESPONSE_BLOCK)
+    assert peer.frame_of(1) == (HEADERS, END_HEADERS, HEAD_FIRST)
     assert peer.frame_of(1) == (DATA, 0, data[:window])
     if window < len(data):
         peer.send(frame(WINDOW_UPDATE, 0, 1, (len(data) - window).to_bytes(4, "big")))
         assert peer.frame_of(1) == (DATA, 0, data[window:])
-    assert peer.frame_of(1) == (HEADERS, END_HEADERS | END_STREAM, OK_TRAILERS_BLOCK)
+    # The trailers of a response that waited follow its headers' write: they insert the status.
+    trailers = OK_LITERAL if window == len(data) else OK_FIRST
+    assert peer.frame_of(1) == (HEADERS, END_HEADERS | END_STREAM, trailers)
     # The stream is closed: a WINDOW_UPDATE on it is ignored, and the next call is answered as the first.
     peer.send(frame(WINDOW_UPDATE, 0, 1, (100).to_bytes(4, "big")))
     peer.send(
         frame(HEADERS, END_HEADERS, 3, peer.request_block("ServerLive")),
         frame(DATA, END_STREAM, 3, message(b"")),
     )
-    assert peer.frame_of(3) == (HEADERS, END_HEADERS, RESPONSE_BLOCK)
+    assert peer.frame_of(3) == (HEADERS, END_HEADERS, HEAD_THEN if trailers is OK_LITERAL else HEAD_INDEXED)
     assert peer.frame_of(3) == (DATA, 0, data[:window])
 
 
@@ -260,7 +318,7 @@ def test_a_large_response_is_sent_as_the_clients_windows_open(peer: Peer) -> Non
     peer.start(INITIAL_WINDOW_SIZE=1000)
     x = np.arange(40_000, dtype=np.float32).reshape(1, 40_000)  # a response over the connection's 65535 bytes
     _infer_frames(peer, x)
-    assert peer.frame_of(1) == (HEADERS, END_HEADERS, RESPONSE_BLOCK)
+    assert peer.frame_of(1) == (HEADERS, END_HEADERS, HEAD_FIRST)
     received = b""
     granted = 1000
     while granted < 65535:
@@ -283,7 +341,7 @@ def test_a_large_response_is_sent_as_the_clients_windows_open(peer: Peer) -> Non
     while (answer := peer.frame_of(1))[0] == DATA:
         sizes.append(len(answer[2]))
         received += answer[2]
-    assert answer == (HEADERS, END_HEADERS | END_STREAM, OK_TRAILERS_BLOCK)
+    assert answer == (HEADERS, END_HEADERS | END_STREAM, OK_FIRST)
     assert max(sizes) == 16384
     assert int.from_bytes(received[1:5], "big") == len(received) - 5
     response = message_class("ModelInferResponse").FromString(received[5:])
@@ -293,7 +351,7 @@ def test_a_large_response_is_sent_as_the_clients_windows_open(peer: Peer) -> Non
 def test_a_client_that_leaves_mid_response_leaves_nothing_behind(peer: Peer) -> None:
     peer.start(INITIAL_WINDOW_SIZE=1000)
     _infer_frames(peer, np.zeros((1, 20_000), dtype=np.float32))
-    assert peer.frame_of(1) == (HEADERS, END_HEADERS, RESPONSE_BLOCK)
+    assert peer.frame_of(1) == (HEADERS, END_HEADERS, HEAD_FIRST)
     assert peer.frame_of(1)[0] == DATA
     peer.close()  # the send waiting for window is cancelled; the fixture checks the log and that it still serves
 
@@ -306,7 +364,7 @@ def test_a_stream_past_the_concurrency_limit_is_refused(peer: Peer) -> None:
     assert peer.frame_of(2001) == (RST_STREAM, 0, REFUSED_STREAM.to_bytes(4, "big"))
     peer.send(frame(RST_STREAM, 0, 1, (8).to_bytes(4, "big")))  # CANCEL: one stream fewer, so the next is taken
     peer.send(frame(HEADERS, END_HEADERS, 2003, peer.request_block("ServerLive")), frame(DATA, 1, 2003, message(b"")))
-    assert peer.frame_of(2003) == (HEADERS, END_HEADERS, RESPONSE_BLOCK)
+    assert peer.frame_of(2003) == (HEADERS, END_HEADERS, HEAD_FIRST)
 
 
 @pytest.mark.parametrize(
@@ -386,9 +444,9 @@ def test_a_call_past_its_deadline_is_answered_deadline_exceeded(peer: Peer) -> N
     # A unary call with a deadline it meets is answered as any other, and its deadline ends with it.
     unary = peer.request_block("ServerLive") + peer.encoder.encode([("grpc-timeout", "50m")])
     peer.send(frame(HEADERS, END_HEADERS, 3, unary), frame(DATA, END_STREAM, 3, message(b"")))
-    assert peer.frame_of(3) == (HEADERS, END_HEADERS, RESPONSE_BLOCK)
+    assert peer.frame_of(3) == (HEADERS, END_HEADERS, HEAD_FIRST)  # the trailers-only block inserted nothing
     assert peer.frame_of(3) == (DATA, 0, message(b"\x08\x01"))
-    assert peer.frame_of(3) == (HEADERS, END_HEADERS | END_STREAM, OK_TRAILERS_BLOCK)
+    assert peer.frame_of(3) == (HEADERS, END_HEADERS | END_STREAM, OK_LITERAL)
 
 
 def test_a_call_reset_in_the_same_read_as_its_request_is_cancelled_and_released(server: Server, peer: Peer) -> None:

@@ -32,7 +32,7 @@ from google.protobuf.message import DecodeError
 
 from ._grpc import GrpcService, message_type
 from ._grpc_plan import RequestForms
-from ._http2 import Http2Connection, StreamGone, header_block
+from ._http2 import Http2Connection, StreamGone, header_block, indexing_block
 from ._proto import SERVICE_NAME
 from .errors import BadRequest, ServerError
 
@@ -45,8 +45,25 @@ _RESPONSE_HEADERS = [
     (b"content-type", b"application/grpc"),
     (b"grpc-accept-encoding", b"identity"),
 ]
+_OK_TRAILERS = [(b"grpc-status", b"0")]
 _RESPONSE_BLOCK = header_block(_RESPONSE_HEADERS)
-_OK_TRAILERS_BLOCK = header_block([(b"grpc-status", b"0")])
+_OK_TRAILERS_BLOCK = header_block(_OK_TRAILERS)
+
+
+def _indexed_blocks() -> tuple[bytes, bytes, bytes, bytes, bytes]:
+    """The response's header blocks through the client's dynamic table, as grpc's own servers send them: the first
+    response's headers insert theirs, the first OK trailers after them insert the status, and every later block names
+    them by index (a byte each: the client has no literal to parse). The first headers, the headers and OK trailers
+    once those are in the table, and the headers and OK trailers once the status is too."""
+    table: list[tuple[bytes, bytes]] = []
+    first = indexing_block(_RESPONSE_HEADERS, table)
+    head_then = indexing_block(_RESPONSE_HEADERS, list(table))
+    ok_first = indexing_block(_OK_TRAILERS, table)
+    head_indexed = indexing_block(_RESPONSE_HEADERS, list(table))
+    return first, head_then, ok_first, head_indexed, indexing_block(_OK_TRAILERS, table)
+
+
+_HEAD_FIRST, _HEAD_THEN, _OK_FIRST, _HEAD_INDEXED, _OK_INDEXED = _indexed_blocks()
 _NOT_GRPC_BLOCK = header_block([(b":status", b"415")])
 _TIMEOUT_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
 _PREFIX = 5
@@ -228,6 +245,8 @@ class _Connection(Http2Connection):
         # The headers of the last call routed (held, so `is` cannot match another dict at the same address), its
         # method and deadline: a client's calls repeat their header block, which the frame layer gives as one dict.
         self._last_routed: tuple[dict[bytes, bytes], str, _Method, float | None] | None = None
+        # The header blocks of a response and of its OK trailers, by what the client's dynamic table holds (`_sent`).
+        self._blocks = (_HEAD_FIRST, _OK_TRAILERS_BLOCK)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._server.connections.add(self)
@@ -358,6 +377,17 @@ class _Connection(Http2Connection):
         if call is not None:
             call.cancel()  # the client cancelled: the handler's `CancelledError` releases what it holds
 
+    def header_table_lowered(self) -> None:
+        self._blocks = (_RESPONSE_BLOCK, _OK_TRAILERS_BLOCK)  # blocks that insert nothing, from now on
+
+    def _sent(self, head: bytes | None, ok: bytes | None) -> None:
+        """The response headers `head` and then the OK trailers `ok` were buffered (either may be None): the blocks
+        that follow name what they inserted into the client's table."""
+        if head is _HEAD_FIRST:
+            self._blocks = (_HEAD_THEN, _OK_FIRST)
+        if ok is _OK_FIRST:
+            self._blocks = (_HEAD_INDEXED, _OK_INDEXED)
+
     # ---- answering -----------------------------------------------------------------------------------------------
     def _refuse(self, call: _Call, failure: _Failure) -> None:
         call.refused = True
@@ -373,7 +403,10 @@ class _Connection(Http2Connection):
         """End `call` with `status` (trailers, or headers and trailers in one when nothing was sent yet)."""
         try:
             if status is grpc.StatusCode.OK:
-                self.send_headers(call.stream_id, _OK_TRAILERS_BLOCK, end_stream=True)
+                ok = self._blocks[1]
+                self.send_headers(call.stream_id, ok, end_stream=True)
+                if ok is not _OK_INDEXED:
+                    self._sent(None, ok)
             elif call.headers_sent:
                 trailers = [(b"grpc-status", _code(status)), (b"grpc-message", _message(message))]
                 self.send_headers(call.stream_id, header_block(trailers), end_stream=True)
@@ -385,8 +418,11 @@ class _Connection(Http2Connection):
 
     def _headers_once(self, call: _Call) -> None:
         if not call.headers_sent:
-            self.send_headers(call.stream_id, _RESPONSE_BLOCK)
+            head = self._blocks[0]
+            self.send_headers(call.stream_id, head)
             call.headers_sent = True
+            if head is not _HEAD_INDEXED:
+                self._sent(head, None)
 
     async def _send_message(self, call: _Call, payload: bytes) -> None:
         """Send one response message, within the client's flow-control windows."""
@@ -451,7 +487,10 @@ class _Connection(Http2Connection):
             payload = response if type(response) is bytes else response.SerializeToString()
             size = len(payload)
             pieces = (_MESSAGE_PREFIX.pack(0, size), payload)
-            if self.send_response_now(call.stream_id, _RESPONSE_BLOCK, pieces, _PREFIX + size, _OK_TRAILERS_BLOCK):
+            head, ok = self._blocks
+            if self.send_response_now(call.stream_id, head, pieces, _PREFIX + size, ok):
+                if ok is not _OK_INDEXED:  # (the connection's first responses)
+                    self._sent(head, ok)
                 # The whole response is buffered: the call is done (`_forget`, written out).
                 if call.timer is not None:
                     call.timer.cancel()

@@ -7,10 +7,13 @@ per stream the client reset (`stream_reset`), and answers with `send_headers` an
 small response at once, `send_response_now`, which does not wait); frames are buffered and written by `flush` (once
 per batch of received bytes, and by the subclass after its sends).
 
-Header blocks are decoded by the `hpack` library (dynamic table, Huffman). Header blocks sent never use the dynamic
-table (`header_block`: literals without indexing or static-table indexes), so they can be built once and reused, and
-the client's HEADER_TABLE_SIZE setting, which bounds the table an encoder may use, has nothing to bound. Server push
-is never used. Why not the `h2` library: docs/server.md, "The gRPC server".
+Header blocks are decoded by the `hpack` library (dynamic table, Huffman). Header blocks sent are built once and
+reused: `header_block` makes one that never touches the client's dynamic table, `indexing_block` one that inserts
+headers into it or names those a previous block inserted (a subclass keeps track of what it inserted, in the order
+its blocks are sent). This side's table stays within the default 4096 bytes; when the client's HEADER_TABLE_SIZE
+setting goes below that, the next header block sent starts by emptying the table (a size update to 0) and
+`header_table_lowered` tells the subclass to insert nothing more. Server push is never used. Why not the `h2`
+library: docs/server.md, "The gRPC server".
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from hpack.exceptions import HPACKError
 
 from ._bounded import remember
 
-__all__ = ["ErrorCode", "Http2Connection", "StreamGone", "header_block"]
+__all__ = ["ErrorCode", "Http2Connection", "StreamGone", "header_block", "indexing_block"]
 
 _log = logging.getLogger("carton.server")
 
@@ -40,7 +43,9 @@ _DATA, _HEADERS, _PRIORITY, _RST_STREAM, _SETTINGS, _PUSH_PROMISE, _PING, _GOAWA
 _END_STREAM, _ACK, _END_HEADERS, _PADDED, _PRIORITY_FLAG = 0x1, 0x1, 0x4, 0x8, 0x20
 _HEADERS_MASK = _END_HEADERS | _PADDED | _PRIORITY_FLAG
 
-_ENABLE_PUSH, _MAX_CONCURRENT_STREAMS, _INITIAL_WINDOW_SIZE, _MAX_FRAME_SIZE = 2, 3, 4, 5
+_HEADER_TABLE_SIZE, _ENABLE_PUSH, _MAX_CONCURRENT_STREAMS, _INITIAL_WINDOW_SIZE, _MAX_FRAME_SIZE = 1, 2, 3, 4, 5
+_DEFAULT_TABLE = 4096  # the dynamic table's size an encoder may use until the client's settings say otherwise
+_EMPTY_TABLE = b"\x20"  # an HPACK dynamic table size update to 0
 _MAX_WINDOW = 2**31 - 1
 _DEFAULT_WINDOW = 65535
 _DEFAULT_FRAME = 16384
@@ -119,6 +124,27 @@ def header_block(headers: list[tuple[bytes, bytes]]) -> bytes:
     return b"".join(out)
 
 
+def indexing_block(headers: list[tuple[bytes, bytes]], table: list[tuple[bytes, bytes]]) -> bytes:
+    """An HPACK header block for `headers` against the client's dynamic table holding `table` (the headers inserted by
+    the blocks sent before, newest first): a header in the static table or in `table` is named by its index, any
+    other is inserted (and `table` updated to what the client's table holds after this block). The caller keeps
+    `table` within `_DEFAULT_TABLE` bytes (32 more per header than its name and value), so nothing is evicted."""
+    out = []
+    for name, value in headers:
+        if (name, value) in _STATIC_FIELDS:
+            out.append(_integer(_STATIC_FIELDS[name, value], 7, 0x80))
+        elif (name, value) in table:
+            out.append(_integer(62 + table.index((name, value)), 7, 0x80))
+        else:
+            index = _STATIC_NAMES.get(name)
+            out.append(_integer(index, 6, 0x40) if index else b"\x40" + _integer(len(name), 7, 0) + name)
+            out.append(_integer(len(value), 7, 0) + value)
+            table.insert(0, (name, value))
+    if sum(32 + len(name) + len(value) for name, value in table) > _DEFAULT_TABLE:
+        raise ValueError("the headers inserted would not fit the default dynamic table")
+    return b"".join(out)
+
+
 class _Stream(msgspec.Struct, gc=False, eq=False):
     """A stream's state. (A struct: made in C, without a Python ``__init__``; it holds numbers only, so the garbage
     collector need not track it.)"""
@@ -154,6 +180,10 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
         self._stream_owed = False  # a stream has received half of its window since its last WINDOW_UPDATE
         self._waiters: list[asyncio.Future[None]] = []
         self._going_away = False
+        # The client's HEADER_TABLE_SIZE went below the default: the next header block sent empties the table.
+        # (One attribute: Python 3.11 keeps an instance's attributes inline, each read specialized, only while it has
+        # fewer than 30 names, and a connection of the gRPC transport has 28 with it.)
+        self._empty_table = False
         self.closed = False
 
     # ---- what a subclass does --------------------------------------------------------------------------------------
@@ -181,6 +211,11 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
     @abc.abstractmethod
     def stream_reset(self, stream_id: int) -> None:
         """The client reset the stream, or the connection ended under it: its request is abandoned."""
+
+    def header_table_lowered(self) -> None:
+        """The client's HEADER_TABLE_SIZE went below the default: the header blocks sent from now on must insert
+        nothing into its dynamic table (the next one sent empties it). By default nothing to do: a subclass that
+        sends `indexing_block`s switches to `header_block`s."""
 
     # ---- the socket ------------------------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -376,8 +411,12 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
                 self._wake()
             elif key == _ENABLE_PUSH and value > 1:
                 raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, f"an ENABLE_PUSH of {value}")
-            # HEADER_TABLE_SIZE bounds the dynamic table of this side's encoder, which uses none; the others (this
-            # side opens no streams, and its header blocks are small) have nothing to change.
+            elif key == _HEADER_TABLE_SIZE and value < _DEFAULT_TABLE:
+                # The table this side's blocks use must shrink, which HPACK says at the start of the next block:
+                # it is emptied (a size of 0 fits any setting), and nothing is inserted from then on.
+                self._empty_table = True
+                self.header_table_lowered()
+            # The others (this side opens no streams, and its header blocks are small) have nothing to change.
         self._out.append(_frame(_SETTINGS, _ACK, 0))
 
     def _rst_stream(self, stream_id: int, payload: bytes) -> None:
@@ -522,6 +561,9 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
         if stream is None or self.closed:
             raise StreamGone(stream_id)
         flags = _END_STREAM if end_stream else 0
+        if self._empty_table:
+            self._empty_table = False
+            block = _EMPTY_TABLE + block
         if len(block) <= self._max_frame:
             self._out.append(_frame(_HEADERS, flags | _END_HEADERS, stream_id, block))
         else:
@@ -555,6 +597,9 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
             raise StreamGone(stream_id)
         if size > self._send_window or size > stream.send_window or size > self._max_frame:
             return False
+        if self._empty_table:
+            self._empty_table = False
+            headers = _EMPTY_TABLE + headers
         self._out += (
             _HEAD.pack(0, len(headers), _HEADERS, _END_HEADERS, stream_id),
             headers,
