@@ -209,6 +209,14 @@ def _outputs(
     return described, datas
 
 
+def _message(
+    served: ServedVersion, request_id: str, outputs: Mapping[str, Tensor], requested: Sequence[str] | None
+) -> Any:
+    """The ``ModelInferResponse`` message of `outputs` (`_response`)."""
+    described, datas = _outputs(served, outputs, requested)
+    return _response(served, request_id, described, datas)
+
+
 def _response(served: ServedVersion, request_id: str, described: _Described, datas: list[Any]) -> Any:
     """The ``ModelInferResponse``: output tensors described in ``outputs``, their bytes in ``raw_output_contents``.
     (Giving both lists to the constructor at once measured slower than adding to the message's fields; fields are
@@ -375,14 +383,23 @@ class GrpcService:
     # ---- inference -----------------------------------------------------------------------------------------------
     async def model_infer(self, request: Any) -> Any:
         """``ModelInfer``: one inference; failures are answered with the status of `carton.server.errors.STATUS`."""
-        return await self._infer(request, _response)
+        return await self._infer(request, _message)
 
     def model_infer_serialized(self, request: Any) -> Coroutine[Any, Any, bytes]:
         """``ModelInfer`` of a request upb parsed or a `KnownRequest` (`RequestForms`), answered with the response's
         bytes (a coroutine: `_infer`'s own, without one more around it)."""
         return self._infer(request, self._serialized)
 
-    def _serialized(self, served: ServedVersion, request_id: str, described: _Described, datas: list[Any]) -> bytes:
+    def _serialized(
+        self, served: ServedVersion, request_id: str, outputs: Mapping[str, Tensor], requested: Sequence[str] | None
+    ) -> bytes:
+        # `_outputs`, written out (the usual response's path: one call fewer).
+        described = []
+        datas = []
+        for name, tensor in select_outputs(served, outputs, requested):
+            datatype, array, data = output_tensor(name, tensor)
+            described.append((name, datatype, array.shape))
+            datas.append(data)
         key = (served.model, served.version_str, tuple(described))
         payload = self._prefixes.serialize(key, request_id, datas)
         if payload is None:
@@ -390,7 +407,7 @@ class GrpcService:
         return payload
 
     async def _infer(self, request: Any, build: Callable[..., Any]) -> Any:
-        """One inference of `request`, answered with `build` of its outputs (`_response` or `_serialized`)."""
+        """One inference of `request`, answered with `build` of its outputs (`_message` or `_serialized`)."""
         started = time.perf_counter_ns()
         # The attribute, not the property (a property is a call from C on every use).
         repository = self._repository if self._repository is not None else self.repository
@@ -410,8 +427,7 @@ class GrpcService:
             else:
                 outputs, _ = await served.infer(inputs)
             inferred_at = time.perf_counter_ns()
-            described, datas = _outputs(served, outputs, requested)
-            response = build(served, request.id, described, datas)
+            response = build(served, request.id, outputs, requested)
         except asyncio.CancelledError:
             # The client cancelled (or the server is stopping): release the version and count the request, as any
             # failed one, so an unload does not wait for it.
