@@ -4,15 +4,22 @@ bytes that are not HTTP/2."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 from carton.server import Server
+from carton.server._grpc import GrpcService
+from carton.server._grpc_transport import GrpcServer, _Connection
 from tritonclient.utils import InferenceServerException
+
+from .in_process import in_process_app
+from .test_http_fixed_heads import Echo
 
 SERVICE = "/inference.GRPCInferenceService"
 
@@ -117,3 +124,14 @@ def test_bytes_that_are_not_http2_close_only_that_connection(server: Server) -> 
             received += chunk
     assert received[3:4] == b"\x04"  # a SETTINGS frame first: it spoke HTTP/2 and no HTTP/1.1
     _still_serves(server)
+
+
+def test_a_connection_keeps_its_attributes_inline(tmp_path: Path) -> None:
+    # Python 3.11 keeps an instance's attributes inline (each read specialized) only while it has fewer than 30; past
+    # that every attribute read of a connection, several dozen per call, is a dictionary lookup.
+    _, repository = in_process_app(tmp_path, ("echo",), lambda spec: Echo(), asyncio.run)
+    try:
+        server = GrpcServer(GrpcService(repository, server_version="t"), max_message_size=1 << 20)
+        assert len(vars(_Connection(server))) < 30
+    finally:
+        asyncio.run(repository.close())
