@@ -162,6 +162,28 @@ def test_threads_split_products_without_changing_them(method: str, mcf_model: Ca
     assert max_relative_error(infer_logits(folder, {"input_ids": IDS}, threads=2), single) < 1e-5
 
 
+#: A prompt of more rows than the compiled kernels' small-batch path takes: its products run as decoded float32 tiles
+#: and BLAS, which the option ``threads`` runs on that many threads.
+LONG_IDS = np.random.default_rng(9).integers(0, 512, size=(4, 96), dtype=np.int64)
+
+
+@pytest.mark.parametrize("method", ["q4", "k4"])
+def test_two_threads_prefill_a_long_prompt_as_one_does(method: str, mcf_model: Callable[..., Path]):
+    """A prompt's products at ``threads = 2`` (BLAS on two threads, splitting rows and columns, never a sum) give the
+    logits of one thread up to float32 rounding, and the same greedy continuation."""
+    folder = mcf_model("base", method)
+    single = infer_logits(folder, {"input_ids": LONG_IDS}, threads=1)
+    assert max_relative_error(infer_logits(folder, {"input_ids": LONG_IDS}, threads=2), single) < 1e-5
+    options = {"mode": "generate", "max_new_tokens": 4, "stop_at_eos": False}
+    one, two = load_runner(folder, threads=1, **options), load_runner(folder, threads=2, **options)
+    try:
+        inputs = {"input_ids": LONG_IDS}
+        np.testing.assert_array_equal(two.infer(inputs)["output_ids"], one.infer(inputs)["output_ids"])
+    finally:
+        one.close()
+        two.close()
+
+
 def test_numpy_kernels_agree_with_the_compiled_ones(mcf_model: Callable[..., Path], monkeypatch: pytest.MonkeyPatch):
     """The same model on both kernel paths (CARTON_MCF_KERNELS=numpy forces the fallback, which auto-selects the
     int8 cache): logits within the compiled kernels' int16 rounding of the activations."""
