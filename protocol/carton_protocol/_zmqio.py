@@ -55,10 +55,12 @@ def send_routed(sock: zmq.Socket[Any], ident: bytes, parts: Sequence[Any]) -> No
     send_message(sock, parts)
 
 
-def recv_message(sock: zmq.Socket[Any]) -> list[zmq.Frame]:
-    """Receive one message from `sock` (a plain `zmq.Socket`, as for `send_message`) as frames, without copies."""
+def recv_message(sock: zmq.Socket[Any], flags: int = 0) -> list[zmq.Frame]:
+    """Receive one message from `sock` (a plain `zmq.Socket`, as for `send_message`) as frames, without copies.
+    `flags` apply to its first frame (``zmq.NOBLOCK``: `zmq.Again` when none is waiting); a message's other frames
+    arrive with its first."""
     # `_recv_frames`'s loop, written out: the host's every reply, one Python call fewer.
-    frame: zmq.Frame = _recv(sock, 0, False)
+    frame: zmq.Frame = _recv(sock, flags, False)
     frames = [frame]
     while frame.more:
         frame = _recv(sock, 0, False)

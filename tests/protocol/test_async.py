@@ -14,7 +14,7 @@ from typing import Any
 import carton
 import numpy as np
 import pytest
-from carton._runtime import _process
+from carton._runtime import _connection, _process
 from carton._runtime._connection import AsyncChannel
 from carton._runtime._process import RunnerProcess
 
@@ -78,6 +78,63 @@ def test_no_reply_is_left_unread_whatever_the_order_of_sends_and_replies(start_r
 
     asyncio.run(asyncio.wait_for(main(), 30))
     assert runner.alive
+
+
+def test_a_lone_call_polls_once_and_its_reply_is_read_without_a_poll(
+    start_runner: Start, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loop's system calls per call (docs/performance.md, "the hop, ninth pass"): a lone call makes one
+    `zmq_poll`, the send's (the socket and the runner's pidfd); its reply, which woke the loop, is read by a receive
+    that does not block, with no poll in front of it; and asyncio is asked for the running loop once, to find the
+    loop's channel (on Python 3.11 every ask is a `getpid`), not again by the channel's send."""
+    runner = start_runner("Echo")
+    counts = {"zmq_poll": 0, "get_running_loop": 0}
+    real_poll, real_loop = _connection.zmq_poll, asyncio.get_running_loop
+
+    def zmq_poll(items: Any, timeout: int) -> Any:
+        counts["zmq_poll"] += 1
+        return real_poll(items, timeout)
+
+    def get_running_loop() -> asyncio.AbstractEventLoop:
+        counts["get_running_loop"] += 1
+        return real_loop()
+
+    monkeypatch.setattr(_connection, "zmq_poll", zmq_poll)
+    monkeypatch.setattr(asyncio, "get_running_loop", get_running_loop)
+    x = {"x": np.arange(16, dtype=np.float32)}
+
+    async def main() -> None:
+        for _ in range(3):  # the channel made, the reply's layout learnt
+            await runner.infer_async(x)
+        counts.update(zmq_poll=0, get_running_loop=0)
+        for i in range(20):
+            output: Any = (await runner.infer_async({"x": np.full(16, i, np.float32)}))["x"]
+            assert output.tolist() == [float(i)] * 16
+            if i % 5 == 0:
+                await asyncio.sleep(0.01)  # the loop idle in between: the reply comes in a pipe left quiet
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+    assert counts == {"zmq_poll": 20, "get_running_loop": 20}
+
+
+def test_a_wake_up_without_a_message_reads_nothing_and_the_next_reply_still_wakes_its_call(start_runner: Start) -> None:
+    """The loop's reader reads first with a receive that does not block: woken by a signal that brought no message
+    (ZeroMQ signals more than replies), it finds nothing, raises nothing, and leaves the socket so that the next
+    reply signals again (a call left waiting would hang: the `wait_for` turns that into a failure)."""
+    runner = start_runner("Echo")
+    x = {"x": np.arange(4, dtype=np.int64)}
+
+    async def main() -> None:
+        await runner.infer_async(x)
+        channel = channels(runner)[0]
+        for _ in range(3):
+            channel._drain(True)  # as the reader would be called, with nothing on the socket
+            output: Any = (await runner.infer_async(x))["x"]
+            assert output.tolist() == [0, 1, 2, 3]
+            await asyncio.sleep(0.01)
+        assert not channel._pending and channel._unanswered == 0
+
+    asyncio.run(asyncio.wait_for(main(), 30))
 
 
 def test_each_loop_gets_its_own_channel_and_a_finished_loop_releases_it(start_runner: Start) -> None:

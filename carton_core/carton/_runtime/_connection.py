@@ -51,6 +51,7 @@ _LIVENESS_SLICE_MS = 100
 _LAST_WORDS_MS = 20
 # Names of the inproc addresses thread sockets bind (unique in the process: a closed socket's may linger a moment).
 _wake_ids = itertools.count()
+_NOBLOCK = int(zmq.NOBLOCK)
 
 
 class PeerGone(Exception):
@@ -340,8 +341,9 @@ class AsyncChannel:
     """The wire to one runner for one asyncio event loop; used only from that loop's thread.
 
     ZeroMQ's descriptor is edge-triggered: it signals that the socket's state may have changed, not that a message
-    is waiting. So every wake-up ends with asking the socket (``EVENTS``, through ``zmq_poll``) until no message is
-    left, and so does every send, just before it: a reply then arrives in a pipe whose reader was last seen finding
+    is waiting. So every wake-up reads the socket until no message is left (its first read a receive that does not
+    block, since a wake-up almost always brings a reply; the next ones ask ``EVENTS`` through ``zmq_poll`` first), and
+    every send asks it just before sending: a reply then arrives in a pipe whose reader was last seen finding
     it empty, which is what makes ZeroMQ signal the next message (a new pipe starts with its reader counted as
     awake, so the first reply into it would send no signal at all; reading once per loop step instead of once per
     send cost more than it saved: docs/performance.md). A wake-up's reads stop once no call is left waiting (nor
@@ -386,7 +388,7 @@ class AsyncChannel:
         self._unanswered = 0
         self._match = connection.codec.match_bytes
         try:
-            loop.add_reader(self._fd, self._drain)
+            loop.add_reader(self._fd, self._drain, True)
             loop.add_reader(self._pidfd, self._on_exit)
         except BaseException:
             with contextlib.suppress(Exception):
@@ -406,9 +408,11 @@ class AsyncChannel:
         The caller awaits the future; if that raises, it calls `forget` with both, else it cancels the timer (the
         reply took the future out of the channel): no coroutine of the channel's own stands between the caller and
         the send, one frame fewer on each step of the call."""
-        if self.closed:
+        # The channel's own loop, the running one: `asyncio.get_running_loop` makes a system call (`getpid`, its
+        # fork check) on every call before Python 3.12.
+        loop = self._loop()
+        if self.closed or loop is None:
             raise NotSent
-        loop = asyncio.get_running_loop()
         future: asyncio.Future[Answer] = loop.create_future()
         # Waiting before the read below: with a call waiting, a drain reads the socket until it is empty.
         self._pending[request_id] = future
@@ -417,7 +421,7 @@ class AsyncChannel:
             if ready:
                 if ready[-1][0] is not self._sock:  # the pidfd, listed last
                     raise NotSent
-                self._drain()
+                self._drain(True)  # the poll found a message waiting
             send_message(self._sock, parts)
             self._unanswered += 1
             if self._unanswered > 1:
@@ -446,14 +450,27 @@ class AsyncChannel:
         if future is not None and not future.done():
             future.set_exception(CallTimeout())
 
-    def _drain(self) -> None:
+    def _drain(self, signalled: bool = False) -> None:
+        """Read the socket until it is empty, or until no call is left waiting. `signalled`: a message is almost
+        surely there (the loop's reader, woken by ZeroMQ's signal, or a poll that found one), so the first read is a
+        receive that does not block, without the ``zmq_poll`` in front of it, whose own ``poll`` of the descriptor is
+        a system call more per reply; libzmq takes in the signal inside the receive as it does for ``EVENTS``. One
+        that finds nothing (`zmq.Again`, far dearer than a poll) has looked at the pipe as the poll would have."""
         sock = self._sock
         readable = self._readable
         pending = self._pending
         match = self._match
         try:
-            while zmq_poll(readable, 0):
+            if not signalled:
+                if not zmq_poll(readable, 0):
+                    return
                 frames = recv_message(sock)
+            else:
+                try:
+                    frames = recv_message(sock, _NOBLOCK)
+                except zmq.Again:
+                    return
+            while True:
                 matched = match(frames[0].bytes)
                 if matched is None:
                     self._dispatch(frames)
@@ -473,6 +490,9 @@ class AsyncChannel:
                     # socket again leaves its pipe counted as awake, so what arrives next may not signal; the next
                     # `send` asks before its call waits, and reads it then.
                     return
+                if not zmq_poll(readable, 0):
+                    return
+                frames = recv_message(sock)
         except zmq.ZMQError:
             if not self.closed:
                 raise
