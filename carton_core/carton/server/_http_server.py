@@ -160,7 +160,6 @@ class _Connection(asyncio.Protocol):
             self.drained.set_result(None)
 
     def data_received(self, data: bytes) -> None:
-        self.last_active = self.loop.time()
         if self.lingering or self.malformed:
             return
         if self.parsing is None and self.fresh and self.known:
@@ -190,11 +189,14 @@ class _Connection(asyncio.Protocol):
                 self.turn_bytes += len(data)
                 if self.turn_bytes >= _READ_TURN_BYTES:  # (`_read`'s test first: a call fewer per request)
                     self._read(0)
+                # (`last_active` is not moved on here: the request is in flight, which keeps the connection open
+                # whatever the time, and its end is marked when it is answered.)
                 return
             else:
                 rest = self._replay(data)
         else:
             rest = self._replay(data) if self.known_rest else data
+        self.last_active = self.loop.time()
         if rest:
             if self.parsing is None and self.fresh and self.unused < GIVE_UP:
                 self.learn_from = rest
