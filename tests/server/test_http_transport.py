@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 from carton.server._http_messages import HttpRequest, HttpResponse, collect_body
-from carton.server._http_server import HttpServer, serve_http
+from carton.server._http_server import HttpServer, _Connection, serve_http
 from carton.server.errors import ServerError
 
 uvloop = pytest.importorskip("uvloop")
@@ -448,3 +448,14 @@ def test_one_task_per_connection_answers_its_requests_and_ends_with_it() -> None
 async def _tasks_left() -> set[asyncio.Task[object]]:
     current = asyncio.current_task()
     return {task for task in asyncio.all_tasks() if task is not current}
+
+
+def test_a_connection_keeps_its_attributes_in_slots() -> None:
+    """Past 30 instance attributes CPython 3.11 reads every one of them through a dictionary: the connection, with
+    more than that, has slots and no instance dictionary (and neither has any base class)."""
+    loop = uvloop.new_event_loop()
+    try:
+        connection = _Connection(HttpServer(Handler(), loop, 30.0))
+    finally:
+        loop.close()
+    assert not hasattr(connection, "__dict__")

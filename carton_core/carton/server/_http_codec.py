@@ -488,24 +488,22 @@ def encode_infer_response(
         for name, _ in selected:
             if not binary_of.get(name, default):
                 return _json_response(served, request, selected)
-    return _binary_response(served, request, [name for name, _ in selected], dict(selected))
+    return encode_binary_response(served, request, dict(selected), [name for name, _ in selected])
 
 
 def encode_binary_response(
-    served: ServedVersion, request: InferBody, outputs: Mapping[str, Tensor]
+    served: ServedVersion, request: InferBody, outputs: Mapping[str, Tensor], names: Sequence[str] | None = None
 ) -> tuple[bytes, list[bytes | memoryview]]:
-    """`encode_infer_response` of `select_outputs(served, outputs, request.names)`, in one pass, for a request
-    decoded from a plan whose outputs are all binary (`InferBody.binary_only`)."""
-    names = request.names
+    """The JSON header and parts of a response whose outputs `names` (taken from `outputs`; by default the request's
+    `InferBody.names`, else every output `select_outputs` gives) are all binary: `encode_infer_response` of
+    `select_outputs(served, outputs, names)`, in one pass, for a request decoded from a plan whose outputs are all
+    binary (`InferBody.binary_only`)."""
     if names is None:
-        return encode_infer_response(served, request, select_outputs(served, outputs, None))
-    return _binary_response(served, request, names, outputs)
-
-
-def _binary_response(
-    served: ServedVersion, request: InferBody, names: Sequence[str], outputs: Mapping[str, Tensor]
-) -> tuple[bytes, list[bytes | memoryview]]:
-    """The JSON header and parts of a response whose outputs `names` (taken from `outputs`) are all binary."""
+        names = request.names
+        if names is None:
+            selected = select_outputs(served, outputs, None)
+            names = [name for name, _ in selected]
+            outputs = dict(selected)
     # The header depends only on the request's id and the outputs' names, datatypes, shapes and sizes, which repeat
     # from request to request. (Plain loops: on this path each comprehension would be one more function object and
     # frame per request.)

@@ -62,6 +62,15 @@ _MAX_HEAD_BYTES = 1 << 20
 class _Connection(asyncio.Protocol):
     """One client connection (see the module's docstring for what it guarantees)."""
 
+    # Slots, not a dictionary: past 30 instance attributes CPython 3.11 stops keeping them inline and every
+    # `self.x` read becomes a dictionary look-up.
+    __slots__ = (
+        "closed", "current", "drained", "eof", "fresh", "handler", "head_bytes", "head_too_large", "headers", "idle",
+        "idle_timer", "known", "known_rest", "last_active", "last_head", "last_known", "learn_from", "lingering",
+        "loop", "malformed", "next", "parser", "parsing", "queue", "queued_bytes", "reading_paused", "server", "task",
+        "transport", "turn_bytes", "turn_paused", "unused", "writable",
+    )  # fmt: skip
+
     def __init__(self, server: HttpServer) -> None:
         self.server = server
         self.loop = server.loop
@@ -160,7 +169,6 @@ class _Connection(asyncio.Protocol):
             self.drained.set_result(None)
 
     def data_received(self, data: bytes) -> None:
-        self.last_active = self.loop.time()
         if self.lingering or self.malformed:
             return
         if self.parsing is None and self.fresh and self.known:
@@ -190,11 +198,14 @@ class _Connection(asyncio.Protocol):
                 self.turn_bytes += len(data)
                 if self.turn_bytes >= _READ_TURN_BYTES:  # (`_read`'s test first: a call fewer per request)
                     self._read(0)
+                # (`last_active` is not moved on here: the request is in flight, which keeps the connection open
+                # whatever the time, and its end is marked when it is answered.)
                 return
             else:
                 rest = self._replay(data)
         else:
             rest = self._replay(data) if self.known_rest else data
+        self.last_active = self.loop.time()
         if rest:
             if self.parsing is None and self.fresh and self.unused < GIVE_UP:
                 self.learn_from = rest
