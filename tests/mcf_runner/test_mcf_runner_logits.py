@@ -144,20 +144,25 @@ def test_prefill_of_chosen_tokens_equals_those_rows_of_the_whole(
         runner.close()
 
 
+def assert_two_threads_continue_as_one(folder: Path, ids: np.ndarray, *, max_new_tokens: int) -> None:
+    """The greedy continuation of `ids` at ``threads = 2`` is the one of a single thread, token for token."""
+    options = {"mode": "generate", "max_new_tokens": max_new_tokens, "stop_at_eos": False}
+    one, two = load_runner(folder, threads=1, **options), load_runner(folder, threads=2, **options)
+    try:
+        inputs = {"input_ids": ids}
+        np.testing.assert_array_equal(two.infer(inputs)["output_ids"], one.infer(inputs)["output_ids"])
+    finally:
+        one.close()
+        two.close()
+
+
 @pytest.mark.parametrize("method", ["q4", "k6"])
 def test_threads_split_products_without_changing_them(method: str, mcf_model: Callable[..., Path]):
     """Runner option threads: every product's rows split across threads; a row's sum never is, so a token at a
     time (the compiled matrix-vector kernels) gives the same bits, and a prompt (decoded tiles and BLAS) the same
     logits up to float32 rounding."""
     folder = mcf_model("base", method)
-    options = {"mode": "generate", "max_new_tokens": 6, "stop_at_eos": False}
-    one, two = load_runner(folder, **options), load_runner(folder, threads=2, **options)
-    try:
-        inputs = {"input_ids": IDS}
-        np.testing.assert_array_equal(two.infer(inputs)["output_ids"], one.infer(inputs)["output_ids"])
-    finally:
-        one.close()
-        two.close()
+    assert_two_threads_continue_as_one(folder, IDS, max_new_tokens=6)
     single = infer_logits(folder, {"input_ids": IDS})
     assert max_relative_error(infer_logits(folder, {"input_ids": IDS}, threads=2), single) < 1e-5
 
@@ -174,14 +179,7 @@ def test_two_threads_prefill_a_long_prompt_as_one_does(method: str, mcf_model: C
     folder = mcf_model("base", method)
     single = infer_logits(folder, {"input_ids": LONG_IDS}, threads=1)
     assert max_relative_error(infer_logits(folder, {"input_ids": LONG_IDS}, threads=2), single) < 1e-5
-    options = {"mode": "generate", "max_new_tokens": 4, "stop_at_eos": False}
-    one, two = load_runner(folder, threads=1, **options), load_runner(folder, threads=2, **options)
-    try:
-        inputs = {"input_ids": LONG_IDS}
-        np.testing.assert_array_equal(two.infer(inputs)["output_ids"], one.infer(inputs)["output_ids"])
-    finally:
-        one.close()
-        two.close()
+    assert_two_threads_continue_as_one(folder, LONG_IDS, max_new_tokens=4)
 
 
 def test_numpy_kernels_agree_with_the_compiled_ones(mcf_model: Callable[..., Path], monkeypatch: pytest.MonkeyPatch):
