@@ -37,7 +37,6 @@ from ._inference import (
     request_failed,
     request_succeeded,
     select_outputs,
-    single_succeeded,
 )
 from ._proto import message_class
 from ._repository import ModelRepository, ServedVersion
@@ -412,11 +411,11 @@ class GrpcService:
         # The attribute, not the property (a property is a call from C on every use).
         repository = self._repository if self._repository is not None else self.repository
         served = repository.acquire(request.model_name, request.model_version)
-        # A version that runs each request as an execution of its own is called directly and its execution counted
-        # with the request (one record, no `ServedVersion.infer` between), as the HTTP side does; `inferred_at` says
-        # whether the model ran.
+        # A version that runs each request as an execution of its own is called directly (no `ServedVersion.infer`
+        # between), its execution counted with the request, as the HTTP side does; `inferred_at` says whether the
+        # model ran.
         direct = served.direct
-        inferred_at = 0
+        decoded_at = inferred_at = 0
         try:
             # A request of a learnt form is decoded at once (`_decode_request` would first test its type).
             decoded = _decode_known(served, request) if type(request) is KnownRequest else None
@@ -435,13 +434,10 @@ class GrpcService:
             request_failed(served, cancelled, repository.scrub, started_ns=started)
             raise
         except Exception as exc:
-            if direct is not None and inferred_at:  # the model ran: its execution counts
-                served.stats.record_execution(batch_size=1, infer_ns=inferred_at - decoded_at)
-            raise request_failed(served, exc, repository.scrub, started_ns=started) from exc
-        if direct is not None:
-            single_succeeded(served, started_ns=started, decoded_ns=decoded_at, inferred_ns=inferred_at)
-        else:
-            request_succeeded(served, started_ns=started, decoded_ns=decoded_at, inferred_ns=inferred_at)
+            raise request_failed(
+                served, exc, repository.scrub, started_ns=started, decoded_ns=decoded_at, inferred_ns=inferred_at
+            ) from exc
+        request_succeeded(served, started_ns=started, decoded_ns=decoded_at, inferred_ns=inferred_at)
         return response
 
     async def model_stream_infer(self, requests: AsyncIterator[Any]) -> AsyncIterator[Any]:

@@ -47,7 +47,7 @@ from ._http_messages import (
     collect_body,
     whole_body,
 )
-from ._inference import request_failed, request_succeeded, select_outputs, single_succeeded
+from ._inference import request_failed, request_succeeded, select_outputs
 from ._repository import ModelRepository, ServedVersion
 from ._stats import ServerMetrics
 from .errors import BadRequest, ModelNotFound, RequestTooLarge, ServerError
@@ -409,10 +409,10 @@ class HttpApp:
             served = repository.acquire(name, version)
         except ServerError as exc:
             return self.refusal(exc)
-        # A version that runs each request as an execution of its own is called directly and its execution counted
-        # with the request (one record, no `ServedVersion.infer` between); `inferred_at` says whether the model ran.
+        # A version that runs each request as an execution of its own is called directly (no `ServedVersion.infer`
+        # between), its execution counted with the request; `inferred_at` says whether the model ran.
         direct = served.direct
-        inferred_at = 0
+        decoded_at = inferred_at = 0
         try:
             headers = request.headers
             body = request.body
@@ -443,13 +443,12 @@ class HttpApp:
                 else:
                     header, parts = await asyncio.to_thread(encode_infer_response, served, decoded, selected)
         except Exception as exc:
-            if direct is not None and inferred_at:  # the model ran: its execution counts
-                served.stats.record_execution(batch_size=1, infer_ns=inferred_at - decoded_at)
-            return self.refusal(request_failed(served, exc, repository.scrub, started_ns=started))
-        if direct is not None:
-            single_succeeded(served, started_ns=started, decoded_ns=decoded_at, inferred_ns=inferred_at)
-        else:
-            request_succeeded(served, started_ns=started, decoded_ns=decoded_at, inferred_ns=inferred_at)
+            return self.refusal(
+                request_failed(
+                    served, exc, repository.scrub, started_ns=started, decoded_ns=decoded_at, inferred_ns=inferred_at
+                )
+            )
+        request_succeeded(served, started_ns=started, decoded_ns=decoded_at, inferred_ns=inferred_at)
         if parts:
             if decoded.binary_only:
                 # The header is one `encode_infer_response` keeps, and it gives every part's size: the response's

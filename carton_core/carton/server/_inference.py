@@ -41,7 +41,6 @@ __all__ = [
     "request_failed",
     "request_succeeded",
     "select_outputs",
-    "single_succeeded",
     "translate_error",
 ]
 
@@ -199,36 +198,42 @@ def translate_error(exc: BaseException, scrub: Callable[[str], str], served: Ser
 
 
 def request_failed(
-    served: ServedVersion, exc: BaseException, scrub: Callable[[str], str], *, started_ns: int
+    served: ServedVersion,
+    exc: BaseException,
+    scrub: Callable[[str], str],
+    *,
+    started_ns: int,
+    decoded_ns: int = 0,
+    inferred_ns: int = 0,
 ) -> ServerError:
     """End a failed inference of `served` (HTTP or gRPC): release the version, count the failure, and return the
-    error to answer with."""
+    error to answer with. `inferred_ns`, if not 0, says the model ran (from `decoded_ns`) before the request failed:
+    a version called through `ServedVersion.direct` counts that execution here (`ServedVersion.infer` counts its
+    own)."""
     served.exit()
+    stats = served.stats
+    if inferred_ns and served.direct is not None:
+        stats.record_execution(batch_size=1, infer_ns=inferred_ns - decoded_ns)
     now = perf_counter_ns()
-    served.stats.record_failure(total_ns=now - started_ns, now_ns=now)
+    stats.record_failure(total_ns=now - started_ns, now_ns=now)
     return translate_error(exc, scrub, served)
 
 
 def request_succeeded(served: ServedVersion, *, started_ns: int, decoded_ns: int, inferred_ns: int) -> None:
-    """End a successful inference of `served`: record its timings and release the version."""
+    """End a successful inference of `served`: record its timings and release the version. A version called
+    through `ServedVersion.direct` (every caller calls it so when it has one) counts the request and its execution
+    in one record; one that batches had its execution counted by `ServedVersion.infer`."""
     try:
         now = perf_counter_ns()
-        served.stats.record_success(
-            total_ns=now - started_ns, input_ns=decoded_ns - started_ns, output_ns=now - inferred_ns, now_ns=now
-        )
-    finally:
-        served.exit()
-
-
-def single_succeeded(served: ServedVersion, *, started_ns: int, decoded_ns: int, inferred_ns: int) -> None:
-    """`request_succeeded` for a request that ran the model through `ServedVersion.direct` (its execution is counted
-    with it)."""
-    try:
-        now = perf_counter_ns()
-        served.stats.record_single(
-            total_ns=now - started_ns, input_ns=decoded_ns - started_ns, output_ns=now - inferred_ns,
-            infer_ns=inferred_ns - decoded_ns, now_ns=now,
-        )  # fmt: skip
+        if served.direct is not None:
+            served.stats.record_single(
+                total_ns=now - started_ns, input_ns=decoded_ns - started_ns, output_ns=now - inferred_ns,
+                infer_ns=inferred_ns - decoded_ns, now_ns=now,
+            )  # fmt: skip
+        else:
+            served.stats.record_success(
+                total_ns=now - started_ns, input_ns=decoded_ns - started_ns, output_ns=now - inferred_ns, now_ns=now
+            )
     finally:
         served.exit()
 

@@ -96,9 +96,9 @@ class ServedVersion:
         #: a request does not clear and set an event of its own.
         self._drained: asyncio.Future[None] | None = None
         self.batcher: DynamicBatcher | None = None
-        #: The handle's `infer`, for a caller that runs every request as an execution of its own (batch size 1) and
-        #: records it with `VersionStats.record_single` (or, if it fails after the model ran, `record_execution`);
-        #: None when the model batches, and every request must go through `infer`.
+        #: The handle's `infer`, for a caller that runs every request as an execution of its own (batch size 1); the
+        #: request's end (`_inference.request_succeeded` or `request_failed`) counts the execution with it. None
+        #: when the model batches, and every request must go through `infer`.
         self.direct = handle.infer if config.max_batch_size == 0 else None
         #: Binary inference headers already checked against this version, by their bytes (see ``_http_codec``).
         self.request_plans: dict[bytes, Any] = {}
