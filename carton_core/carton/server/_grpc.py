@@ -392,13 +392,7 @@ class GrpcService:
     def _serialized(
         self, served: ServedVersion, request_id: str, outputs: Mapping[str, Tensor], requested: Sequence[str] | None
     ) -> bytes:
-        # `_outputs`, written out (the usual response's path: one call fewer).
-        described = []
-        datas = []
-        for name, tensor in select_outputs(served, outputs, requested):
-            datatype, array, data = output_tensor(name, tensor)
-            described.append((name, datatype, array.shape))
-            datas.append(data)
+        described, datas = _outputs(served, outputs, requested)
         key = (served.model, served.version_str, tuple(described))
         payload = self._prefixes.serialize(key, request_id, datas)
         if payload is None:

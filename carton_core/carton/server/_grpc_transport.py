@@ -477,13 +477,8 @@ class _Connection(Http2Connection):
         try:
             if call.timeout is not None:
                 self._arm(call, call.timeout)
-            method = call.method
-            try:
-                request = self._forms.parse(message) if method.learns else method.request.FromString(message)
-            except DecodeError as exc:
-                raise BadRequest(f"the {call.name} request is not a valid {method.request.__name__} message") from exc
-            function = method.function  # (a bound method held in a slot: loaded, then called)
-            response = await function(request)
+            function = call.method.function  # (a bound method held in a slot: loaded, then called)
+            response = await function(self._request(call, message))
             payload = response if type(response) is bytes else response.SerializeToString()
             size = len(payload)
             pieces = (_MESSAGE_PREFIX.pack(0, size), payload)
