@@ -9,12 +9,15 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 from carton_protocol import OptValue
 
 from ._errors import InvalidRunnerOption
 
 __all__ = ["KNOWN_OPTIONS", "GraphOptimization", "OnnxOptions", "Spinning", "parse_options"]
+
+_Choice = TypeVar("_Choice", bound=enum.StrEnum)
 
 
 class GraphOptimization(enum.StrEnum):
@@ -66,22 +69,26 @@ def parse_options(opts: Mapping[str, OptValue], warn: Callable[[str], None]) -> 
     if unknown:
         names = ", ".join(repr(name) for name in unknown)
         warn(f"onnxruntime runner: ignoring unknown runner opts {names} (known: {', '.join(KNOWN_OPTIONS)})")
-    level = opts.get("graph_optimization_level")
-    if level is not None and (not isinstance(level, str) or level not in set(GraphOptimization)):
-        allowed = ", ".join(repr(value.value) for value in GraphOptimization)
-        raise InvalidRunnerOption(f"runner opt 'graph_optimization_level' must be one of {allowed}, got {level!r}")
-    spinning = opts.get("intra_op_spinning", Spinning.ALWAYS.value)
-    if not isinstance(spinning, str) or spinning not in set(Spinning):
-        allowed = ", ".join(repr(value.value) for value in Spinning)
-        raise InvalidRunnerOption(f"runner opt 'intra_op_spinning' must be one of {allowed}, got {spinning!r}")
+    level = _optional_choice(opts, "graph_optimization_level", GraphOptimization)
+    spinning = _optional_choice(opts, "intra_op_spinning", Spinning)
     return OnnxOptions(
         model_file=_optional_str(opts, "model_file"),
         intra_op_threads=_optional_thread_count(opts, "intra_op_threads"),
         inter_op_threads=_optional_thread_count(opts, "inter_op_threads"),
-        graph_optimization_level=None if level is None else GraphOptimization(str(level)),
+        graph_optimization_level=level,
         execution_providers=_providers(opts.get("execution_providers")),
-        intra_op_spinning=Spinning(str(spinning)),
+        intra_op_spinning=Spinning.ALWAYS if spinning is None else spinning,
     )
+
+
+def _optional_choice(opts: Mapping[str, OptValue], name: str, choices: type[_Choice]) -> _Choice | None:
+    value = opts.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, str) or value not in set(choices):
+        allowed = ", ".join(repr(choice.value) for choice in choices)
+        raise InvalidRunnerOption(f"runner opt {name!r} must be one of {allowed}, got {value!r}")
+    return choices(value)
 
 
 def _optional_str(opts: Mapping[str, OptValue], name: str) -> str | None:
