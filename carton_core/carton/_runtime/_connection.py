@@ -105,6 +105,7 @@ class Connection:
             self._stop_watch = _start_exit_watch(self, pidfd)
 
     def _thread_socket(self) -> _ThreadSocket:
+        """The calling thread's socket and what its waits poll, made on the thread's first call."""
         state: _ThreadSocket | None = getattr(self._local, "state", None)
         if state is not None:
             return state
@@ -148,8 +149,9 @@ class Connection:
         if self._exited:
             raise PeerGone
         try:
-            state = self._send(parts)
+            state = self._thread_socket()
             sock = state.socket
+            send_message(sock, parts)
             if timeout is None and self._pidfd is not None:
                 # The common case, kept short: a blocking receive, which the exit watch ends if the runner dies.
                 while True:
@@ -164,14 +166,6 @@ class Connection:
                 raise PeerGone from None
             raise
 
-    def _send(self, parts: Sequence[Any]) -> _ThreadSocket:
-        """Send a ready message on the calling thread's socket (made on its first call); the socket's state."""
-        state: _ThreadSocket | None = getattr(self._local, "state", None)
-        if state is None:
-            state = self._thread_socket()
-        send_message(state.socket, parts)
-        return state
-
     def infer(
         self, parts: Sequence[Any], request_id: int, *, timeout: float | None
     ) -> tuple[dict[str, Tensor], Hashable] | Received:
@@ -184,6 +178,7 @@ class Connection:
         # by its plan, without making the message or a `Received`.
         codec = self.codec
         try:
+            # The calling thread's socket (`_thread_socket`, whose first line this is, makes it on the first call).
             state: _ThreadSocket | None = getattr(self._local, "state", None)
             if state is None:
                 state = self._thread_socket()
