@@ -3,6 +3,7 @@ the array the general decoding (orjson, then msgspec's checks) gives, bit for bi
 
 from __future__ import annotations
 
+import itertools
 import random
 import struct
 import subprocess
@@ -20,11 +21,13 @@ from carton.server.errors import BadRequest
 from carton_protocol import DType
 
 
-@pytest.fixture(params=["compiled", "pieces"])
+@pytest.fixture(params=["compiled", "halves", "pieces"])
 def reader(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    if request.param == "compiled":
+    if request.param in ("compiled", "halves"):
         pytest.importorskip("numba")
         assert _json_numbers.load_compiled_reader()
+        if request.param == "halves":  # every text with a comma near its middle is read in two halves
+            monkeypatch.setattr(_json_numbers, "_SPLIT_BYTES", 0)
     else:
         monkeypatch.setattr(_json_numbers, "_compiled_reader", lambda: None)
     yield request.param
@@ -154,6 +157,8 @@ def test_a_count_other_than_the_shape_is_refused(reader: str, text: bytes, messa
         b"[1, 2", b"[1, 2,", b"[1, 2.", b"[1, 2e", b"[1, 2e+", b"[1, -", b"[", b"", b"  ", b"[1, 2]]",
         b"[[1, 2]", b"[1, 2] x", b"[01, 2]", b"[+1, 2]", b"[.5, 2]", b"[1., 2]", b"[--1, 2]", b"[1 2]",
         b"[1,, 2]", b"[1, 2,]", b"[,1, 2]", b"[1, 0x10]", b"[1, 1_0]", b"[1, 2]\x00", b"[1,\x0b2]",
+        b"[00, 2]", b"[-01.5, 2]", b"[1.5.5, 2]", b"[1e5e5, 2]", b"[1.e5, 2]", b"[-.5, 2]", b"[0-1, 2]", b"[1-, 2]",
+        b"[1,-,2]", b"[1,2-]", b"[0000000000000000000001, 2]", b"[1.5e, 2]", b"[1,2", b"[1,2,",
     ],
 )  # fmt: skip
 def test_what_is_not_json_is_refused_as_such(reader: str, text: bytes) -> None:
@@ -225,6 +230,41 @@ def test_random_numbers_are_rounded_as_orjson_and_float_round_them(reader: str, 
         assert got.tobytes() == np.array([float(literal) for literal in literals]).tobytes()
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        b"[1,2,3,4,5,6]", b" [ 1 , 2 ,\n3\t, 4 ,5 ,6 ] ", b"[1.5e3,-0,0.25,-7e-2,123456789012345678901234,6]",
+        b"[[1,2,3],[4,5,6]]", b"[[1,2],3,4,[5,6]]", b"[1,2,3,[4],5,6]", b"[1,2,,3,4,5]", b"[1,2,3,4,5,]",
+        b"[1,2,3,4,5,6]]", b"[1,2,3,4,5,6", b"[1,true,3,4,5,6]", b'[1,2,3,"4",5,6]', b"[1,2,3,4,5,1e400]",
+        b"[1,2,3,4,5,6,7]", b"[1,2,3,4,5]", b"[1,2,3,4,5,6] 7",
+    ],
+)  # fmt: skip
+def test_pieces_cut_at_any_commas_read_as_the_whole_text(monkeypatch: pytest.MonkeyPatch, text: bytes) -> None:
+    pytest.importorskip("numba")
+    assert _json_numbers.load_compiled_reader()
+
+    def outcome() -> object:
+        try:
+            return _read(text, DType.FLOAT64, [6]).tobytes()
+        except BadRequest as exc:
+            return str(exc)
+
+    monkeypatch.setattr(_json_numbers, "_SPLIT_BYTES", 1 << 60)
+    whole = outcome()
+    try:
+        expected: object = _general(text, DType.FLOAT64, [6]).tobytes()
+    except BadRequest as exc:
+        expected = str(exc)
+    except orjson.JSONDecodeError:
+        expected = whole  # not JSON: the message is the decoder's own, checked below to be the whole read's
+    assert whole == expected
+    monkeypatch.setattr(_json_numbers, "_SPLIT_BYTES", 0)
+    commas = [index for index, byte in enumerate(text) if byte == ord(",")]
+    for cuts in [[comma] for comma in commas] + list(map(list, itertools.combinations(commas, 2))):
+        monkeypatch.setattr(_json_numbers, "_cuts", lambda data, pieces, cuts=cuts: cuts)
+        assert outcome() == whole, cuts
+
+
 def test_many_literals_left_to_float_still_read_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("numba")
     assert _json_numbers.load_compiled_reader()
@@ -283,3 +323,23 @@ assert _json_numbers.read_numbers(memoryview(b"[[1], [2]]"), np.dtype(np.float32
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        b'{"a": [1, 2, 3], "b": [[4, 5], [6]], "c": "[7, 8]", "d": ["x", 9], "e": []}',
+        b'{"a": "[", "b": [1, 2, 3]]}', b'{"a": "]", "b": [1, 2]} "[3]"', b"]]][[[1]", b'"[1, 2]"[3, 4]', b"",
+        b'{"a": "\\\\[1, 2]", "b": [3, 4]}', b'[1, 2, "3"]', b"[[[1, 2, 3]]] [4] [", b'"unclosed [1, 2]',
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("cut", [0, 3, 7])
+def test_large_arrays_are_found_alike_with_and_without_the_compiled_reader(
+    monkeypatch: pytest.MonkeyPatch, text: bytes, cut: int
+) -> None:
+    pytest.importorskip("numba")
+    assert _json_numbers.load_compiled_reader()
+    compiled = _json_numbers.array_spans(memoryview(text), cut)
+    monkeypatch.setattr(_json_numbers, "_compiled_module", None)
+    assert compiled == _json_numbers.array_spans(memoryview(text), cut)
+    assert (compiled is None) == (b"\\" in text)

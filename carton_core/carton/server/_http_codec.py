@@ -32,7 +32,7 @@ from ._inference import (
     output_tensor,
     select_outputs,
 )
-from ._json_numbers import WRITTEN_KINDS, array_text, element_type, nested_list, read_numbers
+from ._json_numbers import WRITTEN_KINDS, array_spans, array_text, element_type, nested_list, read_numbers
 from ._repository import ServedVersion
 from .errors import BadRequest
 
@@ -221,24 +221,7 @@ def _decode_without_large_arrays(text: memoryview) -> dict[str, Any] | None:
     is a placeholder gets its array's text as `msgspec.Raw` (read later off the GIL, `read_numbers`). None when
     the header does not have that plain shape (escapes, an array elsewhere than an input's ``data``): the caller
     decodes it another way."""
-    codes = np.frombuffer(text, dtype=np.uint8)
-    if np.count_nonzero(codes == ord("\\")):
-        return None  # without escapes, every quote opens or closes a string, so a count says what is inside one
-    opens = np.flatnonzero(codes == ord("["))
-    closes = np.flatnonzero(codes == ord("]"))
-    quotes = np.flatnonzero(codes == ord('"'))
-    spans: list[tuple[int, int]] = []
-    for index, start in enumerate(opens.tolist()):
-        after = int(np.searchsorted(closes, start))
-        if after == len(closes):
-            break
-        end = int(closes[after]) + 1
-        if end - start < _CUT_BYTES or (index + 1 < len(opens) and opens[index + 1] < end):
-            continue  # short, or holding another array
-        before, inside = np.searchsorted(quotes, [start, end])
-        if before % 2 or inside != before:
-            continue  # inside a string, or holding one
-        spans.append((start, end))
+    spans = array_spans(text, _CUT_BYTES)
     if not spans:
         return None
     parts: list[bytes] = []

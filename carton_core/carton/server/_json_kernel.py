@@ -9,7 +9,11 @@ the Eisel-Lemire algorithm (up to 19 significant digits, normal results); a lite
 digits, a subnormal or infinite result, a rounding tie it cannot decide) is listed for the caller, which reads it
 with Python's correctly rounded ``float``. Anything else (another token, a string, a boolean, unbalanced brackets,
 an integer out of bounds, more elements than the buffer holds) stops the read: the caller decodes that text the
-general way, which names the fault.
+general way, which names the fault. A literal of at most 19 digits in all is read without a test per digit; longer
+ones are read again digit by digit. `read` can also take part of a flat array's text (cut at a comma), so that two
+threads read one text.
+
+`spans` finds a header's large flat arrays in one pass (the caller cuts them out before decoding the rest).
 """
 
 from __future__ import annotations
@@ -149,20 +153,55 @@ def _digit_run(text, i, n, w, digits):  # type: ignore[no-untyped-def]
     return i, w, digits, placed
 
 
+@numba.njit(inline="always", **_JIT)
+def _plain_number(text, i, n):  # type: ignore[no-untyped-def]
+    """The literal at ``i`` read the short way: all its digits (integer part and fraction, leading zeros included)
+    into one mantissa, no test per digit but where the run ends. Returns its end, ``w``, the count of digits, the
+    count of fraction digits, and whether the literal is well formed so far (a digit first, no leading zero, a
+    digit after the point); more than `_SIGNIFICANT` digits leave ``w`` wrapped, for the careful reading."""
+    first = i
+    w = _U0
+    while i < n:
+        d = np.uint64(text[i]) - np.uint64(48)
+        if d > np.uint64(9):
+            break
+        w = w * _TEN + d
+        i += 1
+    whole = i - first
+    good = whole == 1 or (whole > 1 and text[first] != 48)
+    point = 0
+    if good and i < n and text[i] == 46:  # .
+        i += 1
+        first = i
+        while i < n:
+            d = np.uint64(text[i]) - np.uint64(48)
+            if d > np.uint64(9):
+                break
+            w = w * _TEN + d
+            i += 1
+        point = i - first
+        good = point > 0
+    return i, w, whole + point, point, good
+
+
 @numba.njit(**_JIT)
-def read(text, integral, low, high, floats, integers, slow):  # type: ignore[no-untyped-def]
-    """Parse `text` (a JSON value: nested arrays of numbers, or one number) into `floats` (float64) or, when
-    `integral`, into `integers` (int64, each within ``low .. high``).
+def read(text, integral, low, high, floats, integers, slow, depth, final_depth, max_depth):  # type: ignore[no-untyped-def]
+    """Parse `text` (a JSON value: nested arrays of numbers, or one number) into `floats` (float64 or float32,
+    through the correctly rounded double) or, when `integral`, into `integers` (int64, each within ``low .. high``).
+
+    The text may be part of a larger one: the read starts at nesting `depth` (0 for a whole value; 1 for the elements
+    after a comma of a flat array, expecting a value), must end at `final_depth` (0 for a whole value; 1 for a text
+    that stops before a comma of a flat array), and declines nesting deeper than `max_depth`.
 
     Returns ``(count, listed)``: the number of elements (the buffer holds ``min(count, len)`` of them), and how many
     were listed in `slow` (rows of element index, start and end offset in `text`) for the caller to read with
     ``float``; count is `DECLINED` when the text is anything else, or `slow` is full."""
     n = len(text)
     capacity = len(floats) if not integral else len(integers)
-    bits = floats.view(np.uint64)
+    scratch = np.empty(1, dtype=np.uint64)
+    scratch_float = scratch.view(np.float64)
     listed = 0
     count = 0
-    depth = 0
     i = _space(text, 0, n)
     if i == n:
         return DECLINED, 0
@@ -171,7 +210,7 @@ def read(text, integral, low, high, floats, integers, slow):  # type: ignore[no-
         closed = False
         if text[i] == 91:  # [
             depth += 1
-            if depth > _MAX_DEPTH:
+            if depth > max_depth:
                 return DECLINED, 0
             i = _space(text, i + 1, n)
             if i == n:
@@ -189,24 +228,18 @@ def read(text, integral, low, high, floats, integers, slow):  # type: ignore[no-
                 i += 1
                 if i == n:
                     return DECLINED, 0
-            c = text[i]
-            if c < 48 or c > 57:
+            i, w, digits, point, good = _plain_number(text, i, n)
+            if not good:
                 return DECLINED, 0
-            w = _U0
-            digits = 0
-            if c == 48:
-                i += 1
-            else:
+            fraction = point > 0
+            if digits > _SIGNIFICANT:  # read again the careful way: zeros before the first significant digit
+                i = start + 1 if negative else start
+                w = _U0
+                digits = 0
                 i, w, digits, _ = _digit_run(text, i, n, w, digits)
-            point = 0
-            fraction = False
-            if i < n and text[i] == 46:  # .
-                fraction = True
-                i += 1
-                first = i
-                i, w, digits, point = _digit_run(text, i, n, w, digits)
-                if i == first:
-                    return DECLINED, 0
+                point = 0
+                if fraction:
+                    i, w, digits, point = _digit_run(text, i + 1, n, w, digits)
             exponent = 0
             scaled = False
             if i < n and (text[i] == 101 or text[i] == 69):  # e E
@@ -259,7 +292,8 @@ def read(text, integral, low, high, floats, integers, slow):  # type: ignore[no-
                         found = _eisel_lemire(w, q)
                         settled = found != _U0
                         if settled:
-                            bits[count] = found | (np.uint64(1) << np.uint64(63)) if negative else found
+                            scratch[0] = found
+                            floats[count] = -scratch_float[0] if negative else scratch_float[0]
                 if not settled:  # left to the caller's float()
                     if listed == len(slow):
                         return DECLINED, 0
@@ -269,11 +303,16 @@ def read(text, integral, low, high, floats, integers, slow):  # type: ignore[no-
                     listed += 1
             count += 1
         # A value ended at i: a comma, closing brackets, or the end.
+        if i + 1 < n and text[i] == 44 and depth > 0:  # the usual ",": the next value right after it
+            c = text[i + 1]
+            if c == 45 or (c >= 48 and c <= 57):
+                i += 1
+                continue
         i = _space(text, i, n)
         while True:
-            if depth == 0:
-                return (count, listed) if i == n else (DECLINED, 0)
             if i == n:
+                return (count, listed) if depth == final_depth else (DECLINED, 0)
+            if depth == 0:
                 return DECLINED, 0
             c = text[i]
             if c == 44:  # ,
@@ -285,3 +324,64 @@ def read(text, integral, low, high, floats, integers, slow):  # type: ignore[no-
                 return DECLINED, 0
             depth -= 1
             i = _space(text, i + 1, n)
+
+
+_BLOCK = 64
+
+
+@numba.njit(**_JIT)
+def _span_bytes(text, lo, hi, state, found):  # type: ignore[no-untyped-def]
+    """`spans`' state machine over ``text[lo:hi]``; False when it must stop (`state` 0 holds why)."""
+    count, last_open, quoted, quote_since_open, open_quoted = state[0], state[1], state[2], state[3], state[4]
+    cut = state[5]
+    for i in range(lo, hi):
+        c = text[i]
+        if c != 91 and c != 93 and c != 34 and c != 92:
+            continue
+        if c == 92:  # \
+            state[0] = -1
+            return False
+        if c == 34:  # "
+            quoted = 1 - quoted
+            quote_since_open = 1
+        elif c == 91:  # [
+            last_open = i
+            quote_since_open = 0
+            open_quoted = quoted
+        elif last_open >= 0:  # ]
+            if i + 1 - last_open >= cut and quote_since_open == 0 and open_quoted == 0:
+                if count == len(found):
+                    state[0] = -2
+                    return False
+                found[count, 0] = last_open
+                found[count, 1] = i + 1
+                count += 1
+            last_open = -1
+    state[0], state[1], state[2], state[3], state[4] = count, last_open, quoted, quote_since_open, open_quoted
+    return True
+
+
+@numba.njit(**_JIT)
+def spans(text, cut, found):  # type: ignore[no-untyped-def]
+    """Find in a JSON text without escapes every ``[``...``]`` span of at least `cut` bytes that holds no quote and
+    no other ``[`` and is not inside a string (every quote opens or closes one); rows of start and end (past the
+    ``]``) in `found`. Returns how many, -1 when the text holds a backslash, -2 when `found` is full.
+
+    Blocks without any of the four bytes (most of a large array's text) are passed over by a test the compiler
+    vectorizes; the others go through the state machine byte by byte."""
+    n = len(text)
+    state = np.zeros(6, dtype=np.int64)
+    state[1] = -1
+    state[5] = cut
+    i = 0
+    while i + _BLOCK <= n:
+        hits = 0
+        for j in range(i, i + _BLOCK):
+            c = text[j]
+            hits |= (c == 34) | ((c >= 91) & (c <= 93))
+        if hits and not _span_bytes(text, i, i + _BLOCK, state, found):
+            return state[0]
+        i += _BLOCK
+    if not _span_bytes(text, i, n, state, found):
+        return state[0]
+    return state[0]
