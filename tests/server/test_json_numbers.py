@@ -333,13 +333,17 @@ assert _json_numbers.read_numbers(memoryview(b"[[1], [2]]"), np.dtype(np.float32
         b'{"a": "\\\\[1, 2]", "b": [3, 4]}', b'[1, 2, "3"]', b"[[[1, 2, 3]]] [4] [", b'"unclosed [1, 2]',
     ],
 )  # fmt: skip
-@pytest.mark.parametrize("cut", [0, 3, 7])
+@pytest.mark.parametrize("cut", [0, 3, 7, 100])
 def test_large_arrays_are_found_alike_with_and_without_the_compiled_reader(
     monkeypatch: pytest.MonkeyPatch, text: bytes, cut: int
 ) -> None:
     pytest.importorskip("numba")
     assert _json_numbers.load_compiled_reader()
-    compiled = _json_numbers.array_spans(memoryview(text), cut)
-    monkeypatch.setattr(_json_numbers, "_compiled_module", None)
-    assert compiled == _json_numbers.array_spans(memoryview(text), cut)
-    assert (compiled is None) == (b"\\" in text)
+    # The compiled pass tests 64 bytes at a time: long texts with the brackets at every offset of such a block.
+    texts = [text] + [b" " * pad + text * 3 + b"_^" * 40 + b"0" * (pad * 7) + text for pad in range(0, 80, 3)]
+    for long in texts:
+        compiled = _json_numbers.array_spans(memoryview(long), cut)
+        with monkeypatch.context() as patch:
+            patch.setattr(_json_numbers, "_compiled_module", None)
+            assert compiled == _json_numbers.array_spans(memoryview(long), cut)
+        assert (compiled is None) == (b"\\" in long)

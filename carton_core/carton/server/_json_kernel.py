@@ -326,7 +326,8 @@ def read(text, integral, low, high, floats, integers, slow, depth, final_depth, 
             i = _space(text, i + 1, n)
 
 
-_BLOCK = 64
+#: Words (of 8 bytes) `spans` tests at a time.
+_BLOCK = 8
 
 
 @numba.njit(**_JIT)
@@ -373,15 +374,32 @@ def spans(text, cut, found):  # type: ignore[no-untyped-def]
     state = np.zeros(6, dtype=np.int64)
     state[1] = -1
     state[5] = cut
+    words = text[: n - n % 8].view(np.uint64)
     i = 0
-    while i + _BLOCK <= n:
-        hits = 0
+    while i + _BLOCK <= len(words):
+        hits = _U0
         for j in range(i, i + _BLOCK):
-            c = text[j]
-            hits |= (c == 34) | ((c >= 91) & (c <= 93))
-        if hits and not _span_bytes(text, i, i + _BLOCK, state, found):
+            w = words[j]
+            hits |= _zero_byte(w ^ _QUOTES) | _zero_byte(w ^ _OPENS) | _zero_byte((w & _LOW2_OFF) ^ _CLOSES)
+        if hits != _U0 and not _span_bytes(text, i * 8, (i + _BLOCK) * 8, state, found):
             return state[0]
         i += _BLOCK
-    if not _span_bytes(text, i, n, state, found):
+    if not _span_bytes(text, i * 8, n, state, found):
         return state[0]
     return state[0]
+
+
+_ONES = np.uint64(0x0101010101010101)
+_HIGHS = np.uint64(0x8080808080808080)
+_QUOTES = np.uint64(0x2222222222222222)
+_OPENS = np.uint64(0x5B5B5B5B5B5B5B5B)
+#: ``\`` and ``]`` (0x5C, 0x5D) with their two low bits masked off; ``^`` and ``_`` match too (harmless: the block is
+#: then read byte by byte).
+_CLOSES = np.uint64(0x5C5C5C5C5C5C5C5C)
+_LOW2_OFF = np.uint64(0xFCFCFCFCFCFCFCFC)
+
+
+@numba.njit(inline="always", **_JIT)
+def _zero_byte(w):  # type: ignore[no-untyped-def]
+    """Nonzero when a byte of the word `w` is zero (the high bit of each such byte set; others may be too)."""
+    return (w - _ONES) & ~w & _HIGHS
