@@ -150,6 +150,11 @@ def test_a_count_other_than_the_shape_is_refused(reader: str, text: bytes, messa
         _read(text, DType.FLOAT32, [4])
 
 
+def test_a_shape_far_larger_than_the_text_is_refused_without_allocating_for_it(reader: str) -> None:
+    with pytest.raises(BadRequest, match=r"^input 'x': 'data' holds 2 elements but shape \[1099511627776\] needs "):
+        _read(b"[1, 2]", DType.FLOAT32, [1 << 40])
+
+
 @pytest.mark.parametrize(
     "text",
     [

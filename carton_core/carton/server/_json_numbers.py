@@ -101,6 +101,8 @@ def _compiled_reader() -> ModuleType | None:
 def read_numbers(text: memoryview, numpy_dtype: np.dtype[Any], count: int) -> np.ndarray | None:
     """`text` (a JSON array of numbers, or one number) as a flat array of `numpy_dtype`; None for anything else,
     including another number of elements than `count` when the compiled reader is used."""
+    if count > (len(text) + 1) // 2:
+        return None  # more elements than the text can hold (each takes a byte and a comma): nothing to allocate for
     module = _compiled_reader()
     if module is None or numpy_dtype.str[1:] not in _COMPILED_KINDS:
         return _pieces(text, numpy_dtype)
