@@ -8,6 +8,7 @@ import random
 import struct
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 
 import msgspec
@@ -352,3 +353,19 @@ def test_large_arrays_are_found_alike_with_and_without_the_compiled_reader(
             patch.setattr(_json_numbers, "_compiled_module", None)
             assert compiled == _json_numbers.array_spans(memoryview(long), cut)
         assert (compiled is None) == (b"\\" in long)
+
+
+def test_a_long_array_is_read_by_this_thread_alone_when_no_other_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("numba")
+    assert _json_numbers.load_compiled_reader()
+    monkeypatch.setattr(_json_numbers, "_SPLIT_BYTES", 0)
+    started: list[str] = []
+
+    def refuse(thread: threading.Thread) -> None:
+        started.append(thread.name)
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    text = b"[1.5, -2, 3e2, 4, 0.25, 6]"
+    assert _read(text, DType.FLOAT32, [6]).tolist() == [1.5, -2.0, 300.0, 4.0, 0.25, 6.0]
+    assert started == ["carton-json-piece"]

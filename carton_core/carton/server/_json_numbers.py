@@ -210,11 +210,16 @@ def _in_pieces(
                 failed.set()
 
     thread = threading.Thread(target=work, name="carton-json-piece", daemon=True)
-    thread.start()
+    try:
+        thread.start()
+        started = True
+    except RuntimeError:  # no thread to be had: this one reads every piece
+        started = False
     try:
         work()
     finally:
-        thread.join()
+        if started:
+            thread.join()
     if failed.is_set() or any(result is None for result in results):
         return -1
     filled = 0
