@@ -21,7 +21,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-__all__ = ["DECLINED", "read"]
+__all__ = ["DECLINED", "read", "spans"]
 
 #: `read`'s status when the text is not plainly an array of numbers that fits.
 DECLINED = -1
