@@ -90,7 +90,7 @@ COUNTERS = 3 * SLOT
 WAIT_LIMIT_S = 30.0
 # How long each way of waiting lasts is measured on the clock, not counted in polls: a pause hint and a
 # sched_yield with no other thread to run take from a few to hundreds of nanoseconds depending on the CPU and the
-# kernel, so a count tuned on one machine gives a window ten times shorter on another.
+# kernel, so a count tuned on one machine gives a far shorter window on another.
 _SPIN_NS = 20_000  # pause-hinted polls before yielding the core
 _YIELD_NS = 1_000_000  # then sched_yield polls before napping
 _NAP_US = 50
@@ -372,7 +372,7 @@ def wait_departures(control, team):  # type: ignore[no-untyped-def]
 @numba.njit(**JIT)
 def await_post(posted, seen):  # type: ignore[no-untyped-def]
     """A helper between runs: True as soon as ``posted[0]`` (the run count the caller posted) exceeds ``seen``, or
-    False after spinning then yielding its core for a few milliseconds (the helper then sleeps until woken)."""
+    False after spinning then yielding its core for `IDLE_NS` (the helper then sleeps until woken)."""
     start = monotonic_ns()
     while True:
         for _ in range(_POLLS):
