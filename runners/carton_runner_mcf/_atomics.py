@@ -7,8 +7,9 @@ atomic load sees that add (the add releases, the load acquires), which is what l
 another wrote before a barrier.
 
 A waiting thread spins on an atomic load with the CPU's pause hint, yields its core after a while, then sleeps in
-short naps; it stops waiting when another thread raised the abort flag (a thread failed or never started) or after
-`WAIT_LIMIT_S` in naps, so a wait can never outlive the thread it waits for.
+short naps, each way for a time read from the monotonic clock (`monotonic_ns`); it stops waiting when another thread
+raised the abort flag (a thread failed or never started) or after `WAIT_LIMIT_S` in naps, so a wait can never
+outlive the thread it waits for.
 
 Work is handed out two ways: `take` gives units of one counter in turn to whichever thread asks; `take_share` cuts a
 product's chunks into one contiguous share per thread, which its owner takes from the front, and a thread done
@@ -18,7 +19,7 @@ chunk it is working on.
 A team's caller posts each run on a ``board`` (`post`): the run's generation and the epoch of its arguments. A
 helper that runs many runs on the same arguments stays in a compiled loop between them (`await_run`), so it starts
 a run as soon as it is posted, without the GIL or a call through numba's dispatcher; it returns to Python when a run
-comes on other arguments, or after a few idle milliseconds in which no caller claimed it (`claim`), so that no core
+comes on other arguments, or after `IDLE_NS` of polling in which no caller claimed it (`claim`), so that no core
 spins between generations.
 """
 
@@ -48,6 +49,7 @@ __all__ = [
     "EPOCH",
     "GENERATION",
     "IDLE",
+    "IDLE_NS",
     "SERVING",
     "SLOT",
     "WAIT_LIMIT_S",
@@ -63,6 +65,7 @@ __all__ = [
     "control_size",
     "depart",
     "leave",
+    "monotonic_ns",
     "pointer_like",
     "post",
     "recall",
@@ -85,10 +88,16 @@ DEPARTURES = 2 * SLOT
 COUNTERS = 3 * SLOT
 #: Longest a wait sleeps in naps before it gives up (the other thread is gone or stopped).
 WAIT_LIMIT_S = 30.0
-_SPINS = 300  # pause-hinted polls before yielding the core (tens of microseconds)
-_YIELDS = 200  # sched_yield polls before napping
+# How long each way of waiting lasts is measured on the clock, not counted in polls: a pause hint and a
+# sched_yield with no other thread to run take from a few to hundreds of nanoseconds depending on the CPU and the
+# kernel, so a count tuned on one machine gives a far shorter window on another.
+_SPIN_NS = 20_000  # pause-hinted polls before yielding the core
+_YIELD_NS = 1_000_000  # then sched_yield polls before napping
 _NAP_US = 50
-_IDLE_YIELDS = 2000  # sched_yield polls of a helper between runs before it sleeps (a few milliseconds when idle)
+#: How long a helper between runs polls (spinning, then yielding its core) before it sleeps: longer than the
+#: caller's Python between two decode steps, sampling included.
+IDLE_NS = 5_000_000
+_POLLS = 16  # polls between two looks at the clock
 #: ``board[GENERATION]``: the last run posted (runs are numbered from 1).
 GENERATION = 0
 #: ``board[EPOCH]``: the epoch of the arguments of the last run posted (same cache line: written just before it).
@@ -208,6 +217,7 @@ def _libc_symbol(name: str) -> None:
 
 _libc_symbol("sched_yield")
 _libc_symbol("usleep")
+_libc_symbol("clock_gettime")
 _I32 = ir.IntType(32)
 
 
@@ -234,23 +244,59 @@ def _usleep(typingctx: Any, microseconds: Any) -> tuple[Any, Codegen]:
     return types.none(microseconds), codegen
 
 
+_CLOCK_MONOTONIC = 6 if platform.system() == "Darwin" else 1
+_TIMESPEC = ir.LiteralStructType([_I64, _I64])  # time_t seconds, long nanoseconds (64-bit platforms)
+
+
+@intrinsic
+def monotonic_ns(typingctx: Any) -> tuple[Any, Codegen]:
+    """libc's ``clock_gettime(CLOCK_MONOTONIC)`` in nanoseconds."""
+
+    def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: list[Any]) -> Any:
+        spec = cgutils.alloca_once(builder, _TIMESPEC)
+        signature = ir.FunctionType(_I32, [_I32, spec.type])
+        function = cgutils.get_or_insert_function(builder.module, signature, "clock_gettime")
+        builder.call(function, [ir.Constant(_I32, _CLOCK_MONOTONIC), spec])
+        seconds = builder.load(cgutils.gep_inbounds(builder, spec, 0, 0))
+        nanoseconds = builder.load(cgutils.gep_inbounds(builder, spec, 0, 1))
+        return builder.add(builder.mul(seconds, ir.Constant(_I64, 1_000_000_000)), nanoseconds)
+
+    return types.int64(), codegen
+
+
 _NAPS = int(WAIT_LIMIT_S * 1e6 / _NAP_US)
+
+
+@numba.njit(**JIT)
+def _reached(control, index, target):  # type: ignore[no-untyped-def]
+    """Whether ``control[index] >= target``, or -1 when the run was aborted."""
+    if atomic_load(control, index) >= target:
+        return 1
+    return -1 if atomic_load(control, ABORT) != 0 else 0
 
 
 @numba.njit(**JIT)
 def _wait(control, index, target):  # type: ignore[no-untyped-def]
     """Wait until ``control[index] >= target``: True, or False when the run was aborted or the wait timed out
     (which aborts it)."""
-    for _ in range(_SPINS):
-        if atomic_load(control, index) >= target:
-            return True
-        _pause()
-    for _ in range(_YIELDS):
-        if atomic_load(control, index) >= target:
-            return True
-        if atomic_load(control, ABORT) != 0:
-            return False
-        _sched_yield()
+    if atomic_load(control, index) >= target:
+        return True
+    start = monotonic_ns()
+    while True:
+        for _ in range(_POLLS):
+            if atomic_load(control, index) >= target:
+                return True
+            _pause()
+        if monotonic_ns() - start >= _SPIN_NS:
+            break
+    while True:
+        for _ in range(_POLLS):
+            found = _reached(control, index, target)
+            if found != 0:
+                return found > 0
+            _sched_yield()
+        if monotonic_ns() - start >= _YIELD_NS:
+            break
     for _ in range(_NAPS):
         if atomic_load(control, index) >= target:
             return True
@@ -326,15 +372,20 @@ def wait_departures(control, team):  # type: ignore[no-untyped-def]
 @numba.njit(**JIT)
 def await_post(posted, seen):  # type: ignore[no-untyped-def]
     """A helper between runs: True as soon as ``posted[0]`` (the run count the caller posted) exceeds ``seen``, or
-    False after spinning then yielding its core for a few milliseconds (the helper then sleeps until woken)."""
-    for _ in range(_SPINS):
-        if atomic_load(posted, 0) > seen:
-            return True
-        _pause()
-    for _ in range(_IDLE_YIELDS):
-        if atomic_load(posted, 0) > seen:
-            return True
-        _sched_yield()
+    False after spinning then yielding its core for `IDLE_NS` (the helper then sleeps until woken)."""
+    start = monotonic_ns()
+    while True:
+        for _ in range(_POLLS):
+            if atomic_load(posted, 0) > seen:
+                return True
+            _pause()
+        if monotonic_ns() - start >= _SPIN_NS:
+            break
+    while monotonic_ns() - start < IDLE_NS:
+        for _ in range(_POLLS):
+            if atomic_load(posted, 0) > seen:
+                return True
+            _sched_yield()
     return False
 
 
@@ -390,16 +441,21 @@ def await_run(board, epoch, seen, worker):  # type: ignore[no-untyped-def]
     # The state is set to SERVING only when a run is taken: between runs it may be CLAIMED by the caller already.
     state = SLOT * worker
     while True:
-        for _ in range(_SPINS):
-            found = _next_run(board, epoch, seen, state)
-            if found != 0:
-                return found if found > 0 else seen
-            _pause()
-        for _ in range(_IDLE_YIELDS):
-            found = _next_run(board, epoch, seen, state)
-            if found != 0:
-                return found if found > 0 else seen
-            _sched_yield()
+        start = monotonic_ns()
+        while True:
+            for _ in range(_POLLS):
+                found = _next_run(board, epoch, seen, state)
+                if found != 0:
+                    return found if found > 0 else seen
+                _pause()
+            if monotonic_ns() - start >= _SPIN_NS:
+                break
+        while monotonic_ns() - start < IDLE_NS:
+            for _ in range(_POLLS):
+                found = _next_run(board, epoch, seen, state)
+                if found != 0:
+                    return found if found > 0 else seen
+                _sched_yield()
         if compare_exchange(board, state, SERVING, IDLE):
             return seen
 

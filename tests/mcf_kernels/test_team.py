@@ -183,3 +183,18 @@ def test_a_run_its_caller_posts_from_compiled_code_reads_the_inputs_the_caller_p
     assert run(31) == _team.OK
     np.testing.assert_array_equal(into[:, 0], 31)
     team.close()
+
+
+@numba.njit(nogil=True)
+def _clock():  # type: ignore[no-untyped-def]
+    return _atomics.monotonic_ns()
+
+
+def test_the_waits_clock_is_the_monotonic_clock() -> None:
+    """The waits' windows (a helper's idle polling, a barrier's spinning and yielding) are measured on
+    `_atomics.monotonic_ns`, read from compiled code: the clock `time.monotonic_ns` reads, in nanoseconds."""
+    for _ in range(3):
+        before = time.monotonic_ns()
+        now = _clock()
+        after = time.monotonic_ns()
+        assert before <= now <= after
