@@ -53,11 +53,17 @@ def activation_shapes(m: int, blocks: int) -> tuple[tuple[int, int], tuple[int, 
 def quantize_natural(x, xq, xs):  # type: ignore[no-untyped-def]
     """Round ``x [m, k]`` (C-contiguous float32) per block of 32 into int16 ``xq [m, >= blocks * 32]`` in natural
     column order and block scales ``xs [m, >= blocks]`` (zero past the last block)."""
-    m, k = x.shape
+    quantize_rows(x, xq, xs, 0, x.shape[0])
+
+
+@numba.njit(**JIT)
+def quantize_rows(x, xq, xs, first, last):  # type: ignore[no-untyped-def]
+    """`quantize_natural` of rows ``first .. last``."""
+    k = x.shape[1]
     blocks = (k + _BLOCK - 1) // _BLOCK
     flat_x = x.reshape(-1)
     flat_q = xq.reshape(-1)
-    for j in range(m):
+    for j in range(first, last):
         xs[j, blocks:] = 0.0
         for b in range(blocks):
             base = b * _BLOCK
@@ -151,7 +157,10 @@ def panel_kernels(width: int) -> PanelKernels:
         _groups(payload, meta, xq, xs, y, 0, (y.shape[1] + GROUP - 1) // GROUP, width)
 
     def matmul_parallel(payload, meta, x, xq, xs, y, parts):  # type: ignore[no-untyped-def]
-        quantize_natural(x, xq, xs)
+        m = x.shape[0]
+        share = (m + parts - 1) // parts
+        for part in prange(parts):  # each activation row is rounded whole by one thread: the same bits
+            quantize_rows(x, xq, xs, min(m, part * share), min(m, (part + 1) * share))
         total = (y.shape[1] + GROUP - 1) // GROUP
         step = (total + parts - 1) // parts
         for part in prange(parts):
