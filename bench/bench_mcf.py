@@ -9,7 +9,8 @@ The ``prefill`` section times the large-batch products of a prompt (128 activati
 SmolLM2-135M's layers for q4, k4, q8 and k6: the int16 panel kernels (`CompiledPayload.paneled`, what
 ``QuantizedLinear`` runs where the CPU has 512-bit VNNI), decoded float32 tiles and BLAS (`CompiledPayload.tiled`,
 the path elsewhere), and the references of the same child: numpy's fp32 ``x @ W.T`` on the dequantized matrix and,
-when torch is installed, ``torch.nn.functional.linear`` (what transformers runs), at one and two threads.
+when torch is installed, ``torch.nn.functional.linear`` (what transformers runs), at one and two threads; the child
+gets the environment carton gives a runner process.
 
 The ``matvec`` section times ``y = W x`` (one vector, one thread unless ``--threads``) for every block method on
 the mcf runner's compiled kernels, numpy's fp32 sgemv of the dequantized matrix, the numpy int8-cache path, and
@@ -39,6 +40,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from _timing import mcf_runner_env
 
 METHODS = ["q8", "k6", "q4", "k4", "k3", "k2"]
 RMSE_TARGETS = {"q8": 0.0053, "k6": 0.022, "q4": 0.092, "k4": 0.092, "k3": 0.20, "k2": 0.45}
@@ -295,6 +298,11 @@ def run_child(section: str, size: int, threads: int, *extra: str) -> dict[str, A
         # A fixed mmap threshold makes glibc return every large block on free, so RSS deltas measure what is kept
         # (it also makes every large allocation fault its pages in, so no timing runs under it).
         env["MALLOC_MMAP_THRESHOLD_"] = "131072"
+    if section == "prefill":
+        # As carton starts a runner process (OpenBLAS's threads stop polling soon after their products, and leave
+        # the cores to numba's team): without it, at two threads every engine of the alternated rounds waits on
+        # the threads of the one before.
+        env.update(mcf_runner_env(Path(__file__).resolve().parent.parent, env))
     cmd = [sys.executable, __file__, "--child", section, "--size", str(size), "--threads", str(threads), *extra]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if proc.returncode != 0:

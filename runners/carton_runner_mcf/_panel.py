@@ -34,7 +34,17 @@ from ._blocks import JIT, padded_blocks, row_scales
 from ._panel_ir import GROUP, PAIRS, panel_tile, round_block, store_codes, transpose_block
 from ._simd import unpack_codes
 
-__all__ = ["GROUP", "ROWS", "PanelKernels", "activation_shapes", "panel_kernels", "quantize_natural"]
+__all__ = [
+    "GROUP",
+    "ROWS",
+    "PanelKernels",
+    "activation_shapes",
+    "group_product",
+    "pack_group",
+    "panel_kernels",
+    "quantize_natural",
+    "quantize_rows",
+]
 
 #: Activation rows per micro-kernel call: with sixteen weight vectors and as many integer sums, what the 32 vector
 #: registers of AVX-512 hold.
