@@ -5,6 +5,13 @@
     bash bench/setup_llamacpp.sh && python bench/bench_mcf.py --sections matvec
                                               # the compiled kernels against numpy sgemv and ggml's q4_K
 
+The ``prefill`` section times the large-batch products of a prompt (128 activation rows) on the shapes of
+SmolLM2-135M's layers for q4, k4, q8 and k6: the int16 panel kernels (`CompiledPayload.paneled`, what
+``QuantizedLinear`` runs where the CPU has 512-bit VNNI), decoded float32 tiles and BLAS (`CompiledPayload.tiled`,
+the path elsewhere), and the references of the same child: numpy's fp32 ``x @ W.T`` on the dequantized matrix and,
+when torch is installed, ``torch.nn.functional.linear`` (what transformers runs), at one and two threads; the child
+gets the environment carton gives a runner process.
+
 The ``matvec`` section times ``y = W x`` (one vector, one thread unless ``--threads``) for every block method on
 the mcf runner's compiled kernels, numpy's fp32 sgemv of the dequantized matrix, the numpy int8-cache path, and
 ggml's q4_K kernel through llama.cpp's own ``test-backend-ops perf`` (which times MUL_MAT with the vector
@@ -33,6 +40,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from _timing import mcf_runner_env
 
 METHODS = ["q8", "k6", "q4", "k4", "k3", "k2"]
 RMSE_TARGETS = {"q8": 0.0053, "k6": 0.022, "q4": 0.092, "k4": 0.092, "k3": 0.20, "k2": 0.45}
@@ -195,6 +204,67 @@ def child_matmul(size: int, threads: int) -> dict[str, Any]:
     return out
 
 
+PREFILL_SHAPES = [(1536, 576), (576, 1536), (576, 576), (192, 576)]
+PREFILL_METHODS = ["q4", "k4", "q8", "k6"]
+PREFILL_ROWS = 128
+
+
+def child_prefill(threads: int) -> dict[str, Any]:
+    import numpy as np
+    from carton.mcf import quantize
+    from carton_runner_mcf._kernels import QuantizedLinear
+
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    else:
+        torch.set_num_threads(threads)
+    rng = np.random.default_rng(6)
+    out: dict[str, Any] = {"threads": threads, "torch": torch is not None}
+    for rows, cols in PREFILL_SHAPES:
+        w = rng.standard_normal((rows, cols)).astype(np.float32)
+        x = rng.standard_normal((PREFILL_ROWS, cols)).astype(np.float32)
+        for method in PREFILL_METHODS:
+            q = quantize(w, method)
+            dense = q.dequantize()
+            compiled = QuantizedLinear.from_quantized(q, kernels="numba", threads=threads)._compiled
+            assert compiled is not None
+            fns: dict[str, Callable[[], object]] = {
+                "panel": lambda c=compiled, x=x: c.paneled(x, threads),
+                "tiled": lambda c=compiled, x=x: c.tiled(x),
+                "numpy": lambda d=dense, x=x: x @ d.T,
+            }
+            if torch is not None:
+                tx, tw = torch.from_numpy(x), torch.from_numpy(dense)
+                fns["torch"] = lambda tx=tx, tw=tw: torch.nn.functional.linear(tx, tw)
+            flops = 2.0 * PREFILL_ROWS * rows * cols
+            out[f"{method} {rows}x{cols}"] = {k: flops / v / 1e9 for k, v in best_times(fns, repeat=9).items()}
+    return out
+
+
+def report_prefill(results: list[dict[str, Any]]) -> None:
+    from carton_runner_mcf._compiled import PANEL_PRODUCTS
+
+    for res in results:
+        t = res["threads"]
+        print(f"\n### Prefill products, {PREFILL_ROWS} rows, {t} thread(s), GFLOP/s (best of rounds)\n")
+        print(f"`QuantizedLinear` takes the panel kernels on this CPU: {PANEL_PRODUCTS}.")
+        if not res["torch"]:
+            print("torch is not installed: no F.linear column.")
+        print("\n| method | W | panel (int16) | tiles + sgemm | numpy fp32 | torch F.linear | panel / torch |")
+        print("|---|---|---:|---:|---:|---:|---:|")
+        for method in PREFILL_METHODS:
+            for rows, cols in PREFILL_SHAPES:
+                r = res[f"{method} {rows}x{cols}"]
+                torch_gf = r.get("torch")
+                ratio = f"{r['panel'] / torch_gf:.2f}x" if torch_gf else "-"
+                print(
+                    f"| {method} | {rows} x {cols} | {r['panel']:.1f} | {r['tiled']:.1f} | {r['numpy']:.1f} "
+                    f"| {f'{torch_gf:.1f}' if torch_gf else '-'} | {ratio} |"
+                )
+
+
 def child_memory(size: int, method: str, cache: str) -> dict[str, Any]:
     """Resident bytes a layer keeps: RSS after building it and serving batch 1 and 64, minus RSS before loading."""
     import gc
@@ -228,6 +298,11 @@ def run_child(section: str, size: int, threads: int, *extra: str) -> dict[str, A
         # A fixed mmap threshold makes glibc return every large block on free, so RSS deltas measure what is kept
         # (it also makes every large allocation fault its pages in, so no timing runs under it).
         env["MALLOC_MMAP_THRESHOLD_"] = "131072"
+    if section == "prefill":
+        # As carton starts a runner process (OpenBLAS's threads stop polling soon after their products, and leave
+        # the cores to numba's team): without it, at two threads every engine of the alternated rounds waits on
+        # the threads of the one before.
+        env.update(mcf_runner_env(Path(__file__).resolve().parent.parent, env))
     cmd = [sys.executable, __file__, "--child", section, "--size", str(size), "--threads", str(threads), *extra]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
@@ -337,7 +412,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", type=int, default=4096, help="matrix side (default 4096)")
     parser.add_argument("--threads", type=int, nargs="*", default=[1, 2], help="thread counts for matmul")
-    parser.add_argument("--sections", nargs="*", default=["accuracy", "dequant", "matvec", "matmul"])
+    parser.add_argument("--sections", nargs="*", default=["accuracy", "dequant", "matvec", "matmul", "prefill"])
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of the matvec section")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--method", help=argparse.SUPPRESS)
@@ -348,6 +423,7 @@ def main() -> None:
         fn = {"accuracy": lambda: child_accuracy(args.size), "dequant": lambda: child_dequant(args.size),
               "matmul": lambda: child_matmul(args.size, threads),
               "matvec": lambda: child_matvec(args.size, threads),
+              "prefill": lambda: child_prefill(threads),
               "memory": lambda: child_memory(args.size, args.method, args.cache)}[args.child]  # fmt: skip
         print(json.dumps(fn()))
         return
@@ -381,6 +457,9 @@ def main() -> None:
                 for res in results:
                     res[method][f"{cache}_rss"], res[method][f"{cache}_nbytes"] = mem["rss"], mem["nbytes"]
         report_matmul(results, args.size)
+    if "prefill" in args.sections:
+        report_prefill([run_child("prefill", args.size, t) for t in args.threads])
+        print(f"load average after the section {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":

@@ -28,10 +28,13 @@ from typing import Any
 
 import numba
 import numpy as np
+from llvmlite import binding as llvm
 from numba import prange
 
 from ._blocks import JIT, LANE_ORDERS, padded_blocks, quantize_activations, row_scales
 from ._nibble import PAIR_LANES, nibble_rows, quantize_pairs
+from ._panel import PanelKernels, panel_kernels
+from ._panel import activation_shapes as panel_shapes
 from ._simd import (
     broadcast,
     fma,
@@ -50,10 +53,14 @@ from ._simd import (
 
 __all__ = [
     "MAX_THREADS",
+    "PANEL_PRODUCTS",
     "BlockKernels",
+    "PanelKernels",
     "activation_shapes",
     "block_kernels",
     "decode_int_rows",
+    "panel_kernels",
+    "panel_shapes",
     "quantize",
 ]
 
@@ -64,6 +71,17 @@ if "NUMBA_THREADING_LAYER" not in os.environ:
 
 #: Threads in numba's pool (``NUMBA_NUM_THREADS``, by default the CPU count): the most a product can use.
 MAX_THREADS = int(numba.config.NUMBA_NUM_THREADS)
+
+
+def _vnni512() -> bool:
+    features = llvm.get_host_cpu_features()
+    return all(features.get(name, False) for name in ("avx512f", "avx512bw", "avx512vnni"))
+
+
+#: Whether large batches use the int16 panel kernels (`_panel`) instead of decoded float32 tiles and BLAS: on a
+#: host whose CPU has 512-bit VNNI, where an int16 pair product issues as fast as an fp32 FMA; elsewhere the
+#: integer kernel is slower than sgemm (docs/performance.md).
+PANEL_PRODUCTS = _vnni512()
 
 
 def activation_shapes(m: int, blocks: int) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:

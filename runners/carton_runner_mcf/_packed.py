@@ -7,7 +7,10 @@ in it) and calls the kernels of `_compiled`:
 
 - batches up to ``gemv_max_batch`` rows: activations rounded to int16 per block, integer block products
   (`_compiled.block_kernels`), rows split across numba's threads when ``threads > 1``;
-- larger batches (prefill): row tiles decoded to float32 on the calling thread, each multiplied by the activations
+- larger batches (prefill), where the CPU has 512-bit VNNI (`_compiled.PANEL_PRODUCTS`): activations rounded to
+  int16 as for small batches, weight rows unpacked into int16 panels and multiplied by the integer micro-kernel of
+  `_panel`, groups of rows split across numba's threads when ``threads > 1``;
+- larger batches elsewhere: row tiles decoded to float32 on the calling thread, each multiplied by the activations
   in one BLAS call that BLAS splits across its own threads;
 - int8 / int4 payloads (one tensor scale, rows not aligned to blocks): decoded tiles and BLAS for every batch.
 """
@@ -105,6 +108,22 @@ def activation_buffers(kernels: ModuleType, m: int, blocks: int) -> Activations:
     return found
 
 
+def _panel_buffers(kernels: ModuleType, m: int, blocks: int) -> tuple[npt.NDArray[np.int16], npt.NDArray[np.float32]]:
+    """This thread's int16 activation codes and block scales for the panel kernels (`_panel.activation_shapes`)."""
+    buffers: dict[tuple[int, int], tuple[npt.NDArray[np.int16], npt.NDArray[np.float32]]] | None = getattr(
+        _local, "panel", None
+    )
+    if buffers is None:
+        buffers = _local.panel = {}
+    found = buffers.get((m, blocks))
+    if found is None:
+        if len(buffers) > 64:  # many shapes (prefill chunks of every length): start over
+            buffers.clear()
+        codes, scales = kernels.panel_shapes(m, blocks)
+        found = buffers[(m, blocks)] = (np.empty(codes, np.int16), np.empty(scales, np.float32))
+    return found
+
+
 def _tile_buffer(size: int) -> npt.NDArray[np.float32]:
     """This thread's float32 work buffer of at least ``size`` values (reallocated only to grow)."""
     buf: npt.NDArray[np.float32] | None = getattr(_local, "tile", None)
@@ -147,6 +166,8 @@ class CompiledPayload:
         )  # fmt: skip
         self.width = self.blocks * BLOCK
         self._kernels = kernels.block_kernels(layout.bits)
+        #: The large-batch kernels (`_panel`) where they are faster than decoded tiles and BLAS, else None.
+        self.panels = kernels.panel_kernels(layout.bits) if kernels.PANEL_PRODUCTS else None
 
     @property
     def nbytes(self) -> int:
@@ -166,7 +187,30 @@ class CompiledPayload:
         m = x2.shape[0]
         if not self._int and m <= gemv_max_batch:
             return self._blockwise(x2, threads)
-        return self._tiled(x2, PREFILL_TILE_BYTES if tile_bytes is None else tile_bytes)
+        if not self._int and self.panels is not None:
+            return self.paneled(x2, threads)
+        return self.tiled(x2, tile_bytes)
+
+    def paneled(self, x2: npt.NDArray[np.float32], threads: int) -> npt.NDArray[np.float32]:
+        """``x2 @ W.T`` by the int16 panel kernels (`_panel`; q* / k* parts), whichever CPU this is (elsewhere
+        than 512-bit VNNI only slower); groups of sixteen rows split across ``threads`` of numba's."""
+        global _parallel_broken
+        kernels = self._k.panel_kernels(self.layout.bits)
+        m = x2.shape[0]
+        codes, scales = _panel_buffers(self._k, m, self.blocks)
+        out = np.empty((m, self.rows), dtype=np.float32)
+        parts = min(threads, self._k.MAX_THREADS, self.rows // _MIN_ROWS_PER_PART)
+        if parts > 1 and not _parallel_broken:
+            try:
+                kernels.matmul_parallel(self._flat, self.meta, x2, codes, scales, out, parts)
+                return out
+            except ValueError as exc:  # numba found no thread-safe threading layer (tbb or OpenMP)
+                if "threading layer" not in str(exc):
+                    raise
+                _parallel_broken = True
+                warnings.warn(f"mcf kernels run on one thread: {exc}", RuntimeWarning, stacklevel=2)
+        kernels.matmul(self._flat, self.meta, x2, codes, scales, out)
+        return out
 
     def _blockwise(self, x2: npt.NDArray[np.float32], threads: int) -> npt.NDArray[np.float32]:
         global _parallel_broken
@@ -185,13 +229,15 @@ class CompiledPayload:
         self._kernels.matmul(self._flat, self.meta, x2, xq, xs, xe, xoff, out)
         return out
 
-    def _tiled(self, x2: npt.NDArray[np.float32], tile_bytes: int) -> npt.NDArray[np.float32]:
+    def tiled(self, x2: npt.NDArray[np.float32], tile_bytes: int | None = None) -> npt.NDArray[np.float32]:
+        """``x2 @ W.T`` by row tiles decoded to float32 and BLAS (``tile_bytes``: the work buffer, by default
+        `PREFILL_TILE_BYTES`)."""
         # One tile after another on the calling thread, each product one sgemm call that BLAS splits across its own
         # threads: splitting the rows across a pool of ours as well had each pool thread call a threaded sgemm, and
         # the two levels of threads fought over the cores.
         m = x2.shape[0]
         out = np.empty((m, self.rows), dtype=np.float32)
-        step = max(1, tile_bytes // (4 * self.width))
+        step = max(1, (PREFILL_TILE_BYTES if tile_bytes is None else tile_bytes) // (4 * self.width))
         tile = _tile_buffer(min(step, self.rows) * self.width)
         for t0 in range(0, self.rows, step):
             t1 = min(self.rows, t0 + step)

@@ -12,13 +12,14 @@ import pytest
 from carton_runner_mcf._packed import KERNELS_ENV, compiled_kernels
 
 # Products of a q4 matrix on every path of the packed cache: one activation row on one thread and split across two
-# (the parallel kernel), and a batch above the matrix-vector limit (decoded rows and BLAS).
+# (the parallel kernel), and a batch above the matrix-vector limit (the int16 panel kernels, serial and parallel,
+# where the CPU has 512-bit VNNI; decoded rows and BLAS elsewhere).
 _CHILD = """
 import json
 import numpy as np
 from carton.mcf import quantize
 from carton_runner_mcf import _packed
-from carton_runner_mcf._compiled import block_kernels
+from carton_runner_mcf._compiled import PANEL_PRODUCTS, block_kernels, panel_kernels
 from carton_runner_mcf._kernels import COMPILED_GEMV_MAX_BATCH, QuantizedLinear
 
 rng = np.random.default_rng(0)
@@ -29,9 +30,16 @@ for threads in (1, 2):
     for m in (1, COMPILED_GEMV_MAX_BATCH + 1):
         linear(rng.standard_normal((m, 64)).astype(np.float32))
 kernels = block_kernels(4)
-used = [("matmul", kernels.matmul), ("decode", kernels.decode)]
+used = [("matmul", kernels.matmul)]
 if not _packed._parallel_broken:  # no thread-safe threading layer: products stay on one thread
     used.append(("matmul_parallel", kernels.matmul_parallel))
+if PANEL_PRODUCTS:
+    panels = panel_kernels(4)
+    used.append(("panel matmul", panels.matmul))
+    if not _packed._parallel_broken:
+        used.append(("panel matmul_parallel", panels.matmul_parallel))
+else:
+    used.append(("decode", kernels.decode))
 print(json.dumps({
     name: {"hits": sum(d.stats.cache_hits.values()), "misses": sum(d.stats.cache_misses.values())}
     for name, d in used

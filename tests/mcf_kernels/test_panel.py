@@ -1,0 +1,102 @@
+"""The int16 panel kernels of large batches (`_panel`): called directly on every machine (the IR is portable; only
+where the CPU has 512-bit VNNI does `CompiledPayload.matmul` pick them), against the float64 product with the
+dequantized matrix within the int16 activation bound, the same bits at one and two threads, and the activation
+rounding of the small-batch kernels bit for bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from carton.mcf import quantize
+from carton_runner_mcf._kernels import COMPILED_GEMV_MAX_BATCH, QuantizedLinear
+from carton_runner_mcf._packed import CompiledPayload
+from kernel_bounds import compiled_bound
+
+numba = pytest.importorskip("numba", reason="the panel kernels are compiled (pip install 'carton-runtime[mcf]')")
+
+METHODS = ["q8", "q4", "k6", "k4", "k3", "k2"]
+
+
+def _compiled(linear: QuantizedLinear) -> CompiledPayload:
+    compiled = linear._compiled
+    assert compiled is not None
+    return compiled
+
+
+def _within_bound(got: np.ndarray, x: np.ndarray, dense: np.ndarray) -> None:
+    want = x.astype(np.float64) @ dense.astype(np.float64).T
+    assert got.dtype == np.float32 and got.shape == want.shape
+    assert float((np.abs(got.astype(np.float64) - want) / compiled_bound(x, dense)).max()) <= 1.0
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize(
+    ("rows", "cols", "m"),
+    [
+        (37, 300, 53),  # rows not a multiple of 16, a padded last block, a batch not a multiple of 8 (8 + 4 + 1)
+        (16, 31, 3),  # one group, a single padded block, a batch below 4 (2 + 1)
+        (130, 576, 128),  # two full tiles of activation rows per group, a last group of two rows
+        (5, 33, 15),  # fewer rows than a group, one column in the last block, 8 + 4 + 2 + 1 activation rows
+    ],
+)
+def test_panel_product_within_the_int16_bound_on_one_and_two_threads(method: str, rows: int, cols: int, m: int) -> None:
+    rng = np.random.default_rng(rows * cols + m)
+    q = quantize(rng.standard_normal((rows, cols)).astype(np.float32), method)
+    dense = q.dequantize()
+    compiled = _compiled(QuantizedLinear.from_quantized(q, kernels="numba"))
+    x = rng.standard_normal((m, cols)).astype(np.float32) * rng.uniform(0.01, 10, (m, 1)).astype(np.float32)
+    x[0, : min(cols, 40)] = 0.0  # an all-zero block: scale zero, codes zero
+    one = compiled.paneled(x, threads=1)
+    two = compiled.paneled(x, threads=2)
+    _within_bound(one, x, dense)
+    np.testing.assert_array_equal(one, two)
+
+
+@pytest.mark.parametrize("method", ["q4", "k4", "k6"])
+def test_a_part_of_a_matrix(method: str) -> None:
+    """Rows 5..140 and block columns 1.. of a larger matrix: the payload offsets of a part (a k* part starting off
+    a super-block reads its sub-scales one by one)."""
+    rng = np.random.default_rng(7)
+    rows, cols = 150, 300
+    q = quantize(rng.standard_normal((rows, cols)).astype(np.float32), method)
+    dense = q.dequantize()[5:140, 32:]
+    linear = QuantizedLinear.from_quantized(q, kernels="numba", row_range=(5, 140), col_range=(32, cols))
+    x = rng.standard_normal((70, cols - 32)).astype(np.float32)
+    compiled = _compiled(linear)
+    one = compiled.paneled(x, threads=1)
+    _within_bound(one, x, dense)
+    np.testing.assert_array_equal(one, compiled.paneled(x, threads=2))
+
+
+def test_activation_rounding_matches_the_block_kernels() -> None:
+    from carton_runner_mcf._blocks import quantize_activations
+    from carton_runner_mcf._panel import activation_shapes, quantize_natural
+
+    rng = np.random.default_rng(3)
+    for cols in (31, 32, 33, 300, 576):
+        x = rng.standard_normal((9, cols)).astype(np.float32) * np.float32(3.0)
+        x[1] = 0.0
+        x[2, ::3] = np.float32(0.5 / 32767)  # exact halves after scaling: round half to even
+        x[2, 0] = np.float32(1.0)
+        blocks = -(-cols // 32)
+        codes, scales = activation_shapes(9, blocks)
+        got_q, got_s = np.full(codes, 7, np.int16), np.full(scales, 7, np.float32)
+        want_q, want_s = np.full(codes, 7, np.int16), np.full(scales, 7, np.float32)
+        quantize_natural(x, got_q, got_s)
+        quantize_activations(x, np.arange(32, dtype=np.int64), want_q, want_s)
+        np.testing.assert_array_equal(got_q, want_q)
+        np.testing.assert_array_equal(got_s, want_s)
+
+
+def test_large_batches_take_the_panel_kernels_where_the_cpu_has_512_bit_vnni() -> None:
+    from carton_runner_mcf._compiled import PANEL_PRODUCTS
+
+    rng = np.random.default_rng(5)
+    q = quantize(rng.standard_normal((64, 96)).astype(np.float32), "q4")
+    linear = QuantizedLinear.from_quantized(q, kernels="numba")
+    compiled = _compiled(linear)
+    assert (compiled.panels is not None) == PANEL_PRODUCTS
+    x = rng.standard_normal((COMPILED_GEMV_MAX_BATCH + 1, 96)).astype(np.float32)
+    expected = compiled.paneled(x, threads=1) if PANEL_PRODUCTS else compiled.tiled(x)
+    np.testing.assert_array_equal(linear(x), expected)
+    _within_bound(linear(x), x, q.dequantize())
