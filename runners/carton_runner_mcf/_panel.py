@@ -1,7 +1,7 @@
 """Large-batch (prefill) products of block payloads on int16 weight panels: a register-blocked integer kernel.
 
 A batch of many activation rows amortizes decoding the weights once per product; decoding them to float32 for BLAS
-(`_packed.CompiledPayload._tiled`) then leaves the products to an fp32 sgemm. On a CPU with 512-bit VNNI an int16
+(`_packed.CompiledPayload.tiled`) then leaves the products to an fp32 sgemm. On a CPU with 512-bit VNNI an int16
 pair product (``vpdpwssd``: 32 multiply-adds) issues as fast as an fp32 FMA (16), so this path keeps the products in
 integers, with the activations rounded exactly as the small-batch kernels round them.
 
