@@ -300,7 +300,7 @@ def test_counts_and_names_are_limited() -> None:
         (msgspec.msgpack.encode({"op": "close", "id": 1}) + b"\x00", FrameError, "not valid msgpack"),
         (msgspec.msgpack.encode({1: 2}), FrameError, "Expected `str`, got `int`"),
         # Found by test_wire_properties.py: a key that is not utf-8 once escaped as UnicodeDecodeError.
-        (b"\x81\xa2op\xa2\xe9\x80", FrameError, "not valid msgpack: 'utf-8' codec can't decode"),
+        (b"\x81\xa2op\xa2\xe9\x80", FrameError, r"not valid msgpack: .*(?i:utf-8)"),
         (msgspec.msgpack.encode({"id": 1}), FrameError, "missing required field `op`"),
         (msgspec.msgpack.encode({"op": "dance", "id": 1}), FrameError, r"Invalid value 'dance' - at `\$.op`"),
         (msgspec.msgpack.encode({"op": "close", "id": True}), FrameError, r"Expected `int`, got `bool` - at `\$.id`"),
