@@ -49,6 +49,11 @@ __all__ = ["Answer", "AsyncChannel", "CallTimeout", "Connection", "NotSent", "Pe
 _LIVENESS_SLICE_MS = 100
 # A reply sent just before the runner died may still be in flight inside ZeroMQ when the pidfd fires.
 _LAST_WORDS_MS = 20
+#: Longest a blocking receive waits before it returns to Python and waits again. A process-directed signal (Ctrl-C)
+#: may be handed by the kernel to any thread that does not block it, such as the runner-exit watch; Python then runs
+#: its handler only when the main thread next runs bytecode, which a receive that never returns would put off until
+#: the runner answers.
+_SIGNAL_SLICE_MS = 100
 # Names of the inproc addresses thread sockets bind (unique in the process: a closed socket's may linger a moment).
 _wake_ids = itertools.count()
 _NOBLOCK = int(zmq.NOBLOCK)
@@ -112,6 +117,7 @@ class Connection:
         sock = self._context.socket(zmq.DEALER)
         sock.linger = 0
         sock.setsockopt(zmq.RECONNECT_IVL, 10)
+        sock.setsockopt(zmq.RCVTIMEO, _SIGNAL_SLICE_MS)
         wake = f"inproc://carton-exit-{next(_wake_ids)}"
         sock.bind(wake)
         sock.connect(self.endpoint)
@@ -155,7 +161,10 @@ class Connection:
             if timeout is None and self._pidfd is not None:
                 # The common case, kept short: a blocking receive, which the exit watch ends if the runner dies.
                 while True:
-                    reply = self._receive(sock, request_id)
+                    try:
+                        reply = self._receive(sock, request_id)
+                    except zmq.Again:
+                        continue  # a slice ended (`_SIGNAL_SLICE_MS`): any signal's handler has run; wait on
                     if reply is not None:
                         return reply
             return self._wait(state, request_id, timeout)
@@ -185,7 +194,10 @@ class Connection:
             sock = state.socket
             send_message(sock, parts)
             while True:
-                frames = recv_message(sock)
+                try:
+                    frames = recv_message(sock)
+                except zmq.Again:
+                    continue  # a slice ended (`_SIGNAL_SLICE_MS`): any signal's handler has run; wait on
                 matched = codec.match_bytes(frames[0].bytes)
                 if matched is not None and matched[0] == request_id:
                     plan = matched[1]
