@@ -21,8 +21,9 @@ import importlib
 import os
 import threading
 import warnings
+from collections.abc import Callable
 from types import ModuleType
-from typing import Literal
+from typing import Literal, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -87,41 +88,48 @@ def compiled_kernels(choice: Kernels | str = "auto") -> ModuleType | None:
 Activations = tuple[npt.NDArray[np.int16], npt.NDArray[np.float32], npt.NDArray[np.float32], npt.NDArray[np.float32]]
 
 
-def activation_buffers(kernels: ModuleType, m: int, blocks: int) -> Activations:
-    """This thread's work arrays for ``m`` activation rows of a part of ``blocks`` blocks: int16 codes, block
-    scales, spread scales and offsets (`_compiled.activation_shapes`; reused across calls, no buffer escapes a
-    call)."""
-    buffers: dict[tuple[int, int], Activations] | None = getattr(_local, "activations", None)
+_B = TypeVar("_B")
+
+
+def _thread_buffers(
+    name: str, m: int, blocks: int, make: Callable[[ModuleType, int, int], _B], kernels: ModuleType
+) -> _B:
+    """This thread's work arrays `name` for ``m`` rows of ``blocks`` blocks, made by ``make(kernels, m, blocks)`` on
+    first use and reused across calls (no buffer escapes a call)."""
+    buffers: dict[tuple[int, int], _B] | None = getattr(_local, name, None)
     if buffers is None:
-        buffers = _local.activations = {}
+        buffers = {}
+        setattr(_local, name, buffers)
     found = buffers.get((m, blocks))
     if found is None:
         if len(buffers) > 64:  # many shapes (prefill chunks of every length): start over
             buffers.clear()
-        codes, scales, spread = kernels.activation_shapes(m, blocks)
-        found = buffers[(m, blocks)] = (
-            np.empty(codes, np.int16),
-            np.empty(scales, np.float32),
-            np.empty(spread, np.float32),
-            np.empty(scales, np.float32),
-        )
+        found = buffers[(m, blocks)] = make(kernels, m, blocks)
     return found
+
+
+def _new_activations(kernels: ModuleType, m: int, blocks: int) -> Activations:
+    codes, scales, spread = kernels.activation_shapes(m, blocks)
+    return (np.empty(codes, np.int16), np.empty(scales, np.float32), np.empty(spread, np.float32),
+            np.empty(scales, np.float32))  # fmt: skip
+
+
+def _new_panel_activations(
+    kernels: ModuleType, m: int, blocks: int
+) -> tuple[npt.NDArray[np.int16], npt.NDArray[np.float32]]:
+    codes, scales = kernels.panel_shapes(m, blocks)
+    return np.empty(codes, np.int16), np.empty(scales, np.float32)
+
+
+def activation_buffers(kernels: ModuleType, m: int, blocks: int) -> Activations:
+    """This thread's work arrays for ``m`` activation rows of a part of ``blocks`` blocks: int16 codes, block
+    scales, spread scales and offsets (`_compiled.activation_shapes`)."""
+    return _thread_buffers("activations", m, blocks, _new_activations, kernels)
 
 
 def _panel_buffers(kernels: ModuleType, m: int, blocks: int) -> tuple[npt.NDArray[np.int16], npt.NDArray[np.float32]]:
     """This thread's int16 activation codes and block scales for the panel kernels (`_panel.activation_shapes`)."""
-    buffers: dict[tuple[int, int], tuple[npt.NDArray[np.int16], npt.NDArray[np.float32]]] | None = getattr(
-        _local, "panel", None
-    )
-    if buffers is None:
-        buffers = _local.panel = {}
-    found = buffers.get((m, blocks))
-    if found is None:
-        if len(buffers) > 64:  # many shapes (prefill chunks of every length): start over
-            buffers.clear()
-        codes, scales = kernels.panel_shapes(m, blocks)
-        found = buffers[(m, blocks)] = (np.empty(codes, np.int16), np.empty(scales, np.float32))
-    return found
+    return _thread_buffers("panel", m, blocks, _new_panel_activations, kernels)
 
 
 def _tile_buffer(size: int) -> npt.NDArray[np.float32]:
