@@ -140,6 +140,16 @@ def _tile_buffer(size: int) -> npt.NDArray[np.float32]:
     return buf
 
 
+def _without_threads(exc: ValueError) -> None:
+    """A threaded kernel raised `exc`: when numba found no thread-safe threading layer (tbb or OpenMP), products run
+    on one thread from then on (with a warning); any other error is raised again."""
+    global _parallel_broken
+    if "threading layer" not in str(exc):
+        raise exc
+    _parallel_broken = True
+    warnings.warn(f"mcf kernels run on one thread: {exc}", RuntimeWarning, stacklevel=3)
+
+
 class CompiledPayload:
     """Rows ``rows`` and columns ``cols`` (half-open ranges) of the tensor whose payload ``flat`` has ``layout``,
     multiplied by the compiled kernels. Columns of a q* / k* part start on a block (and end on one or at the last
@@ -202,7 +212,6 @@ class CompiledPayload:
     def paneled(self, x2: npt.NDArray[np.float32], threads: int) -> npt.NDArray[np.float32]:
         """``x2 @ W.T`` by the int16 panel kernels (`_panel`; q* / k* parts), whichever CPU this is (elsewhere
         than 512-bit VNNI only slower); groups of sixteen rows split across ``threads`` of numba's."""
-        global _parallel_broken
         kernels = self._k.panel_kernels(self.layout.bits)
         m = x2.shape[0]
         codes, scales = _panel_buffers(self._k, m, self.blocks)
@@ -212,16 +221,12 @@ class CompiledPayload:
             try:
                 kernels.matmul_parallel(self._flat, self.meta, x2, codes, scales, out, parts)
                 return out
-            except ValueError as exc:  # numba found no thread-safe threading layer (tbb or OpenMP)
-                if "threading layer" not in str(exc):
-                    raise
-                _parallel_broken = True
-                warnings.warn(f"mcf kernels run on one thread: {exc}", RuntimeWarning, stacklevel=2)
+            except ValueError as exc:
+                _without_threads(exc)
         kernels.matmul(self._flat, self.meta, x2, codes, scales, out)
         return out
 
     def _blockwise(self, x2: npt.NDArray[np.float32], threads: int) -> npt.NDArray[np.float32]:
-        global _parallel_broken
         xq, xs, xe, xoff = activation_buffers(self._k, x2.shape[0], self.blocks)
         out = np.empty((x2.shape[0], self.rows), dtype=np.float32)
         parts = min(threads, self._k.MAX_THREADS, self.rows // _MIN_ROWS_PER_PART)
@@ -229,11 +234,8 @@ class CompiledPayload:
             try:
                 self._kernels.matmul_parallel(self._flat, self.meta, x2, xq, xs, xe, xoff, out, parts)
                 return out
-            except ValueError as exc:  # numba found no thread-safe threading layer (tbb or OpenMP)
-                if "threading layer" not in str(exc):
-                    raise
-                _parallel_broken = True
-                warnings.warn(f"mcf kernels run on one thread: {exc}", RuntimeWarning, stacklevel=2)
+            except ValueError as exc:
+                _without_threads(exc)
         self._kernels.matmul(self._flat, self.meta, x2, xq, xs, xe, xoff, out)
         return out
 
