@@ -161,6 +161,8 @@ def _plain_number(text, i, n):  # type: ignore[no-untyped-def]
     digit after the point); more than `_SIGNIFICANT` digits leave ``w`` wrapped, for the careful reading."""
     first = i
     w = _U0
+    # The integer part's and the fraction's loops are written out: one inlined helper for both made the whole read
+    # slower (docs/performance.md, the JSON tensor on the new machine).
     while i < n:
         d = np.uint64(text[i]) - np.uint64(48)
         if d > np.uint64(9):
