@@ -212,7 +212,7 @@ class CompiledPayload:
     def paneled(self, x2: npt.NDArray[np.float32], threads: int) -> npt.NDArray[np.float32]:
         """``x2 @ W.T`` by the int16 panel kernels (`_panel`; q* / k* parts), whichever CPU this is (elsewhere
         than 512-bit VNNI only slower); groups of sixteen rows split across ``threads`` of numba's."""
-        kernels = self._k.panel_kernels(self.layout.bits)
+        kernels = self.panels if self.panels is not None else self._k.panel_kernels(self.layout.bits)
         m = x2.shape[0]
         codes, scales = _panel_buffers(self._k, m, self.blocks)
         out = np.empty((m, self.rows), dtype=np.float32)
