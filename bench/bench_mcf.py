@@ -2,6 +2,8 @@
 
     python bench/bench_mcf.py                 # full run: 4096 x 4096, one and two threads
     python bench/bench_mcf.py --size 1024     # quicker smoke run
+    python bench/bench_mcf.py --sections evict
+                                              # q4's product and a read of its payload, after N MiB of other reads
     bash bench/setup_llamacpp.sh && python bench/bench_mcf.py --sections matvec
                                               # the compiled kernels against numpy sgemv and ggml's q4_K
 
@@ -26,6 +28,10 @@ test-backend-ops repeats ggml's op on the same tensors, so that its matrix stays
 ``warm`` columns, and the like-for-like line against ggml). ``q4 payload read`` is numpy summing the q4 payload's
 bytes (a copy of them, so as not to warm the product's) as 64-bit words: no product, only a read of as many bytes
 as the q4 kernel reads, as a floor for its alternated figure.
+
+The ``evict`` section (not run by default) times q4's product and a plain read of its payload with N MiB of other
+memory read between two calls, for N from 0 to 256: how much traffic the matrix survives in this machine's caches,
+and what the product and the read cost once it does not.
 
 Every timing section runs in a child process whose BLAS thread count is fixed through the environment before numpy
 is imported, and compares against a reference measured in the same child: fp32 ``numpy.matmul`` on the already
@@ -164,17 +170,60 @@ def child_matvec(size: int, threads: int) -> dict[str, Any]:
     for method in ("q4", "k4", "q8", "k6", "k3", "k2"):
         payload = quantize(w, method, mode="reference").payload
         compiled = QuantizedLinear(payload, method, size, size, cache="packed", kernels="numba", threads=threads)
+        fns[method] = lambda linear=compiled: linear(x)
         if method == "q4":  # a copy, so that reading it does not warm the product's payload
             copy = bytes(bytearray(payload))
             words = np.frombuffer(copy, dtype=np.uint8, count=len(copy) // 8 * 8).view(np.uint64)
-            fns["q4 payload read"] = lambda words=words: words.sum()
-        fns[method] = lambda linear=compiled: linear(x)
         if method in ("q4", "k4"):
             numpy_path = QuantizedLinear(payload, method, size, size, cache="int8", kernels="numpy", threads=threads)
             fns[f"{method} numpy int8"] = lambda linear=numpy_path: linear(x)
+    fns["q4 payload read"] = lambda: words.sum()  # last in a round: every other variant's order is unchanged
     seconds = best_times(fns, repeat=15, min_time=1.0)
     warm = repeated_times({name: fn for name, fn in fns.items() if "numpy int8" not in name})
     return {"threads": threads, "seconds": seconds, "warm": warm}
+
+
+def child_evict(size: int) -> dict[str, Any]:
+    """q4's matrix-vector product and a plain read of its payload after reading N MiB of other memory between two
+    calls, for growing N: where the matrix stops being found in a cache, and what reading it then costs."""
+    import numpy as np
+    from carton.mcf import quantize
+    from carton_runner_mcf._kernels import QuantizedLinear
+
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((size, size)).astype(np.float32)
+    x = rng.standard_normal((1, size)).astype(np.float32)
+    payload = quantize(w, "q4", mode="reference").payload
+    linear = QuantizedLinear(payload, "q4", size, size, cache="packed", kernels="numba", threads=1)
+    words = np.frombuffer(payload, dtype=np.uint8, count=len(payload) // 8 * 8).view(np.uint64)
+    other = rng.integers(0, 1 << 62, (256 << 20) // 8, dtype=np.uint64)  # read only: nothing to write back
+    linear(x)
+    rows = []
+    for mib in (0, 8, 16, 32, 64, 128, 256):
+        between = other[: (mib << 20) // 8]
+        product, read = [], []
+        for _ in range(25):
+            between.sum()
+            start = time.perf_counter()
+            linear(x)
+            product.append(time.perf_counter() - start)
+            between.sum()
+            start = time.perf_counter()
+            words.sum()
+            read.append(time.perf_counter() - start)
+        rows.append({"mib": mib, "product": sorted(product), "read": sorted(read)})
+    return {"bytes": len(payload), "rows": rows}
+
+
+def report_evict(res: dict[str, Any], size: int) -> None:
+    print(f"\n### q4 {size}x{size} after reading other memory between calls (1 thread, {res['bytes'] / 2**20:.1f} MiB"
+          " payload)\n")  # fmt: skip
+    print("| MiB read between two calls | product best ms | median | payload read best ms | median |")
+    print("|---:|---:|---:|---:|---:|")
+    for row in res["rows"]:
+        p, r = row["product"], row["read"]
+        print(f"| {row['mib']} | {p[0] * 1e3:.3f} | {p[len(p) // 2] * 1e3:.3f} | {r[0] * 1e3:.3f} "
+              f"| {r[len(r) // 2] * 1e3:.3f} |")  # fmt: skip
 
 
 def run_ggml(size: int) -> float | None:
@@ -458,6 +507,7 @@ def main() -> None:
         fn = {"accuracy": lambda: child_accuracy(args.size), "dequant": lambda: child_dequant(args.size),
               "matmul": lambda: child_matmul(args.size, threads),
               "matvec": lambda: child_matvec(args.size, threads),
+              "evict": lambda: child_evict(args.size),
               "prefill": lambda: child_prefill(threads),
               "memory": lambda: child_memory(args.size, args.method, args.cache)}[args.child]  # fmt: skip
         print(json.dumps(fn()))
@@ -484,6 +534,9 @@ def main() -> None:
         if not ggml:
             print("note: ggml rows skipped: run bench/setup_llamacpp.sh (or set GGML_TEST_BACKEND_OPS)")
         report_matvec(args.size, list(matvec.values()), ggml)
+        print(f"load average after the section {os.getloadavg()[0]:.2f}")
+    if "evict" in args.sections:
+        report_evict(run_child("evict", args.size, 1), args.size)
         print(f"load average after the section {os.getloadavg()[0]:.2f}")
     if "matmul" in args.sections:
         results = [run_child("matmul", args.size, t) for t in args.threads]
