@@ -69,6 +69,8 @@ class Exchange(HttpRequest, eq=False):
     discard: bool = False
     #: The handler's read waiting for a chunk.
     waiter: asyncio.Future[None] | None = None
+    #: The buffer the whole body was received into (``_http_body.py``), given back once the request is answered.
+    held: bytearray | None = None
 
 
 def body_left(exchange: Exchange, response: HttpResponse) -> bool:

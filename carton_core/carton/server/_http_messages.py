@@ -153,6 +153,16 @@ async def collect_body(
     if not callable(body):
         return whole_body(body, declared=declared, limit=limit)
     whole_body(b"", declared=declared, limit=limit)  # the declared length's checks, before any byte is read
+    whole = getattr(body, "whole", None)
+    if whole is not None and declared is not None:
+        # A transport that can receive the body into one buffer as it arrives (``_http_server.py``): a large one
+        # whose length is known is read so, without the pieces and their join.
+        size = DIGITS.get(declared)
+        if size is None:
+            size = int(declared)
+        if size >= JOIN_ON_A_THREAD_BYTES:
+            buffer: bytearray = await whole(size)
+            return buffer
     chunks: list[bytes] = []
     size = 0
     while True:
