@@ -8,6 +8,7 @@ import hashlib
 import logging
 import socket
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -182,3 +183,87 @@ def test_body_buffers_are_bounded_and_exact() -> None:
     small = BodyBuffers(keep_bytes=SIZE - 1)
     small.give(small.take(SIZE), 1)
     assert small.free == []
+
+
+def _infer_request(x: np.ndarray) -> bytes:
+    import tritonclient.http as httpclient
+
+    tensor = httpclient.InferInput("INPUT0", list(x.shape), "FP32")
+    tensor.set_data_from_numpy(x)
+    output = httpclient.InferRequestedOutput("OUTPUT0", binary_data=True)
+    body, json_size = httpclient.InferenceServerClient.generate_request_body([tensor], outputs=[output])
+    head = b"POST /v2/models/identity/infer HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n" % len(body)
+    return head + b"Inference-Header-Content-Length: %d\r\n\r\n" % json_size + body
+
+
+def _output(answer: bytes, headers: dict[bytes, bytes], x: np.ndarray) -> np.ndarray:
+    json_size = int(headers[b"inference-header-content-length"])
+    return np.frombuffer(answer[json_size:], np.float32).reshape(x.shape)
+
+
+def test_a_response_in_lent_memory_is_intact_however_slowly_the_client_reads(repository: Path) -> None:
+    """The identity model's output (its version 2 doubles) lies in its runner's shared memory, lent to the
+    response until it is written: a client that reads slowly holds it, and answers to other clients meanwhile go
+    elsewhere."""
+    from carton.server import ModelControlMode, ServerOptions, serve_in_thread
+
+    options = ServerOptions(
+        repository=repository, http_port=0, grpc_port=None, model_control_mode=ModelControlMode.EXPLICIT,
+        load_models=("identity",), max_body_size=64 << 20, upload_sandbox=None,
+    )  # fmt: skip
+    xs = [np.random.default_rng(seed).standard_normal((1, 4 << 20), np.float32) for seed in range(4)]  # 16 MiB
+    with serve_in_thread(options) as server:
+        slow = socket.socket()
+        slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: a small window
+        slow.settimeout(30)
+        slow.connect(("127.0.0.1", server.http_port))
+        with slow, connect(server.http_port) as other:
+            slow.sendall(_infer_request(xs[0]))
+            first = slow.recv(4096)  # its answer has begun, and waits on the client
+            buffer = bytearray()
+            for x in xs[1:]:
+                other.sendall(_infer_request(x))
+                status, headers, answer = read_response(other, buffer)
+                assert status == 200 and np.array_equal(_output(answer, headers, x), x * 2)
+            status, headers, answer = read_response(slow, bytearray(first))
+            assert status == 200 and np.array_equal(_output(answer, headers, xs[0]), xs[0] * 2)
+
+
+def test_a_response_is_done_only_once_the_transport_holds_none_of_it() -> None:
+    """`HttpResponse.done` (what gives lent memory back) is called once per response, after its parts have left
+    the transport's buffer (which may hold the parts themselves rather than copies), with the transport's
+    flow-control limits as they were."""
+    payload = np.arange(38_535_168 // 4, dtype=np.float32)
+    seen: list[tuple[int, tuple[int, int]]] = []
+
+    class Lending(Handler):
+        connection: object = None
+
+        async def answer(self, request: HttpRequest) -> HttpResponse:
+            transport = self.connection.transport  # type: ignore[attr-defined]
+
+            def done() -> None:
+                seen.append((transport.get_write_buffer_size(), transport.get_write_buffer_limits()))
+
+            return HttpResponse(200, [], [payload.data.cast("B")], done=done)
+
+    handler = Lending()
+    with served(handler) as (port, server), connect(port) as sock:
+        assert wait_until(lambda: server.connections)
+        (handler.connection,) = server.connections
+        limits = threading.Event()
+
+        def set_limits() -> None:
+            handler.connection.transport.set_write_buffer_limits(high=4 << 20, low=2 << 20)  # type: ignore[attr-defined]
+            limits.set()
+
+        server.loop.call_soon_threadsafe(set_limits)
+        assert limits.wait(5)
+        buffer = bytearray()
+        for _ in range(3):
+            sock.sendall(b"GET /lent HTTP/1.1\r\nHost: x\r\n\r\n")
+            status, _, answer = read_response(sock, buffer)
+            assert status == 200 and answer == payload.tobytes()
+        assert wait_until(lambda: len(seen) == 3)
+        # Nothing left in the transport, and its own limits back as they were.
+        assert seen == [(0, (2 << 20, 4 << 20))] * 3

@@ -30,7 +30,7 @@ import asyncio
 import collections
 import logging
 import socket
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, cast
 
 import httptools
@@ -69,9 +69,9 @@ class _Connection(asyncio.Protocol):
     # `self.x` read becomes a dictionary look-up.
     __slots__ = (
         "closed", "current", "drained", "eof", "fresh", "handler", "head_bytes", "head_too_large", "headers", "idle",
-        "idle_timer", "known", "known_rest", "last_active", "last_head", "last_known", "learn_from", "lingering",
-        "loop", "malformed", "next", "parser", "parsing", "queue", "queued_bytes", "reading_paused", "server", "sink",
-        "task", "transport", "turn_bytes", "turn_paused", "unused", "writable",
+        "idle_timer", "known", "known_rest", "last_active", "last_head", "last_known", "learn_from", "lent",
+        "lingering", "loop", "malformed", "next", "parser", "parsing", "queue", "queued_bytes", "reading_paused",
+        "server", "sink", "task", "transport", "turn_bytes", "turn_paused", "unused", "writable",
     )  # fmt: skip
 
     def __init__(self, server: HttpServer) -> None:
@@ -131,6 +131,8 @@ class _Connection(asyncio.Protocol):
         self.learn_from: bytes | None = None
         #: The transport's protocol while the rest of a body is received into one buffer (`_whole`), else None.
         self.sink: BodySink | None = None
+        #: The `HttpResponse.done` of the response being written, called once the transport holds none of it.
+        self.lent: Callable[[], None] | None = None
 
     # ---- asyncio.Protocol ----------------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -401,6 +403,8 @@ class _Connection(asyncio.Protocol):
                     response = HttpResponse(
                         500, [(b"content-type", b"text/plain; charset=utf-8")], [b"Internal Server Error"]
                     )
+                if response.done is not None:
+                    self.lent = response.done
                 if self.closed:
                     self._finish(exchange)
                 else:
@@ -414,6 +418,8 @@ class _Connection(asyncio.Protocol):
                     rest = self._write(exchange, response)
                     if rest is not None:
                         await rest
+                    if self.lent is not None:
+                        await self._flushed()
                     if not exchange.body_done or self.closed:
                         self._answered(exchange, response)
                     elif exchange.keep_alive and not self.queue and not self.reading_paused:
@@ -424,6 +430,8 @@ class _Connection(asyncio.Protocol):
                             self._finish_idle()
                     else:
                         self._finish(exchange)
+                if self.lent is not None:
+                    self._return_lent()
                 if exchange.held is not None:
                     self._give_back(exchange)
                 if self.next is None:
@@ -443,6 +451,8 @@ class _Connection(asyncio.Protocol):
                 self.transport.abort()
         finally:
             self.task = None
+            if self.lent is not None:
+                self._return_lent()
 
     def _reader(self, exchange: Exchange) -> Any:
         # The pieces as the network delivered them, one per read: joining is left to the reader's caller, which does
@@ -599,6 +609,32 @@ class _Connection(asyncio.Protocol):
                 await self._drain()
         if not self.writable:
             await self._drain()
+
+    async def _flushed(self) -> None:
+        """Wait until the transport holds none of what was written (or the connection is gone): the transport may
+        keep the parts themselves rather than copies of them until they are sent."""
+        transport = self.transport
+        assert transport is not None
+        if not transport.get_write_buffer_size():
+            return
+        low, high = transport.get_write_buffer_limits()
+        # Writing is paused while anything is left and resumes only once nothing is.
+        transport.set_write_buffer_limits(high=0, low=0)
+        try:
+            while transport.get_write_buffer_size() and not self.closed:
+                await self._drain()
+        finally:
+            if not self.closed:
+                transport.set_write_buffer_limits(high=high, low=low)
+
+    def _return_lent(self) -> None:
+        done = self.lent
+        self.lent = None
+        if done is not None:
+            try:
+                done()
+            except Exception:
+                _log.exception("giving back the memory of an HTTP response failed")
 
     async def _drain(self) -> None:
         while not self.writable and not self.closed:
