@@ -30,16 +30,15 @@ import asyncio
 import collections
 import logging
 import socket
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from typing import Any, cast
 
 import httptools
 
-from ._http_body import BodyBuffers, BodySink, copy_into
+from ._http_body import BodyBuffers, BodyReading
 from ._http_exchange import CLOSE_TAIL, Exchange, body_left, fixed_wire, response_head, status_line
 from ._http_heads import GIVE_UP, HEAD_LIMIT, HEADS, KnownHead, learn_head
 from ._http_messages import JOIN_ON_A_THREAD_BYTES, HttpHandler, HttpResponse
-from .errors import BadRequest
 
 __all__ = ["HttpServer", "serve_http"]
 
@@ -62,20 +61,21 @@ _LINGER_SECONDS = 2.0
 _MAX_HEAD_BYTES = 1 << 20
 
 
-class _Connection(asyncio.Protocol):
+class _Connection(BodyReading):
     """One client connection (see the module's docstring for what it guarantees)."""
 
     # Slots, not a dictionary: past 30 instance attributes CPython 3.11 stops keeping them inline and every
-    # `self.x` read becomes a dictionary look-up.
+    # `self.x` read becomes a dictionary look-up. (`BodyReading` has the slots of what it uses.)
     __slots__ = (
-        "closed", "current", "drained", "eof", "fresh", "handler", "head_bytes", "head_too_large", "headers", "idle",
-        "idle_timer", "known", "known_rest", "last_active", "last_head", "last_known", "learn_from", "lent",
-        "lingering", "loop", "malformed", "next", "parser", "parsing", "queue", "queued_bytes", "reading_paused",
-        "server", "sink", "task", "transport", "turn_bytes", "turn_paused", "unused", "writable",
+        "current", "drained", "fresh", "handler", "head_bytes", "head_too_large", "headers", "idle", "idle_timer",
+        "known", "last_active", "last_head", "last_known", "learn_from", "lingering", "malformed", "next", "parsing",
+        "queue", "queued_bytes", "reading_paused", "server", "task", "turn_bytes", "turn_paused", "unused",
+        "writable",
     )  # fmt: skip
 
     def __init__(self, server: HttpServer) -> None:
         self.server = server
+        self.buffers = server.buffers
         self.loop = server.loop
         self.handler = server.handler
         self.transport: asyncio.Transport | None = None
@@ -129,10 +129,8 @@ class _Connection(asyncio.Protocol):
         #: (the first request it begins there may be learnt).
         self.unused = 0
         self.learn_from: bytes | None = None
-        #: The transport's protocol while the rest of a body is received into one buffer (`_whole`), else None.
-        self.sink: BodySink | None = None
-        #: The `HttpResponse.done` of the response being written, called once the transport holds none of it.
-        self.lent: Callable[[], None] | None = None
+        self.sink = None
+        self.lent = None
 
     # ---- asyncio.Protocol ----------------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -454,108 +452,6 @@ class _Connection(asyncio.Protocol):
             if self.lent is not None:
                 self._return_lent()
 
-    def _reader(self, exchange: Exchange) -> Any:
-        # The pieces as the network delivered them, one per read: joining is left to the reader's caller, which does
-        # it once for the whole body (`collect_body`), or has the body received into one buffer (`whole`).
-        return _BodyReader(self, exchange)
-
-    async def _read_chunk(self, exchange: Exchange, pending: collections.deque[bytes]) -> tuple[bytes, bool]:
-        self._continue(exchange)
-        if not pending:
-            while not exchange.chunks and not exchange.body_done:
-                self._check_body(exchange)
-                exchange.waiter = self.loop.create_future()
-                await exchange.waiter
-                exchange.waiter = None
-            pending.extend(exchange.chunks)
-            exchange.chunks = []
-        chunk = pending.popleft() if pending else b""
-        return chunk, bool(pending) or not exchange.body_done
-
-    def _continue(self, exchange: Exchange) -> None:
-        """Send "100 Continue" if the client waits for it before sending the body."""
-        if exchange.expect_continue and not exchange.continue_sent and not self.closed:
-            exchange.continue_sent = True
-            assert self.transport is not None
-            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-
-    def _check_body(self, exchange: Exchange) -> None:
-        """Refuse the read of a body that cannot arrive whole."""
-        if exchange.broken:
-            raise BadRequest("the request body's chunked encoding is malformed")
-        if self.closed or self.eof:
-            raise BadRequest("the client disconnected before sending the whole body")
-
-    async def _whole(self, exchange: Exchange, pending: collections.deque[bytes], size: int) -> bytearray:
-        """The body of `exchange`, `size` bytes as its ``Content-Length`` says, in one buffer of the server's: what
-        already arrived is copied into it (off the loop when it is much), the rest is received straight into it by a
-        `BodySink`. The buffer is given back when the request is answered (`_give_back`)."""
-        self._continue(exchange)
-        buffer = self.server.buffers.take(size)
-        filled = 0
-        while True:
-            chunks = [*pending, *exchange.chunks]
-            pending.clear()
-            exchange.chunks = []
-            arrived = sum(map(len, chunks))
-            if filled + arrived > size:
-                raise BadRequest("the request body is longer than its Content-Length")
-            if arrived >= JOIN_ON_A_THREAD_BYTES:
-                # Copying releases the GIL: the loop goes on answering other requests (and reading this body).
-                filled = await asyncio.to_thread(copy_into, buffer, filled, chunks)
-            elif arrived:
-                filled = copy_into(buffer, filled, chunks)
-            if not exchange.chunks:  # (more may have come while the copy ran on the thread)
-                break
-        if not exchange.body_done:
-            self._check_body(exchange)
-            assert self.transport is not None
-            self.sink = BodySink(self, buffer, filled)
-            self.transport.set_protocol(self.sink)
-            try:
-                while not exchange.body_done:
-                    self._check_body(exchange)
-                    exchange.waiter = self.loop.create_future()
-                    await exchange.waiter
-                    exchange.waiter = None
-            finally:
-                self._unsink()
-        elif filled != size:
-            raise BadRequest(f"the request body is {filled} bytes, its Content-Length says {size}")
-        exchange.held = buffer
-        return buffer
-
-    def sunk(self, size: int) -> None:
-        """`BodySink` received `size` more bytes of the body being read."""
-        sink = self.sink
-        assert sink is not None
-        if sink.filled < len(sink.view):
-            self._read(size)
-            return
-        self._unsink()
-        if self.known_rest:  # a learnt head's body (`_replay`): the rest of it came here instead
-            self.known_rest = 0
-        else:
-            # The parser was fed the body's first bytes only: one in its state between two messages takes over.
-            self.parser = httptools.HttpRequestParser(self)
-        self.on_message_complete()
-
-    def _unsink(self) -> None:
-        """The body has arrived (or cannot): the connection reads for itself again."""
-        sink = self.sink
-        if sink is None:
-            return
-        self.sink = None
-        sink.done()
-        if self.transport is not None and not self.closed:
-            self.transport.set_protocol(self)
-
-    def _give_back(self, exchange: Exchange) -> None:
-        held = exchange.held
-        exchange.held = None
-        if held is not None:
-            self.server.buffers.give(held, 2)  # (`held`, and `give`'s own argument)
-
     def _answered(self, exchange: Exchange, response: HttpResponse) -> None:
         """`response` is written: go on with the connection (see `_finish`), unless the request's body is left or
         still arriving."""
@@ -609,32 +505,6 @@ class _Connection(asyncio.Protocol):
                 await self._drain()
         if not self.writable:
             await self._drain()
-
-    async def _flushed(self) -> None:
-        """Wait until the transport holds none of what was written (or the connection is gone): the transport may
-        keep the parts themselves rather than copies of them until they are sent."""
-        transport = self.transport
-        assert transport is not None
-        if not transport.get_write_buffer_size():
-            return
-        low, high = transport.get_write_buffer_limits()
-        # Writing is paused while anything is left and resumes only once nothing is.
-        transport.set_write_buffer_limits(high=0, low=0)
-        try:
-            while transport.get_write_buffer_size() and not self.closed:
-                await self._drain()
-        finally:
-            if not self.closed:
-                transport.set_write_buffer_limits(high=high, low=low)
-
-    def _return_lent(self) -> None:
-        done = self.lent
-        self.lent = None
-        if done is not None:
-            try:
-                done()
-            except Exception:
-                _log.exception("giving back the memory of an HTTP response failed")
 
     async def _drain(self) -> None:
         while not self.writable and not self.closed:
@@ -807,21 +677,3 @@ async def serve_http(handler: HttpHandler, sock: socket.socket, *, keep_alive_ti
     server = HttpServer(handler, loop, keep_alive_timeout)
     server._server = await loop.create_server(lambda: _Connection(server), sock=sock, backlog=2048)
     return server
-
-
-class _BodyReader:
-    """The handler's reader of a body that had not arrived whole when its request was handed over: called, it gives
-    the next piece (`BodyReader`); `whole` gives the rest of the body at once, in one buffer."""
-
-    __slots__ = ("connection", "exchange", "pending")
-
-    def __init__(self, connection: _Connection, exchange: Exchange) -> None:
-        self.connection = connection
-        self.exchange = exchange
-        self.pending: collections.deque[bytes] = collections.deque()
-
-    def __call__(self) -> Coroutine[Any, Any, tuple[bytes, bool]]:
-        return self.connection._read_chunk(self.exchange, self.pending)
-
-    def whole(self, size: int) -> Coroutine[Any, Any, bytearray]:
-        return self.connection._whole(self.exchange, self.pending, size)
