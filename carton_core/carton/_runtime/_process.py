@@ -74,7 +74,7 @@ from ._exits import memory_failure as _memory_failure
 from ._failures import Operation, remote_failure
 from ._launch import LaunchPlan, build_launch_plan, make_runtime_dir, read_log_tail, spawn
 
-__all__ = ["DEFAULT_SHM_THRESHOLD", "LaunchPlan", "RunnerProcess"]
+__all__ = ["DEFAULT_SHM_THRESHOLD", "LaunchPlan", "RunnerProcess", "release_lent"]
 
 #: Tensors of at least this many bytes travel in shared memory, smaller ones in the message: shared memory wins
 #: from 64 KiB up (bench/bench_protocol.py, threshold section; docs/protocol.md).
