@@ -306,6 +306,9 @@ def test_lent_outputs_are_views_of_the_runners_memory_until_given_back(start_run
         _process.release_lent(first)
         _process.release_lent(first)  # nothing left to give back twice
         assert first == []
+        # The `release` went out on this thread's own socket, not the loop's: a blocking call on that socket comes
+        # after it, so once it is answered the runner has the segment back.
+        runner.infer({"x": xs[3][:16]})
         three, _ = await runner.infer_async_with_layouts({"x": xs[2]}, lent=(third := []))
         assert np.array_equal(three["x"], xs[2]) and np.array_equal(two["x"], xs[1])
         assert len(peer._segments) == 2  # the segment given back was reused
@@ -332,10 +335,13 @@ def test_a_cancelled_lending_call_gives_back_what_it_lends_once_it_is_answered(s
         await asyncio.gather(call, return_exceptions=True)
         await asyncio.sleep(0.6)
         assert lent == []  # given back when the call ended
-        for _ in range(3):
-            again: list[Callable[[], None]] = []
-            await runner.infer_async_with_layouts({"sleep": np.array([0.0]), "x": big}, lent=again)
-            _process.release_lent(again)
-        assert len(peer._segments) == 1
 
     asyncio.run(main())
+    # Each call below and its `release` go out on this thread's socket, in that order: the runner takes the first
+    # one's reply segment back before the second call, and so on. The cancelled call's (given back from the pool's
+    # thread when it ended, a while ago) was reused: no segment was made for them.
+    for _ in range(3):
+        again: list[Callable[[], None]] = []
+        runner.infer_with_layouts({"sleep": np.array([0.0]), "x": big}, lent=again)
+        _process.release_lent(again)
+    assert len(peer._segments) == 1
