@@ -141,7 +141,7 @@ class BodyReading(asyncio.Protocol):
     none of it is left in the transport. The connection sets the attributes and defines the methods left undone
     here."""
 
-    __slots__ = ("buffers", "closed", "eof", "known_rest", "lent", "loop", "parser", "sink", "transport")
+    __slots__ = ("buffers", "closed", "eof", "known_rest", "lent", "loop", "parser", "sink", "transport", "writable")
 
     transport: asyncio.Transport | None
     loop: asyncio.AbstractEventLoop
@@ -156,6 +156,8 @@ class BodyReading(asyncio.Protocol):
     sink: BodySink | None
     #: The `HttpResponse.done` of the response being written, called once the transport holds none of it.
     lent: Callable[[], None] | None
+    #: The transport has not paused writing (`pause_writing` / `resume_writing`).
+    writable: bool
 
     def on_message_complete(self) -> None:
         raise NotImplementedError
@@ -280,7 +282,10 @@ class BodyReading(asyncio.Protocol):
         transport.set_write_buffer_limits(high=0, low=0)
         try:
             while transport.get_write_buffer_size() and not self.closed:
-                await self._drain()
+                if self.writable:  # (a transport that did not pause: look again shortly rather than spin)
+                    await asyncio.sleep(0.001)
+                else:
+                    await self._drain()
         finally:
             if not self.closed:
                 transport.set_write_buffer_limits(high=high, low=low)

@@ -70,7 +70,6 @@ class _Connection(BodyReading):
         "current", "drained", "fresh", "handler", "head_bytes", "head_too_large", "headers", "idle", "idle_timer",
         "known", "last_active", "last_head", "last_known", "learn_from", "lingering", "malformed", "next", "parsing",
         "queue", "queued_bytes", "reading_paused", "server", "task", "turn_bytes", "turn_paused", "unused",
-        "writable",
     )  # fmt: skip
 
     def __init__(self, server: HttpServer) -> None:
