@@ -423,6 +423,7 @@ GOALS = {
     "grpc_cpu1": Goal("CPU per gRPC request, 1 client", "us", "le"),
     "grpc_cpu8": Goal("CPU per gRPC request, 8 clients", "us", "le"),
     "big_p50": Goal("[64,3,224,224] FP32 (38.5 MB) HTTP p50", "ms", "le"),
+    "big_cpu": Goal("  CPU per 38.5 MB request", "us", "le"),
     "json_s": Goal("10M-element JSON tensor, request time", "s", "le"),
     "json_health": Goal("  slowest health probe meanwhile", "ms", "le"),
     "json_other": Goal("  slowest [1,16] infer of another model", "ms", "le"),
@@ -440,7 +441,7 @@ def measure_goals(
     small = (1, 16)
     protocols = set(args.protocols.split(","))
     for protocol, port in (("http", served.http), ("grpc", served.grpc)):
-        if protocol not in protocols:
+        if protocol not in protocols or not args.requests:
             continue
         one = run_load(port, "identity", small, 1, args.requests, protocol=protocol, pid=served.pid)
         eight = run_load(port, "identity", small, 8, args.requests * 2, protocol=protocol, pid=served.pid)
@@ -451,8 +452,9 @@ def measure_goals(
     if "http" not in protocols:  # the large and the JSON requests are HTTP rows
         return found
     if args.big_requests:
-        big = run_load(served.http, "identity4", (64, 3, 224, 224), 1, args.big_requests)
+        big = run_load(served.http, "identity4", (64, 3, 224, 224), 1, args.big_requests, pid=served.pid)
         found["big_p50"] = (big.p50_ms, big.load)
+        found["big_cpu"] = (big.cpu_us, big.load)
     if json_body is not None:
         result = json_request(served.http, json_body)
         found["json_s"] = (result.seconds, result.load)
@@ -558,7 +560,9 @@ def main() -> None:
     # temporary folder is removed on every exit path.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=int, default=2000, help="requests per small-tensor case")
+    parser.add_argument(
+        "--requests", type=int, default=2000, help="requests per small-tensor case (0: skip the small-tensor goal rows)"
+    )
     parser.add_argument("--big-requests", type=int, default=16, help="requests per [64,3,224,224] case")
     parser.add_argument("--stack-requests", type=int, default=2000, help="requests per HTTP-stack case (0: skip)")
     parser.add_argument("--protocols", default="http,grpc", help="comma-separated: the goal rows' protocols")

@@ -178,16 +178,17 @@ class _Codec:
             self._peer.drop(message.drop)
         return Received(message, frames[first + 1 :], None, data)
 
-    def tensors(self, received: Received) -> dict[str, Tensor]:
-        """The tensors of a received infer message; `FrameError` naming the tensor and the rule it breaks."""
+    def tensors(self, received: Received, *, copy_shared: bool | None = None) -> dict[str, Tensor]:
+        """The tensors of a received infer message; `FrameError` naming the tensor and the rule it breaks.
+        `copy_shared` (default: this end's own rule, `HostCodec` copies) says whether arrays in the peer's shared
+        memory are copied out or are views of it, valid until the peer reuses that memory."""
         plan = received.plan
         if plan is not None:
             return plan.decode(received.frames)
         message = received.message
         buffers = [frame.buffer for frame in received.frames]
-        tensors, _ = decode_tensors(
-            message.tensors, buffers, limits=self.limits, peer=self._peer, copy_shared=self._copy_shared
-        )
+        copy = self._copy_shared if copy_shared is None else copy_shared
+        tensors, _ = decode_tensors(message.tensors, buffers, limits=self.limits, peer=self._peer, copy_shared=copy)
         self._templates.learn(received.data, message)
         return tensors
 

@@ -286,3 +286,62 @@ def test_without_pidfd_the_thread_pool_is_used(start_runner: Start, monkeypatch:
     assert result["x"].tolist() == [1.0, 1.0]
     assert runner._executor is not None
     assert _process._ASYNC_THREADS >= 32
+
+
+def test_lent_outputs_are_views_of_the_runners_memory_until_given_back(start_runner: Start) -> None:
+    runner = start_runner("Echo", shm_threshold=1024)
+    peer = runner._resources.connection.codec._peer  # type: ignore[union-attr]
+    assert peer is not None
+    xs = [np.random.default_rng(seed).random(4096, dtype=np.float32) for seed in range(4)]
+
+    async def main() -> None:
+        first: list[Callable[[], None]] = []
+        one, _ = await runner.infer_async_with_layouts({"x": xs[0]}, lent=first)
+        assert len(first) == 1 and not one["x"].flags.writeable
+        second: list[Callable[[], None]] = []
+        two, _ = await runner.infer_async_with_layouts({"x": xs[1]}, lent=second)
+        # The first reply's memory is still lent: the runner wrote the second elsewhere.
+        assert np.array_equal(one["x"], xs[0]) and np.array_equal(two["x"], xs[1])
+        assert len(peer._segments) == 2
+        _process.release_lent(first)
+        _process.release_lent(first)  # nothing left to give back twice
+        assert first == []
+        # The `release` went out on this thread's own socket, not the loop's: a blocking call on that socket comes
+        # after it, so once it is answered the runner has the segment back.
+        runner.infer({"x": xs[3][:16]})
+        three, _ = await runner.infer_async_with_layouts({"x": xs[2]}, lent=(third := []))
+        assert np.array_equal(three["x"], xs[2]) and np.array_equal(two["x"], xs[1])
+        assert len(peer._segments) == 2  # the segment given back was reused
+        for lent in (second, third):
+            _process.release_lent(lent)
+        # Outputs small enough for the reply's frames are the caller's own: nothing is lent.
+        small, _ = await runner.infer_async_with_layouts({"x": xs[3][:16]}, lent=(nothing := []))
+        assert nothing == [] and np.array_equal(small["x"], xs[3][:16])
+
+    asyncio.run(main())
+
+
+def test_a_cancelled_lending_call_gives_back_what_it_lends_once_it_is_answered(start_runner: Start) -> None:
+    runner = start_runner("ConcurrentEcho", threads=4, shm_threshold=1024)
+    peer = runner._resources.connection.codec._peer  # type: ignore[union-attr]
+    assert peer is not None
+    big = np.ones(1 << 20, np.uint8)  # large enough for the thread pool's path
+
+    async def main() -> None:
+        lent: list[Callable[[], None]] = []
+        call = asyncio.ensure_future(runner.infer_async_with_layouts({"sleep": np.array([0.3]), "x": big}, lent=lent))
+        await asyncio.sleep(0.1)
+        call.cancel()
+        await asyncio.gather(call, return_exceptions=True)
+        await asyncio.sleep(0.6)
+        assert lent == []  # given back when the call ended
+
+    asyncio.run(main())
+    # Each call below and its `release` go out on this thread's socket, in that order: the runner takes the first
+    # one's reply segment back before the second call, and so on. The cancelled call's (given back from the pool's
+    # thread when it ended, a while ago) was reused: no segment was made for them.
+    for _ in range(3):
+        again: list[Callable[[], None]] = []
+        runner.infer_with_layouts({"sleep": np.array([0.0]), "x": big}, lent=again)
+        _process.release_lent(again)
+    assert len(peer._segments) == 1

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import os
 import select
@@ -249,16 +250,33 @@ class Connection:
         self.release(received, sock)  # the late reply of an earlier call on this thread that timed out
         return None
 
-    def outputs(self, received: Received) -> dict[str, Tensor]:
+    def outputs(self, received: Received, lent: list[Callable[[], None]] | None = None) -> dict[str, Tensor]:
         """The tensors of an infer reply (ordinary arrays the caller owns); the runner may then reuse whatever
-        held them. `carton_protocol.ProtocolError` when they break a rule of the wire."""
+        held them. `carton_protocol.ProtocolError` when they break a rule of the wire.
+
+        With `lent`, tensors in the runner's shared memory are read-only views of it instead of copies, and what
+        frees that memory for the runner is appended to `lent`: the caller calls it once it no longer reads them."""
         plan = received.plan
         if plan is not None:
             return plan.decode(received.frames)  # a header template's reply: in frames, nothing to release
+        if lent is None:
+            try:
+                return self.codec.tensors(received)
+            finally:
+                self.release(received)
         try:
-            return self.codec.tensors(received)
-        finally:
+            tensors = self.codec.tensors(received, copy_shared=False)
+        except BaseException:
             self.release(received)
+            raise
+        data = self.codec.release(received, self.next_id)
+        if data is not None:  # (else every tensor came in the reply's frames: nothing is lent)
+            lent.append(functools.partial(self._send_release, data))
+        return tensors
+
+    def _send_release(self, data: bytes) -> None:
+        with contextlib.suppress(zmq.ZMQError, PeerGone):
+            self._thread_socket().socket.send(data)
 
     def release(self, received: Received, sock: zmq.Socket[Any] | None = None) -> None:
         """Tell the runner that the shared memory a reply used is free again (nothing to say for most replies)."""

@@ -13,9 +13,10 @@ extracted (``prestarted``).
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import MappingProxyType, TracebackType
@@ -25,7 +26,7 @@ from carton_protocol import OptValue, RunnerSpec, Tensor
 
 from ..errors import ModelClosed, RunnerCrashed
 from ._connection import NotSent
-from ._process import RunnerProcess
+from ._process import RunnerProcess, release_lent
 from ._selftest import SelfTestResult, run_self_tests
 from ._settings import LoadSettings
 from ._spares import spare_pool
@@ -355,6 +356,53 @@ class Model:
             if self._spare_due:
                 self._replenish_spare()
         return self._signature.check_outputs(outputs, checked, reply_layout)
+
+    async def infer_async_lent(
+        self, inputs: Mapping[str, object] | Sequence[object], *, timeout: float | None = None
+    ) -> tuple[dict[str, Tensor], Callable[[], None] | None]:
+        """`infer_async` for a caller that is done with the outputs soon and says when (a server writing them out).
+        Outputs the runner placed in shared memory (large ones) are lent, as read-only views of that memory instead
+        of copies; the second item, when not None, gives them back: call it once, when nothing reads those arrays
+        any more (the runner may then overwrite them). Until then the runner writes later outputs elsewhere.
+
+            outputs, release = await model.infer_async_lent(inputs)
+            try:
+                send(outputs)
+            finally:
+                if release is not None:
+                    release()
+        """
+        lent: list[Callable[[], None]] = []
+        tensors, checked = self._signature.prepare_inputs(inputs)
+        worker = self._only
+        if worker is None or self._closed:
+            worker = self._acquire()
+        try:
+            process = worker.process
+            if process is None:
+                process = await asyncio.to_thread(self._process_for, worker)
+            limit = self._settings.request_timeout if timeout is None else timeout
+            try:
+                outputs, reply_layout = await process.infer_async_with_layouts(
+                    tensors, timeout=limit, layout_key=checked.layout_key, unsent=True, lent=lent
+                )
+            except NotSent:
+                process = await asyncio.to_thread(self._process_for, worker)
+                outputs, reply_layout = await process.infer_async_with_layouts(
+                    tensors, timeout=limit, layout_key=checked.layout_key, lent=lent
+                )
+            checked_outputs = self._signature.check_outputs(outputs, checked, reply_layout)
+        except BaseException:
+            release_lent(lent)
+            raise
+        finally:
+            if self._balanced:
+                self._release(worker)
+            if self._spare_due:
+                self._replenish_spare()
+        if not lent:
+            return checked_outputs, None
+        return checked_outputs, functools.partial(release_lent, lent)
 
     def run_self_tests(self) -> tuple[SelfTestResult, ...]:
         """Run carton.toml's ``[[self_test]]`` entries; floats compare with allclose, everything else exactly.

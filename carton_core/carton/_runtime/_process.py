@@ -74,7 +74,7 @@ from ._exits import memory_failure as _memory_failure
 from ._failures import Operation, remote_failure
 from ._launch import LaunchPlan, build_launch_plan, make_runtime_dir, read_log_tail, spawn
 
-__all__ = ["DEFAULT_SHM_THRESHOLD", "LaunchPlan", "RunnerProcess"]
+__all__ = ["DEFAULT_SHM_THRESHOLD", "LaunchPlan", "RunnerProcess", "release_lent"]
 
 #: Tensors of at least this many bytes travel in shared memory, smaller ones in the message: shared memory wins
 #: from 64 KiB up (bench/bench_protocol.py, threshold section; docs/protocol.md).
@@ -88,6 +88,16 @@ _ASYNC_COPY_BYTES = 1 << 20
 
 #: What the layers below raise while a call waits; `RunnerProcess._failure` turns each into a `carton` exception.
 _FOREIGN = (PeerGone, CallTimeout, ProtocolError, zmq.ZMQError, OSError)
+
+
+def release_lent(lent: list[Callable[[], None]]) -> None:
+    """Give back everything in `lent` (each once, whichever thread gets to it first)."""
+    while lent:
+        try:
+            release = lent.pop()
+        except IndexError:
+            return
+        release()
 
 
 def _cause(exc: BaseException) -> BaseException | None:
@@ -386,12 +396,18 @@ class RunnerProcess:
         return self.infer_with_layouts(tensors, timeout=timeout)[0]
 
     def infer_with_layouts(
-        self, tensors: Mapping[str, Tensor], *, timeout: float | None = None, layout_key: Hashable | None = None
+        self,
+        tensors: Mapping[str, Tensor],
+        *,
+        timeout: float | None = None,
+        layout_key: Hashable | None = None,
+        lent: list[Callable[[], None]] | None = None,
     ) -> tuple[dict[str, Tensor], Hashable | None]:
         """`infer` for a caller that keys its own checks by layout (`Model`). `layout_key`, when given, stands for
         `tensors`' layout (plain numpy arrays; the same key always comes with the same names, dtypes and shapes),
         so the request's header template is found by it. Returns the outputs and an object standing for their
-        layout in the same way, when the reply was read by a learnt plan (else None)."""
+        layout in the same way, when the reply was read by a learnt plan (else None). With `lent`, outputs in the
+        runner's shared memory are lent, not copied (`Connection.outputs`)."""
         connection = self._enter("infer")
         try:
             request_id = connection.next_id()
@@ -405,7 +421,7 @@ class RunnerProcess:
                     outgoing.done()
             if type(reply) is tuple:
                 return reply
-            return self._outputs(connection, reply)  # type: ignore[arg-type]  # a Received
+            return self._outputs(connection, reply, lent)  # type: ignore[arg-type]  # a Received
         except _FOREIGN as exc:
             raise self._failure(exc, Operation.INFER, timeout, "infer timeout") from _cause(exc)
         finally:
@@ -420,12 +436,14 @@ class RunnerProcess:
         except ProtocolError as exc:
             raise InvalidInput(str(exc)) from exc
 
-    def _outputs(self, connection: Connection, received: Received) -> tuple[dict[str, Tensor], Hashable | None]:
+    def _outputs(
+        self, connection: Connection, received: Received, lent: list[Callable[[], None]] | None = None
+    ) -> tuple[dict[str, Tensor], Hashable | None]:
         reply = received.message
         match reply:
             case InferReply():
                 try:
-                    return connection.outputs(received), received.plan
+                    return connection.outputs(received, lent), received.plan
                 except ProtocolError as exc:
                     raise RunnerProtocolError(f"runner {self.spec.entry} sent malformed infer outputs: {exc}") from exc
             case ErrorReply():
@@ -452,6 +470,7 @@ class RunnerProcess:
         timeout: float | None = None,
         layout_key: Hashable | None = None,
         unsent: bool = False,
+        lent: list[Callable[[], None]] | None = None,
     ) -> tuple[dict[str, Tensor], Hashable | None]:
         """`infer_async` with layouts, as `infer_with_layouts`. With `unsent`, a runner found exited (or this process
         closed) before the request left raises `NotSent` instead of failing: nothing reached the runner, and the
@@ -479,8 +498,18 @@ class RunnerProcess:
         if channel is None or outgoing is None:
             if unsent and not self.alive:  # the thread pool's call sends at once: the liveness check comes first
                 raise NotSent
-            call = functools.partial(self.infer_with_layouts, tensors, timeout=timeout, layout_key=layout_key)
-            return await loop.run_in_executor(self._async_pool(), call)
+            call = functools.partial(
+                self.infer_with_layouts, tensors, timeout=timeout, layout_key=layout_key, lent=lent
+            )
+            if lent is None:
+                return await loop.run_in_executor(self._async_pool(), call)
+            work = self._async_pool().submit(call)
+            try:
+                return await asyncio.wrap_future(work, loop=loop)
+            except asyncio.CancelledError:
+                # The call goes on without its caller: what it lends is given back once it is done.
+                work.add_done_callback(lambda _: release_lent(lent))
+                raise
         try:
             try:
                 # `send` reads the runner's pidfd just before sending: `NotSent` if it had exited.
@@ -504,7 +533,7 @@ class RunnerProcess:
             if type(answer) is tuple:
                 plan = answer[0]
                 return plan.decode(answer[1]), plan
-            return self._outputs(connection, answer)  # type: ignore[arg-type]  # a Received
+            return self._outputs(connection, answer, lent)  # type: ignore[arg-type]  # a Received
         except CallTimeout as exc:
             # Killing the runner's tree waits for it to go: not on the loop.
             failure = await asyncio.to_thread(self._failure, exc, Operation.INFER, timeout, "infer timeout")

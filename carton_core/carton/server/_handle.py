@@ -14,11 +14,19 @@ from typing import Any, Protocol
 import numpy as np
 from carton_protocol import Tensor, TensorSpec
 
-__all__ = ["LoadSpec", "ModelHandle", "ModelLoader", "load_carton", "metadata_shape"]
+__all__ = ["LendingInfer", "LoadSpec", "ModelHandle", "ModelLoader", "load_carton", "metadata_shape"]
+
+
+#: A handle's optional ``infer_lent`` (`_CartonHandle` has it): `infer` whose large outputs may be lent views of the
+#: runner's memory, with what gives them back (None when nothing is lent; see `carton.Model.infer_async_lent`).
+LendingInfer = Callable[
+    [dict[str, np.ndarray]], Coroutine[Any, Any, tuple[Mapping[str, Tensor], Callable[[], None] | None]]
+]
 
 
 class ModelHandle(Protocol):
-    """A loaded model: its declared tensors, an async `infer`, and `close`."""
+    """A loaded model: its declared tensors, an async `infer`, and `close` (and, optionally, `LendingInfer` as
+    ``infer_lent``)."""
 
     @property
     def inputs(self) -> tuple[TensorSpec, ...]:
@@ -55,7 +63,7 @@ ModelLoader = Callable[[LoadSpec], ModelHandle]
 
 
 class _CartonHandle:
-    __slots__ = ("_model", "infer")
+    __slots__ = ("_model", "infer", "infer_lent")
 
     def __init__(self, model: Any) -> None:
         self._model = model
@@ -64,6 +72,7 @@ class _CartonHandle:
         # connection, health probes included. See docs/server.md, "Where the time goes".
         # `Model.infer_async` itself, bound: a call of the handle's `infer` is a call of it, with no frame between.
         self.infer: Callable[[dict[str, np.ndarray]], Coroutine[Any, Any, Mapping[str, Tensor]]] = model.infer_async
+        self.infer_lent: LendingInfer = model.infer_async_lent
 
     @property
     def inputs(self) -> tuple[TensorSpec, ...]:

@@ -37,6 +37,7 @@ from ._http_codec import (
     unplanned_request,
 )
 from ._http_messages import (
+    JOIN_ON_A_THREAD_BYTES,
     AsgiAdapter,
     FixedHead,
     HttpRequest,
@@ -413,6 +414,7 @@ class HttpApp:
         # between), its execution counted with the request; `inferred_at` says whether the model ran.
         direct = served.direct
         decoded_at = inferred_at = 0
+        release = None
         try:
             headers = request.headers
             body = request.body
@@ -429,7 +431,12 @@ class HttpApp:
                     decoded = await asyncio.to_thread(unplanned_request, served, body, header_length)
             decoded_at = perf_counter_ns()
             if direct is not None:
-                outputs = await direct(decoded.inputs)
+                lending = served.lending
+                if len(body) >= _LEND_BYTES and lending is not None and request.calls_done:
+                    # Large outputs stay in the runner's memory until the response is written (`HttpResponse.done`).
+                    outputs, release = await lending(decoded.inputs)
+                else:
+                    outputs = await direct(decoded.inputs)
             else:
                 outputs, _ = await served.infer(decoded.inputs)
             inferred_at = perf_counter_ns()
@@ -443,11 +450,17 @@ class HttpApp:
                 else:
                     header, parts = await asyncio.to_thread(encode_infer_response, served, decoded, selected)
         except Exception as exc:
+            if release is not None:
+                release()
             return self.refusal(
                 request_failed(
                     served, exc, repository.scrub, started_ns=started, decoded_ns=decoded_at, inferred_ns=inferred_at
                 )
             )
+        except BaseException:
+            if release is not None:
+                release()
+            raise
         request_succeeded(served, started_ns=started, decoded_ns=decoded_at, inferred_ns=inferred_at)
         if parts:
             if decoded.binary_only:
@@ -456,10 +469,10 @@ class HttpApp:
                 fixed = self._fixed_heads.get(header)
                 if fixed is None:
                     fixed = remember(self._fixed_heads, header, _binary_head(header, parts), _FIXED_HEADS_KEPT)
-                return HttpResponse(200, fixed.headers, [header, *parts], fixed)
+                return HttpResponse(200, fixed.headers, [header, *parts], fixed, release)
             length = (b"inference-header-content-length", b"%d" % len(header))
-            return HttpResponse(200, [_BINARY_CONTENT_TYPE, length], [header, *parts])
-        return HttpResponse(200, _EMPTY_JSON, [header])
+            return HttpResponse(200, [_BINARY_CONTENT_TYPE, length], [header, *parts], done=release)
+        return HttpResponse(200, _EMPTY_JSON, [header], done=release)
 
     # ---- bodies --------------------------------------------------------------------------------------------------
     async def read_body(self, request: HttpRequest) -> bytes | bytearray:
@@ -517,6 +530,11 @@ def _load_parameters(parameters: dict[str, Any]) -> tuple[str | None, dict[str, 
             raise BadRequest(f"unknown load parameter {key!r} (expected 'config' or 'file:<version>/<path>')")
     return config, files
 
+
+#: A request body at least this large has its outputs lent by the runner (`ServedVersion.lending`) rather than
+#: copied out of its shared memory, when the transport says when the response is written: below it the outputs are
+#: rarely large enough to lie in shared memory at all.
+_LEND_BYTES = JOIN_ON_A_THREAD_BYTES
 
 #: A JSON request header, or JSON response outputs, at least this large is decoded (encoded) on a worker thread:
 #: below it, the thread hand-off would cost more than the event loop is held.

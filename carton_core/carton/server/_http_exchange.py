@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import http
+from typing import ClassVar
 
 import msgspec
 
@@ -58,6 +59,7 @@ class Exchange(HttpRequest, eq=False):
 
     #: Made by the connection (a learnt head's, or the parser's as it reports them), read, never written, by handlers.
     headers: dict[bytes, bytes]
+    calls_done: ClassVar[bool] = True
     chunks: list[bytes] = msgspec.field(default_factory=list)
     body_done: bool = False
     #: Its body's framing turned out malformed (chunked encoding): reading it is refused.
@@ -69,6 +71,8 @@ class Exchange(HttpRequest, eq=False):
     discard: bool = False
     #: The handler's read waiting for a chunk.
     waiter: asyncio.Future[None] | None = None
+    #: The buffer the whole body was received into (``_http_body.py``), given back once the request is answered.
+    held: bytearray | None = None
 
 
 def body_left(exchange: Exchange, response: HttpResponse) -> bool:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
-from typing import Any
+from typing import Any, ClassVar
 
 import msgspec
 
@@ -63,6 +63,8 @@ class HttpRequest(msgspec.Struct):
     headers: Mapping[bytes, bytes]
     #: The whole body, or a reader of its chunks (read only by the endpoints that take a body).
     body: bytes | bytearray | BodyReader = b""
+    #: Whether the transport calls a response's `HttpResponse.done` once it is written (``_http_server.py`` does).
+    calls_done: ClassVar[bool] = False
 
 
 class FixedHead:
@@ -92,6 +94,9 @@ class HttpResponse(msgspec.Struct):
     headers: list[tuple[bytes, bytes]] = msgspec.field(default_factory=list)
     parts: list[Any] = msgspec.field(default_factory=list)
     fixed: FixedHead | None = None
+    #: For a request whose transport `HttpRequest.calls_done`: called once the parts are written (nothing of them
+    #: is held by the transport any more) or can no longer be; the parts may lie in memory lent until then.
+    done: Callable[[], None] | None = None
 
     def content_length(self) -> int:
         if self.fixed is not None:
@@ -153,6 +158,16 @@ async def collect_body(
     if not callable(body):
         return whole_body(body, declared=declared, limit=limit)
     whole_body(b"", declared=declared, limit=limit)  # the declared length's checks, before any byte is read
+    whole = getattr(body, "whole", None)
+    if whole is not None and declared is not None:
+        # A transport that can receive the body into one buffer as it arrives (``_http_server.py``): a large one
+        # whose length is known is read so, without the pieces and their join.
+        size = DIGITS.get(declared)
+        if size is None:
+            size = int(declared)
+        if size >= JOIN_ON_A_THREAD_BYTES:
+            buffer: bytearray = await whole(size)
+            return buffer
     chunks: list[bytes] = []
     size = 0
     while True:

@@ -15,6 +15,8 @@ What it owes a client, per connection:
   chunked) answered 400 with ``Connection: close``, then closed; a head over 1 MiB answered 431;
 - large responses written part by part, waiting for the socket to drain (``pause_writing``/``resume_writing``), and
   the next pipelined request started only once the previous answer has drained;
+- a large body whose length is declared is received, once its handler reads it, straight into one buffer
+  (``_http_body.py``) that is reused for a later body once the request is answered and nothing refers to it;
 - a client that goes away mid-body gets its handler's read refused (`BadRequest`), one that goes away mid-response
   gets nothing more written; neither leaves a task behind or logs a traceback;
 - ``HEAD`` answered like ``GET`` without the body;
@@ -33,10 +35,10 @@ from typing import Any, cast
 
 import httptools
 
+from ._http_body import BodyBuffers, BodyReading
 from ._http_exchange import CLOSE_TAIL, Exchange, body_left, fixed_wire, response_head, status_line
 from ._http_heads import GIVE_UP, HEAD_LIMIT, HEADS, KnownHead, learn_head
 from ._http_messages import JOIN_ON_A_THREAD_BYTES, HttpHandler, HttpResponse
-from .errors import BadRequest
 
 __all__ = ["HttpServer", "serve_http"]
 
@@ -59,20 +61,20 @@ _LINGER_SECONDS = 2.0
 _MAX_HEAD_BYTES = 1 << 20
 
 
-class _Connection(asyncio.Protocol):
+class _Connection(BodyReading):
     """One client connection (see the module's docstring for what it guarantees)."""
 
     # Slots, not a dictionary: past 30 instance attributes CPython 3.11 stops keeping them inline and every
-    # `self.x` read becomes a dictionary look-up.
+    # `self.x` read becomes a dictionary look-up. (`BodyReading` has the slots of what it uses.)
     __slots__ = (
-        "closed", "current", "drained", "eof", "fresh", "handler", "head_bytes", "head_too_large", "headers", "idle",
-        "idle_timer", "known", "known_rest", "last_active", "last_head", "last_known", "learn_from", "lingering",
-        "loop", "malformed", "next", "parser", "parsing", "queue", "queued_bytes", "reading_paused", "server", "task",
-        "transport", "turn_bytes", "turn_paused", "unused", "writable",
+        "current", "drained", "fresh", "handler", "head_bytes", "head_too_large", "headers", "idle", "idle_timer",
+        "known", "last_active", "last_head", "last_known", "learn_from", "lingering", "malformed", "next", "parsing",
+        "queue", "queued_bytes", "reading_paused", "server", "task", "turn_bytes", "turn_paused", "unused",
     )  # fmt: skip
 
     def __init__(self, server: HttpServer) -> None:
         self.server = server
+        self.buffers = server.buffers
         self.loop = server.loop
         self.handler = server.handler
         self.transport: asyncio.Transport | None = None
@@ -126,6 +128,8 @@ class _Connection(asyncio.Protocol):
         #: (the first request it begins there may be learnt).
         self.unused = 0
         self.learn_from: bytes | None = None
+        self.sink = None
+        self.lent = None
 
     # ---- asyncio.Protocol ----------------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -396,6 +400,8 @@ class _Connection(asyncio.Protocol):
                     response = HttpResponse(
                         500, [(b"content-type", b"text/plain; charset=utf-8")], [b"Internal Server Error"]
                     )
+                if response.done is not None:
+                    self.lent = response.done
                 if self.closed:
                     self._finish(exchange)
                 else:
@@ -409,6 +415,8 @@ class _Connection(asyncio.Protocol):
                     rest = self._write(exchange, response)
                     if rest is not None:
                         await rest
+                    if self.lent is not None:
+                        await self._flushed()
                     if not exchange.body_done or self.closed:
                         self._answered(exchange, response)
                     elif exchange.keep_alive and not self.queue and not self.reading_paused:
@@ -419,6 +427,10 @@ class _Connection(asyncio.Protocol):
                             self._finish_idle()
                     else:
                         self._finish(exchange)
+                if self.lent is not None:
+                    self._return_lent()
+                if exchange.held is not None:
+                    self._give_back(exchange)
                 if self.next is None:
                     if self.closed:
                         return
@@ -436,32 +448,8 @@ class _Connection(asyncio.Protocol):
                 self.transport.abort()
         finally:
             self.task = None
-
-    def _reader(self, exchange: Exchange) -> Any:
-        # The pieces as the network delivered them, one per read: joining is left to the reader's caller, which does
-        # it once for the whole body (`collect_body`, off the event loop for a large one).
-        pending: collections.deque[bytes] = collections.deque()
-
-        async def read() -> tuple[bytes, bool]:
-            if exchange.expect_continue and not exchange.continue_sent and not self.closed:
-                exchange.continue_sent = True
-                assert self.transport is not None
-                self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-            if not pending:
-                while not exchange.chunks and not exchange.body_done:
-                    if exchange.broken:
-                        raise BadRequest("the request body's chunked encoding is malformed")
-                    if self.closed or self.eof:
-                        raise BadRequest("the client disconnected before sending the whole body")
-                    exchange.waiter = self.loop.create_future()
-                    await exchange.waiter
-                    exchange.waiter = None
-                pending.extend(exchange.chunks)
-                exchange.chunks = []
-            chunk = pending.popleft() if pending else b""
-            return chunk, bool(pending) or not exchange.body_done
-
-        return read
+            if self.lent is not None:
+                self._return_lent()
 
     def _answered(self, exchange: Exchange, response: HttpResponse) -> None:
         """`response` is written: go on with the connection (see `_finish`), unless the request's body is left or
@@ -658,6 +646,8 @@ class HttpServer:
         self.loop = loop
         self.keep_alive_timeout = keep_alive_timeout
         self.connections: set[_Connection] = set()
+        #: Buffers of large bodies, kept for the next ones (`_Connection._whole`).
+        self.buffers = BodyBuffers()
         self.closing = False
         self._server: asyncio.Server | None = None
 

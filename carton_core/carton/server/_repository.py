@@ -34,7 +34,7 @@ from carton_protocol import Tensor, TensorSpec
 from ..errors import CartonError
 from ._batcher import DynamicBatcher
 from ._config import ModelConfig, parse_config
-from ._handle import LoadSpec, ModelHandle, ModelLoader
+from ._handle import LendingInfer, LoadSpec, ModelHandle, ModelLoader
 from ._layout import Scrubber, list_models, scan_model_folder, scan_versions, validate_model_name, write_upload
 from ._stats import ServerMetrics, VersionStats
 from .errors import BadRequest, ModelNotFound, RepositoryError, ServerError, UploadDisabled
@@ -77,8 +77,8 @@ class ServedVersion:
 
     __slots__ = (
         "_drained", "batcher", "config", "direct", "form_places", "handle", "in_flight", "input_plans", "input_specs",
-        "last_plan", "model", "output_specs", "request_plans", "response_heads", "state", "stats", "version",
-        "version_str",
+        "last_plan", "lending", "model", "output_specs", "request_plans", "response_heads", "state", "stats",
+        "version", "version_str",
     )  # fmt: skip
 
     def __init__(self, *, model: str, version: int, handle: ModelHandle, config: ModelConfig, stats: VersionStats):
@@ -100,6 +100,8 @@ class ServedVersion:
         #: request's end (`_inference.request_succeeded` or `request_failed`) counts the execution with it. None
         #: when the model batches, and every request must go through `infer`.
         self.direct = handle.infer if config.max_batch_size == 0 else None
+        #: `direct` lending its large outputs (the handle's ``infer_lent``), when the handle has it.
+        self.lending: LendingInfer | None = getattr(handle, "infer_lent", None) if self.direct is not None else None
         #: Binary inference headers already checked against this version, by their bytes (see ``_http_codec``).
         self.request_plans: dict[bytes, Any] = {}
         #: The header of the last request decoded from one of those, and its plan.
