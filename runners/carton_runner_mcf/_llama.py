@@ -17,7 +17,8 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ._config import DecoderConfig
-from ._packed import compiled_kernels
+from ._kernels import QuantizedLinear
+from ._packed import CompiledPayload, compiled_kernels
 from ._region import DecodeRegion
 from ._weights import Embedding, Linear
 
@@ -272,10 +273,13 @@ class LlamaModel:
         for index, layer in enumerate(self.layers):
             normed = self._norm(hidden, layer.input_norm)
             # ``[batch, seq, kv_heads, head_dim]``, as the compiled attention reads them (it stores them itself)
-            k = layer.k_proj(normed).reshape(batch, seq, kv_heads, head_dim)
-            v = layer.v_proj(normed).reshape(batch, seq, kv_heads, head_dim)
+            selected = outputs is not None and index == last_layer
+            projected = self._products(normed, (layer.k_proj, layer.v_proj) + (() if selected else (layer.q_proj,)))
+            k = projected[0].reshape(batch, seq, kv_heads, head_dim)
+            v = projected[1].reshape(batch, seq, kv_heads, head_dim)
             keys, values = cache.keys[index], cache.values[index]
-            if outputs is not None and index == last_layer:
+            if selected:
+                assert outputs is not None
                 if fused is not None:
                     fused.rotary(k.transpose(0, 2, 1, 3), cos, sin, keys[:, :, start:end])
                 else:
@@ -293,7 +297,7 @@ class LlamaModel:
                     key_mask=cache.key_mask[:, :end],
                 )
                 break
-            q = layer.q_proj(normed).reshape(batch, seq, heads, head_dim)
+            q = projected[2].reshape(batch, seq, heads, head_dim)
             if compiled is not None:
                 assert keys_t is not None
                 attended = np.empty((batch, seq, heads * head_dim), dtype=np.float32)
@@ -313,11 +317,11 @@ class LlamaModel:
         """``hidden`` plus the layer's MLP of it (post-attention norm, SwiGLU, down projection)."""
         compiled = self._prefill
         normed = self._norm(hidden, layer.post_attention_norm)
-        gate = layer.gate_proj(normed)
+        gate, up = self._products(normed, (layer.gate_proj, layer.up_proj))
         if compiled is not None:
             activated = np.empty_like(gate)
             rows = (-1, gate.shape[-1])
-            args = (gate.reshape(rows), layer.up_proj(normed).reshape(rows), activated.reshape(rows))
+            args = (gate.reshape(rows), up.reshape(rows), activated.reshape(rows))
             self._shared(compiled.swiglu_parallel, compiled.swiglu, args, args[0].shape[0])
         else:
             # SiLU(gate) * up, with the sigmoid computed in place to spare temporaries
@@ -325,7 +329,7 @@ class LlamaModel:
             np.exp(activated, out=activated)
             activated += np.float32(1.0)
             np.divide(gate, activated, out=activated)
-            activated *= layer.up_proj(normed)
+            activated *= up
         mlp = self.reduce(layer.down_proj(activated))
         if layer.down_bias is not None:
             mlp += layer.down_bias
@@ -352,6 +356,28 @@ class LlamaModel:
         attended = np.matmul(scores.reshape(batch, kv_heads, -1, end), values[:, :, :end])
         out: F32 = attended.reshape(batch, heads, seq, head_dim).transpose(0, 2, 1, 3).reshape(batch, seq, -1)
         return out
+
+    def _products(self, x: F32, linears: tuple[Linear, ...]) -> tuple[F32, ...]:
+        """Each of ``linears`` applied to ``x``: in one call of the panel kernels (`_panel.PanelKernels.matmul_many`:
+        ``x`` rounded once, the matrices' groups shared between the threads as one list) when all of them would run
+        on the same panel kernels, else one product each."""
+        from ._compiled import panel_shapes
+
+        compiled = [_paneled(linear, x) for linear in linears]
+        first = compiled[0]
+        if first is None or any(part is None or part.panels is not first.panels for part in compiled):
+            return tuple(linear(x) for linear in linears)
+        payloads = [part for part in compiled if part is not None]
+        x2 = np.ascontiguousarray(x.reshape(-1, x.shape[-1]), dtype=np.float32)
+        m = x2.shape[0]
+        xq_shape, xs_shape = panel_shapes(m, first.blocks)
+        xq, xs = np.empty(xq_shape, np.int16), np.empty(xs_shape, np.float32)
+        outs = tuple(np.empty((m, part.rows), dtype=np.float32) for part in payloads)
+        flats, metas = tuple(part.payload for part in payloads), tuple(part.meta for part in payloads)
+        kernels = first.panels
+        assert kernels is not None
+        self._shared(kernels.matmul_many_parallel, kernels.matmul_many, (flats, metas, x2, xq, xs, outs), m)
+        return tuple(out.reshape(*x.shape[:-1], out.shape[-1]) for out in outs)
 
     def _shared(
         self, parallel: Callable[..., None], serial: Callable[..., None], args: tuple[object, ...], rows: int
@@ -519,6 +545,21 @@ class LlamaModel:
             ):
                 return logits.reshape(*hidden.shape[:-1], logits.shape[-1])
         return self.lm_head(hidden)
+
+
+def _paneled(linear: Linear, x: F32) -> CompiledPayload | None:
+    """The compiled payload whose panel kernels ``linear`` (a whole q* / k* matrix) would multiply ``x`` by, else
+    None."""
+    if type(linear) is not QuantizedLinear or linear._fp32 is not None:
+        return None
+    compiled: CompiledPayload | None = linear._compiled
+    if compiled is None or compiled.layout.method.family == "int" or compiled.panels is None:
+        return None
+    if (compiled.rows, compiled.cols) != (linear.rows, linear.cols) or x.shape[-1] != linear.cols:
+        return None
+    if x.size // x.shape[-1] <= linear.gemv_max_batch:
+        return None
+    return compiled
 
 
 #: Rows of a chunk from which its attention, norms and SwiGLU are shared between the model's threads: below, a

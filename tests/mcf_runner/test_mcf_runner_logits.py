@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from carton_runner_mcf._llama import KVCache, pick_rows, positions_from_mask
+from carton_runner_mcf._packed import compiled_kernels
 from mcf_runner_models import (
     infer_logits,
     load_runner,
@@ -180,6 +181,22 @@ def test_two_threads_prefill_a_long_prompt_as_one_does(method: str, mcf_model: C
     single = infer_logits(folder, {"input_ids": LONG_IDS}, threads=1)
     assert max_relative_error(infer_logits(folder, {"input_ids": LONG_IDS}, threads=2), single) < 1e-5
     assert_two_threads_continue_as_one(folder, LONG_IDS, max_new_tokens=4)
+
+
+@pytest.mark.parametrize("length", [1, 7, 61, 97])
+def test_a_prompt_on_two_threads_gives_one_threads_logits(length: int, mcf_model: Callable[..., Path]):
+    """A prompt's attention, norms and SwiGLU are shared between the threads in units each computed whole by one
+    thread, and its products by groups of rows (the panel kernels, where the CPU has 512-bit VNNI): two threads give
+    one thread's logits bit for bit there, and within float32 rounding elsewhere (BLAS's threads). Odd lengths
+    leave partial blocks of queries and of activation rows; one token is a decode step."""
+    folder = mcf_model("base", "q4")
+    ids = np.random.default_rng(length).integers(0, 512, size=(2, length), dtype=np.int64)
+    single = infer_logits(folder, {"input_ids": ids}, threads=1)
+    double = infer_logits(folder, {"input_ids": ids}, threads=2)
+    compiled = compiled_kernels("auto")
+    if compiled is not None and compiled.PANEL_PRODUCTS:
+        np.testing.assert_array_equal(double, single)
+    assert max_relative_error(double, single) < 1e-5
 
 
 def test_numpy_kernels_agree_with_the_compiled_ones(mcf_model: Callable[..., Path], monkeypatch: pytest.MonkeyPatch):
