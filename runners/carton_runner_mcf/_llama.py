@@ -547,19 +547,26 @@ class LlamaModel:
         return self.lm_head(hidden)
 
 
-def _paneled(linear: Linear, x: F32) -> CompiledPayload | None:
-    """The compiled payload whose panel kernels ``linear`` (a whole q* / k* matrix) would multiply ``x`` by, else
-    None."""
+def _panel_payload(linear: Linear) -> CompiledPayload | None:
+    """The compiled payload of ``linear`` when it is a whole q* / k* matrix whose large batches run on the panel
+    kernels, else None."""
     if type(linear) is not QuantizedLinear or linear._fp32 is not None:
         return None
     compiled: CompiledPayload | None = linear._compiled
     if compiled is None or compiled.layout.method.family == "int" or compiled.panels is None:
         return None
-    if (compiled.rows, compiled.cols) != (linear.rows, linear.cols) or x.shape[-1] != linear.cols:
-        return None
-    if x.size // x.shape[-1] <= linear.gemv_max_batch:
+    if (compiled.rows, compiled.cols) != (linear.rows, linear.cols):
         return None
     return compiled
+
+
+def _paneled(linear: Linear, x: F32) -> CompiledPayload | None:
+    """The compiled payload whose panel kernels ``linear`` would multiply ``x`` by, else None."""
+    compiled = _panel_payload(linear)
+    if compiled is None or x.shape[-1] != compiled.cols:
+        return None
+    assert isinstance(linear, QuantizedLinear)
+    return None if x.size // x.shape[-1] <= linear.gemv_max_batch else compiled
 
 
 #: Rows of a chunk from which its attention, norms and SwiGLU are shared between the model's threads: below, a
@@ -568,12 +575,21 @@ _SHARED_ROWS = 16
 
 
 def _prefill_threads(layers: Sequence[DecoderLayer]) -> int:
-    """The threads a prompt's attention is split across: the most any of the layers' products uses (their
-    ``threads``), at most numba's thread count."""
+    """The threads a prompt's attention, norms and SwiGLU are shared between: the most any of the layers' products
+    uses (their ``threads``, at most numba's thread count) when every product of a prompt runs on the panel kernels
+    (numba's threads), else one. A product on BLAS's threads (decoded tiles, float32 or int* matrices) would then
+    alternate with numba's threads, and each team polls for a while after its work on the cores the other needs."""
     from ._compiled import MAX_THREADS
 
-    most = max((getattr(layer.q_proj, "threads", 1) for layer in layers), default=1)
+    linears = [linear for layer in layers for linear in _layer_linears(layer)]
+    if not linears or not all(_panel_payload(linear) is not None for linear in linears):
+        return 1
+    most = max(getattr(linear, "threads", 1) for linear in linears)
     return max(1, min(int(most), MAX_THREADS))
+
+
+def _layer_linears(layer: DecoderLayer) -> tuple[Linear, ...]:
+    return (layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj, layer.gate_proj, layer.up_proj, layer.down_proj)
 
 
 def pick_rows(hidden: F32, outputs: I64) -> F32:

@@ -208,3 +208,26 @@ def test_numpy_kernels_agree_with_the_compiled_ones(mcf_model: Callable[..., Pat
     monkeypatch.setenv("CARTON_MCF_KERNELS", "numpy")
     fallback = infer_logits(folder, {"input_ids": IDS})
     assert max_relative_error(compiled, fallback) < PATHS_AGREE
+
+
+@pytest.mark.parametrize("panels", [True, False])
+def test_a_prompts_work_is_shared_only_when_its_products_run_on_numbas_threads(
+    panels: bool, mcf_model: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+):
+    """With decoded tiles and BLAS (no panel kernels: a CPU without 512-bit VNNI) a prompt's attention and norms stay
+    on the calling thread, so that numba's threads do not poll on the cores BLAS's threads need next, and the
+    results stay those of one thread; with the panel kernels they take the model's threads."""
+    compiled = compiled_kernels("auto")
+    if compiled is None:
+        pytest.skip("the compiled kernels need numba")
+    if panels and not compiled.PANEL_PRODUCTS:
+        pytest.skip("this CPU has no 512-bit VNNI: prompts never use the panel kernels")
+    monkeypatch.setattr(compiled, "PANEL_PRODUCTS", panels)
+    runner = load_runner(mcf_model("base", "q4"), threads=2)
+    try:
+        assert runner._loaded.model._prefill_parts == (min(2, compiled.MAX_THREADS) if panels else 1)
+        got = runner.infer({"input_ids": LONG_IDS})["logits"]
+    finally:
+        runner.close()
+    single = infer_logits(mcf_model("base", "q4"), {"input_ids": LONG_IDS}, threads=1)
+    assert max_relative_error(got, single) < 1e-5
