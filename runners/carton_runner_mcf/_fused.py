@@ -1,12 +1,12 @@
 """Compiled (numba) forms of a decode step's small operations: RMSNorm, rotary embedding with attention over the KV
-cache for one new token, SwiGLU; and rotary embedding of a chunk of tokens (prefill).
+cache for one new token, SwiGLU; and rotary embedding of a chunk of tokens (the keys of a prompt's last layer).
 
 numpy spends a few microseconds on each of the few dozen small calls a layer makes for one token, as much as the
 quantized products themselves on a small model (docs/performance.md, "Compiled kernels"), and all of it on the
 calling thread, which bounds what threads give. These do the same float32 arithmetic in one call each; `_llama`
-uses them for single-token steps when the compiled kernels are in use, and the norm, SwiGLU and `rotary` for
-longer chunks too. Attention sums in a different order than
-numpy's matmul, so results agree to float32 rounding.
+uses them for single-token steps when the compiled kernels are in use, and the norm and `rotary` for longer
+chunks too (`_prefill` shares the norm's rows between threads). Attention sums in a different order than numpy's
+matmul, so results agree to float32 rounding.
 """
 
 from __future__ import annotations

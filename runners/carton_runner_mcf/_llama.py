@@ -17,7 +17,8 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ._config import DecoderConfig
-from ._packed import compiled_kernels
+from ._kernels import QuantizedLinear
+from ._packed import CompiledPayload, compiled_kernels
 from ._region import DecodeRegion
 from ._weights import Embedding, Linear
 
@@ -190,6 +191,7 @@ class LlamaModel:
         self._scale = np.float32(1.0 / np.sqrt(config.head_dim))
         self._fused = _fused_ops()
         self._prefill = _prefill_ops()
+        self._prefill_parts = _prefill_threads(self.layers) if self._prefill is not None else 1
         self._region: DecodeRegion | bool | None = self._fused is not None  # True: not built yet
         self._stepped: tuple[F32, F32] | None = None  # the last region step's output and logits
 
@@ -207,7 +209,11 @@ class LlamaModel:
             return self._rms_norm(x, weight)
         rows = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
         out = np.empty_like(rows)
-        self._fused.rms_norm(rows, weight, np.float32(self.config.rms_norm_eps), out)
+        args = (rows, weight, np.float32(self.config.rms_norm_eps), out)
+        if self._prefill is not None:
+            self._shared(self._prefill.rms_norm_parallel, self._fused.rms_norm, args, rows.shape[0])
+        else:
+            self._fused.rms_norm(*args)
         return out.reshape(x.shape)
 
     def _rotary(self, positions: I64) -> tuple[F32, F32]:
@@ -254,27 +260,31 @@ class LlamaModel:
             cache.length = end
             return hidden_one
         # Query t (slot start + t) attends to the real slots s <= start + t and always to itself: the causal bias of
-        # the numpy path, or the compiled softmax's own masking.
+        # the numpy path, or the compiled attention's own masking (`_prefill.attend`).
         compiled = self._prefill
         bias = None if compiled is not None else self._causal_bias(cache.key_mask, start, seq)
         cos, sin = self._rotary(positions)
-        groups = config.num_heads // config.num_kv_heads
         heads, kv_heads, head_dim, reduce = self.heads, self.kv_heads, config.head_dim, self.reduce
         fused = self._fused
+        keys_t = None if compiled is None else np.empty((batch, kv_heads, head_dim, end), dtype=np.float32)
 
         hidden = self.embedding(input_ids)
         last_layer = len(self.layers) - 1
         for index, layer in enumerate(self.layers):
             normed = self._norm(hidden, layer.input_norm)
-            k = layer.k_proj(normed).reshape(batch, seq, kv_heads, head_dim).transpose(0, 2, 1, 3)
-            v = layer.v_proj(normed).reshape(batch, seq, kv_heads, head_dim).transpose(0, 2, 1, 3)
+            # ``[batch, seq, kv_heads, head_dim]``, as the compiled attention reads them (it stores them itself)
+            selected = outputs is not None and index == last_layer
+            projected = self._products(normed, (layer.k_proj, layer.v_proj) + (() if selected else (layer.q_proj,)))
+            k = projected[0].reshape(batch, seq, kv_heads, head_dim)
+            v = projected[1].reshape(batch, seq, kv_heads, head_dim)
             keys, values = cache.keys[index], cache.values[index]
-            if fused is not None:
-                fused.rotary(k, cos, sin, keys[:, :, start:end])
-            else:
-                keys[:, :, start:end] = self._apply_rotary(k, cos, sin)
-            values[:, :, start:end] = v
-            if outputs is not None and index == last_layer:
+            if selected:
+                assert outputs is not None
+                if fused is not None:
+                    fused.rotary(k.transpose(0, 2, 1, 3), cos, sin, keys[:, :, start:end])
+                else:
+                    keys[:, :, start:end] = self._apply_rotary(k.transpose(0, 2, 1, 3), cos, sin)
+                values[:, :, start:end] = v.transpose(0, 2, 1, 3)
                 rows = np.arange(batch)
                 hidden = self._selected(
                     layer,
@@ -287,28 +297,16 @@ class LlamaModel:
                     key_mask=cache.key_mask[:, :end],
                 )
                 break
-            q = layer.q_proj(normed).reshape(batch, seq, heads, head_dim).transpose(0, 2, 1, 3)
-            if fused is not None:
-                rotated = np.empty(q.shape, dtype=np.float32)
-                fused.rotary(q, cos, sin, rotated)
-                q = rotated
-            else:
-                q = self._apply_rotary(q, cos, sin)
-            # Grouped-query attention: the `groups` query heads sharing a kv head are one batched matmul.
-            grouped = q.reshape(batch, kv_heads, groups * seq, head_dim) * self._scale
-            scores = np.matmul(grouped, keys[:, :, :end].transpose(0, 1, 3, 2))
+            q = projected[2].reshape(batch, seq, heads, head_dim)
             if compiled is not None:
-                weights = np.empty_like(scores)
-                compiled.softmax(scores, cache.key_mask, start, weights)
-                scores = weights
+                assert keys_t is not None
+                attended = np.empty((batch, seq, heads * head_dim), dtype=np.float32)
+                args = (q, k, v, cos, sin, keys, values, keys_t, cache.key_mask, start, self._scale, attended)
+                self._shared(compiled.attend_parallel, compiled.attend, args, batch * seq)
             else:
-                scores = scores.reshape(batch, kv_heads, groups, seq, end) + bias
-                scores -= scores.max(axis=-1, keepdims=True)
-                np.exp(scores, out=scores)
-                scores /= scores.sum(axis=-1, keepdims=True)
-            attended = np.matmul(scores.reshape(batch, kv_heads, groups * seq, end), values[:, :, :end])
-            attended = attended.reshape(batch, heads, seq, head_dim).transpose(0, 2, 1, 3)
-            attention = reduce(layer.o_proj(attended.reshape(batch, seq, heads * head_dim)))
+                assert bias is not None
+                attended = self._attend_numpy(q, k, v, cos, sin, keys, values, bias, start)
+            attention = reduce(layer.o_proj(attended))
             if layer.o_bias is not None:
                 attention += layer.o_bias
             hidden = self._mlp(layer, hidden + attention)
@@ -319,22 +317,84 @@ class LlamaModel:
         """``hidden`` plus the layer's MLP of it (post-attention norm, SwiGLU, down projection)."""
         compiled = self._prefill
         normed = self._norm(hidden, layer.post_attention_norm)
-        gate = layer.gate_proj(normed)
+        gate, up = self._products(normed, (layer.gate_proj, layer.up_proj))
         if compiled is not None:
             activated = np.empty_like(gate)
             rows = (-1, gate.shape[-1])
-            compiled.swiglu(gate.reshape(rows), layer.up_proj(normed).reshape(rows), activated.reshape(rows))
+            args = (gate.reshape(rows), up.reshape(rows), activated.reshape(rows))
+            self._shared(compiled.swiglu_parallel, compiled.swiglu, args, args[0].shape[0])
         else:
             # SiLU(gate) * up, with the sigmoid computed in place to spare temporaries
             activated = np.negative(gate)
             np.exp(activated, out=activated)
             activated += np.float32(1.0)
             np.divide(gate, activated, out=activated)
-            activated *= layer.up_proj(normed)
+            activated *= up
         mlp = self.reduce(layer.down_proj(activated))
         if layer.down_bias is not None:
             mlp += layer.down_bias
         return hidden + mlp
+
+    def _attend_numpy(
+        self, q: F32, k: F32, v: F32, cos: F32, sin: F32, keys: F32, values: F32, bias: F32, start: int
+    ) -> F32:
+        """`_prefill.attend` in numpy: ``q [batch, seq, heads, d]``, ``k`` / ``v [batch, seq, kv, d]`` into the cache
+        and the attended values ``[batch, seq, heads * d]``, with ``bias`` of `_causal_bias`."""
+        batch, seq, heads, head_dim = q.shape
+        kv_heads = k.shape[2]
+        end = start + seq
+        keys[:, :, start:end] = self._apply_rotary(k.transpose(0, 2, 1, 3), cos, sin)
+        values[:, :, start:end] = v.transpose(0, 2, 1, 3)
+        rotated = self._apply_rotary(q.transpose(0, 2, 1, 3), cos, sin)
+        # Grouped-query attention: the query heads sharing a kv head are one batched matmul.
+        grouped = rotated.reshape(batch, kv_heads, -1, head_dim) * self._scale
+        scores = np.matmul(grouped, keys[:, :, :end].transpose(0, 1, 3, 2))
+        scores = scores.reshape(batch, kv_heads, heads // kv_heads, seq, end) + bias
+        scores -= scores.max(axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        scores /= scores.sum(axis=-1, keepdims=True)
+        attended = np.matmul(scores.reshape(batch, kv_heads, -1, end), values[:, :, :end])
+        out: F32 = attended.reshape(batch, heads, seq, head_dim).transpose(0, 2, 1, 3).reshape(batch, seq, -1)
+        return out
+
+    def _products(self, x: F32, linears: tuple[Linear, ...]) -> tuple[F32, ...]:
+        """Each of ``linears`` applied to ``x``: in one call of the panel kernels (`_panel.PanelKernels.matmul_many`:
+        ``x`` rounded once, the matrices' groups shared between the threads as one list) when all of them would run
+        on the same panel kernels, else one product each."""
+        from ._compiled import panel_shapes
+
+        compiled = [_paneled(linear, x) for linear in linears]
+        first = compiled[0]
+        if first is None or any(part is None or part.panels is not first.panels for part in compiled):
+            return tuple(linear(x) for linear in linears)
+        payloads = [part for part in compiled if part is not None]
+        x2 = np.ascontiguousarray(x.reshape(-1, x.shape[-1]), dtype=np.float32)
+        m = x2.shape[0]
+        xq_shape, xs_shape = panel_shapes(m, first.blocks)
+        xq, xs = np.empty(xq_shape, np.int16), np.empty(xs_shape, np.float32)
+        outs = tuple(np.empty((m, part.rows), dtype=np.float32) for part in payloads)
+        flats, metas = tuple(part.payload for part in payloads), tuple(part.meta for part in payloads)
+        kernels = first.panels
+        assert kernels is not None
+        self._shared(kernels.matmul_many_parallel, kernels.matmul_many, (flats, metas, x2, xq, xs, outs), m)
+        return tuple(out.reshape(*x.shape[:-1], out.shape[-1]) for out in outs)
+
+    def _shared(
+        self, parallel: Callable[..., None], serial: Callable[..., None], args: tuple[object, ...], rows: int
+    ) -> None:
+        """``parallel(*args, parts)`` on the model's prefill threads (`_prefill_threads`) for a chunk of more than a
+        few ``rows``, else (or once numba has no thread-safe threading layer) ``serial(*args)``."""
+        parts = self._prefill_parts
+        if parts > 1 and rows >= _SHARED_ROWS:
+            try:
+                parallel(*args, parts)
+                return
+            except ValueError as exc:
+                if "threading layer" not in str(exc):
+                    raise
+                warnings.warn(f"mcf runner: a prompt's attention and norms run on one thread: {exc}", RuntimeWarning, 2)
+                self._prefill_parts = 1
+        serial(*args)
 
     def _selected(
         self,
@@ -485,6 +545,51 @@ class LlamaModel:
             ):
                 return logits.reshape(*hidden.shape[:-1], logits.shape[-1])
         return self.lm_head(hidden)
+
+
+def _panel_payload(linear: Linear) -> CompiledPayload | None:
+    """The compiled payload of ``linear`` when it is a whole q* / k* matrix whose large batches run on the panel
+    kernels, else None."""
+    if type(linear) is not QuantizedLinear or linear._fp32 is not None:
+        return None
+    compiled: CompiledPayload | None = linear._compiled
+    if compiled is None or compiled.layout.method.family == "int" or compiled.panels is None:
+        return None
+    if (compiled.rows, compiled.cols) != (linear.rows, linear.cols):
+        return None
+    return compiled
+
+
+def _paneled(linear: Linear, x: F32) -> CompiledPayload | None:
+    """The compiled payload whose panel kernels ``linear`` would multiply ``x`` by, else None."""
+    compiled = _panel_payload(linear)
+    if compiled is None or x.shape[-1] != compiled.cols:
+        return None
+    assert isinstance(linear, QuantizedLinear)
+    return None if x.size // x.shape[-1] <= linear.gemv_max_batch else compiled
+
+
+#: Rows of a chunk from which its attention, norms and SwiGLU are shared between the model's threads: below, a
+#: parallel region's start costs more than the work.
+_SHARED_ROWS = 16
+
+
+def _prefill_threads(layers: Sequence[DecoderLayer]) -> int:
+    """The threads a prompt's attention, norms and SwiGLU are shared between: the most any of the layers' products
+    uses (their ``threads``, at most numba's thread count) when every product of a prompt runs on the panel kernels
+    (numba's threads), else one. A product on BLAS's threads (decoded tiles, float32 or int* matrices) would then
+    alternate with numba's threads, and each team polls for a while after its work on the cores the other needs."""
+    from ._compiled import MAX_THREADS
+
+    linears = [linear for layer in layers for linear in _layer_linears(layer)]
+    if not linears or not all(_panel_payload(linear) is not None for linear in linears):
+        return 1
+    most = max(getattr(linear, "threads", 1) for linear in linears)
+    return max(1, min(int(most), MAX_THREADS))
+
+
+def _layer_linears(layer: DecoderLayer) -> tuple[Linear, ...]:
+    return (layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj, layer.gate_proj, layer.up_proj, layer.down_proj)
 
 
 def pick_rows(hidden: F32, outputs: I64) -> F32:

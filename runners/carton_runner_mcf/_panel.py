@@ -155,6 +155,11 @@ class PanelKernels:
 
     matmul: Any
     matmul_parallel: Any
+    #: ``matmul_many(payloads, metas, x, xq, xs, ys)`` and ``matmul_many_parallel(..., parts)``: the products of
+    #: several matrices of the same input (tuples of payloads, metas and outputs ``ys``), the input rounded once and
+    #: the matrices' groups shared out as one list; each output equals its own `matmul`'s bit for bit.
+    matmul_many: Any
+    matmul_many_parallel: Any
 
 
 @functools.cache
@@ -176,7 +181,33 @@ def panel_kernels(width: int) -> PanelKernels:
         for part in prange(parts):
             _groups(payload, meta, xq, xs, y, min(total, part * step), min(total, (part + 1) * step), width)
 
+    def matmul_many(payloads, metas, x, xq, xs, ys):  # type: ignore[no-untyped-def]
+        quantize_natural(x, xq, xs)
+        for i in range(len(ys)):
+            _groups(payloads[i], metas[i], xq, xs, ys[i], 0, (ys[i].shape[1] + GROUP - 1) // GROUP, width)
+
+    def matmul_many_parallel(payloads, metas, x, xq, xs, ys, parts):  # type: ignore[no-untyped-def]
+        m = x.shape[0]
+        share = (m + parts - 1) // parts
+        for part in prange(parts):
+            quantize_rows(x, xq, xs, min(m, part * share), min(m, (part + 1) * share))
+        total = 0
+        for i in range(len(ys)):
+            total += (ys[i].shape[1] + GROUP - 1) // GROUP
+        step = (total + parts - 1) // parts
+        for part in prange(parts):  # a run of the matrices' groups, taken in order
+            first, last = min(total, part * step), min(total, (part + 1) * step)
+            base = 0
+            for i in range(len(ys)):
+                count = (ys[i].shape[1] + GROUP - 1) // GROUP
+                if max(first, base) < min(last, base + count):
+                    low, high = max(first, base) - base, min(last, base + count) - base
+                    _groups(payloads[i], metas[i], xq, xs, ys[i], low, high, width)
+                base += count
+
     return PanelKernels(
         matmul=numba.njit(**JIT)(matmul),
         matmul_parallel=numba.njit(parallel=True, **JIT)(matmul_parallel),
+        matmul_many=numba.njit(**JIT)(matmul_many),
+        matmul_many_parallel=numba.njit(parallel=True, **JIT)(matmul_many_parallel),
     )

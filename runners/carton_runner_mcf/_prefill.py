@@ -1,22 +1,35 @@
-"""Compiled (numba) forms of a prompt chunk's element-wise work: the causal softmax of attention over the prompt and
-SwiGLU.
+"""Compiled (numba) forms of a prompt chunk's work outside the products: attention over the prompt (rotary, the
+causal softmax, the weighted values) and SwiGLU, and both with the RMS norm shared across threads.
 
 numpy makes several passes over the arrays for each (add the causal bias, subtract the maximum, exponentiate, sum,
-divide; negate, exponentiate, add, divide, multiply), with temporaries, all on the calling thread while BLAS's
-threads wait for the next product. These make one pass per row with an exponential that LLVM vectorizes (`exp`: a
-range reduction to ``2**n * exp(r)`` with ``|r| <= ln 2 / 2`` and Cephes' ``expf`` polynomial, within a couple of
-float32 ulps of the exact value), and release the GIL. They run on the calling thread: handing them to a team of
-threads between two BLAS calls cost more than it saved (docs/performance.md, issue 20).
+divide; negate, exponentiate, add, divide, multiply), with temporaries, and its attention's batched matmuls are
+small BLAS calls, all on the calling thread or on BLAS's own threads, which then poll on the cores that the next
+product's threads need. These make one pass per row with an exponential that LLVM vectorizes (`exp`: a range
+reduction to ``2**n * exp(r)`` with ``|r| <= ln 2 / 2`` and Cephes' ``expf`` polynomial, within a couple of float32
+ulps of the exact value), release the GIL, and in their ``*_parallel`` forms share the rows (attention: units of a
+query head and a block of queries, only the causal part of the scores) between numba's threads, the pool the
+products use. Every value is computed by the same code whichever thread computes it, so results do not depend on
+the thread count.
 """
 
 from __future__ import annotations
 
 import numba
 import numpy as np
+from numba import prange
 
+from ._fused import _rotate, rms_norm
 from ._simd import float_of_bits
 
-__all__ = ["exp", "softmax", "swiglu"]
+__all__ = [
+    "QUERY_BLOCK",
+    "attend",
+    "attend_parallel",
+    "exp",
+    "rms_norm_parallel",
+    "swiglu",
+    "swiglu_parallel",
+]
 
 # fastmath lets LLVM vectorize the reductions (the row's maximum and sum) by reassociating them; nothing relies on
 # infinities or NaNs being absent, the exponential's input is clamped first.
@@ -72,20 +85,6 @@ def _softmax_row(row, key_mask, last, out):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(**_JIT)
-def softmax(scores, key_mask, start, out):  # type: ignore[no-untyped-def]
-    """Causal softmax of attention scores into ``out`` (same shape, not ``scores`` itself): ``scores [batch, kv,
-    groups * seq, start + seq]`` holds, for query ``t`` of the chunk (row ``g * seq + t``), its scores against cache
-    slots ``0 .. start + seq``; its row of ``out`` becomes the weights over slots ``s <= start + t`` that
-    ``key_mask [batch, >= start + seq]`` marks real (and slot ``start + t`` itself), zero elsewhere."""
-    batch, kv, rows, end = scores.shape
-    seq = end - start
-    for b in range(batch):
-        for g in range(kv):
-            for r in range(rows):
-                _softmax_row(scores[b, g, r], key_mask[b], start + r % seq, out[b, g, r])
-
-
-@numba.njit(**_JIT)
 def swiglu(gate, up, out):  # type: ignore[no-untyped-def]
     """``out = gate / (1 + exp(-gate)) * up`` (SiLU(gate) times up) for ``[rows, width]`` arrays (``out`` not one
     of the others)."""
@@ -94,3 +93,161 @@ def swiglu(gate, up, out):  # type: ignore[no-untyped-def]
         g, u, o = gate[i], up[i], out[i]
         for c in range(width):
             o[c] = g[c] / (np.float32(1.0) + exp(-g[c])) * u[c]
+
+
+#: Queries of one attention unit (a row of the batch, a query head, this many consecutive queries): small enough that
+#: a 128-token chunk has a few dozen units to share between threads, large enough that a unit's set-up is amortized.
+QUERY_BLOCK = 16
+
+
+#: Queries whose scores and weighted values are computed together, sharing each load of a key or a value.
+_QUADS = 4
+
+
+@numba.njit(**_JIT)
+def _scores(query, keys_t, n, out):  # type: ignore[no-untyped-def]
+    """``out[j, s] = query[j] . key s`` for the four queries ``query [4, d]`` and the slots ``s < n`` of ``keys_t
+    [d, >= n]`` (keys transposed, so that the inner loop runs along the slots); two dimensions per pass."""
+    d = query.shape[1]
+    out0, out1, out2, out3 = out[0], out[1], out[2], out[3]
+    out[:, :n] = np.float32(0.0)
+    i = 0
+    while i + 2 <= d:
+        k0, k1 = keys_t[i], keys_t[i + 1]
+        a0, a1, a2, a3 = query[0, i], query[1, i], query[2, i], query[3, i]
+        b0, b1, b2, b3 = query[0, i + 1], query[1, i + 1], query[2, i + 1], query[3, i + 1]
+        for s in range(n):
+            x, y = k0[s], k1[s]
+            out0[s] += a0 * x + b0 * y
+            out1[s] += a1 * x + b1 * y
+            out2[s] += a2 * x + b2 * y
+            out3[s] += a3 * x + b3 * y
+        i += 2
+    if i < d:
+        k0 = keys_t[i]
+        a0, a1, a2, a3 = query[0, i], query[1, i], query[2, i], query[3, i]
+        for s in range(n):
+            x = k0[s]
+            out0[s] += a0 * x
+            out1[s] += a1 * x
+            out2[s] += a2 * x
+            out3[s] += a3 * x
+
+
+@numba.njit(**_JIT)
+def _weighted(weights, values, n, out):  # type: ignore[no-untyped-def]
+    """``out[j] = sum over s < n of weights[j, s] * values[s]`` for four rows of ``weights [4, >= n]`` (``values
+    [>= n, d]``, ``out [4, d]``); two slots per pass."""
+    out0, out1, out2, out3 = out[0], out[1], out[2], out[3]
+    out[:] = np.float32(0.0)
+    d = out.shape[1]
+    s = 0
+    while s + 2 <= n:
+        v0, v1 = values[s], values[s + 1]
+        a0, a1, a2, a3 = weights[0, s], weights[1, s], weights[2, s], weights[3, s]
+        b0, b1, b2, b3 = weights[0, s + 1], weights[1, s + 1], weights[2, s + 1], weights[3, s + 1]
+        for i in range(d):
+            x, y = v0[i], v1[i]
+            out0[i] += a0 * x + b0 * y
+            out1[i] += a1 * x + b1 * y
+            out2[i] += a2 * x + b2 * y
+            out3[i] += a3 * x + b3 * y
+        s += 2
+    if s < n:
+        v0 = values[s]
+        a0, a1, a2, a3 = weights[0, s], weights[1, s], weights[2, s], weights[3, s]
+        for i in range(d):
+            x = v0[i]
+            out0[i] += a0 * x
+            out1[i] += a1 * x
+            out2[i] += a2 * x
+            out3[i] += a3 * x
+
+
+@numba.njit(**_JIT)
+def _store_keys(k, v, cos, sin, keys, values, keys_t, start, part, parts):  # type: ignore[no-untyped-def]
+    """`attend`'s first phase, the (row, kv head) pairs ``part, part + parts, ...``: the chunk's keys rotated into
+    the cache and its values stored, then the kv head's keys up to the chunk's end transposed for `_scores`."""
+    batch, seq, kv, d = k.shape
+    end = start + seq
+    for unit in range(part, batch * kv, parts):
+        b, g = unit // kv, unit % kv
+        for t in range(seq):
+            _rotate(k[b, t, g], cos[b, 0, t], sin[b, 0, t], keys[b, g, start + t], np.float32(1.0))
+            values[b, g, start + t, :] = v[b, t, g]
+        for s in range(end):
+            for i in range(d):
+                keys_t[b, g, i, s] = keys[b, g, s, i]
+
+
+@numba.njit(**_JIT)
+def _attend_units(q, cos, sin, values, keys_t, key_mask, start, scale, out, part, parts):  # type: ignore[no-untyped-def]
+    """`attend`'s second phase, the units ``part, part + parts, ...`` (a row of the batch, a query head, a block of
+    `QUERY_BLOCK` queries), ordered block first so that every part gets blocks of every length alike."""
+    batch, seq, heads, d = q.shape
+    groups = heads // keys_t.shape[1]
+    end = start + seq
+    query = np.zeros((_QUADS, d), dtype=np.float32)
+    scores = np.empty((_QUADS, end), dtype=np.float32)
+    weights = np.zeros((_QUADS, end), dtype=np.float32)
+    attended = np.empty((_QUADS, d), dtype=np.float32)
+    units = (seq + QUERY_BLOCK - 1) // QUERY_BLOCK * batch * heads
+    for unit in range(part, units, parts):
+        block, rest = unit // (batch * heads), unit % (batch * heads)
+        b, h = rest // heads, rest % heads
+        g = h // groups
+        for first in range(block * QUERY_BLOCK, min(seq, (block + 1) * QUERY_BLOCK), _QUADS):
+            # Queries first .. first + 4 (fewer at the chunk's end: the rest of ``query`` and ``weights`` stay zero).
+            count = min(_QUADS, seq - first)
+            n = start + first + count  # the slots the last of them sees
+            for j in range(count):
+                t = first + j
+                _rotate(q[b, t, h], cos[b, 0, t], sin[b, 0, t], query[j], scale)
+            _scores(query, keys_t[b, g], n, scores)
+            for j in range(count):
+                _softmax_row(scores[j], key_mask[b], start + first + j, weights[j, :n])
+            _weighted(weights, values[b, g], n, attended)
+            for j in range(count):
+                out[b, first + j, h * d : (h + 1) * d] = attended[j]
+
+
+@numba.njit(**_JIT)
+def attend(q, k, v, cos, sin, keys, values, keys_t, key_mask, start, scale, out):  # type: ignore[no-untyped-def]
+    """Attention over a chunk of the prompt: rotary on ``q [batch, seq, heads, d]`` (times ``scale``) and ``k
+    [batch, seq, kv, d]``, the chunk's keys and values (``v``, same shape as ``k``) stored in slots ``start .. start
+    + seq`` of ``keys`` / ``values [batch, kv, capacity, d]``, then for query ``t`` the causal softmax of its scores
+    over the slots ``s <= start + t`` that ``key_mask [batch, >= start + seq]`` marks real (and its own), and the
+    weighted values, into ``out [batch, seq, heads * d]``. ``cos`` / ``sin`` are ``[batch, 1, seq, d / 2]``;
+    ``keys_t [batch, kv, d, >= start + seq]`` is a work array."""
+    _store_keys(k, v, cos, sin, keys, values, keys_t, start, 0, 1)
+    _attend_units(q, cos, sin, values, keys_t, key_mask, start, scale, out, 0, 1)
+
+
+@numba.njit(parallel=True, **_JIT)
+def attend_parallel(q, k, v, cos, sin, keys, values, keys_t, key_mask, start, scale, out, parts):  # type: ignore[no-untyped-def]
+    """`attend` with its work shared between ``parts`` of numba's threads; every value is computed by the same code
+    whichever thread computes it, so results do not depend on ``parts``."""
+    for part in prange(parts):
+        _store_keys(k, v, cos, sin, keys, values, keys_t, start, part, parts)
+    for part in prange(parts):
+        _attend_units(q, cos, sin, values, keys_t, key_mask, start, scale, out, part, parts)
+
+
+@numba.njit(parallel=True, **_JIT)
+def swiglu_parallel(gate, up, out, parts):  # type: ignore[no-untyped-def]
+    """`swiglu` with the rows shared between ``parts`` of numba's threads (each row computed whole by one)."""
+    rows = gate.shape[0]
+    share = (rows + parts - 1) // parts
+    for part in prange(parts):
+        first, last = min(rows, part * share), min(rows, (part + 1) * share)
+        swiglu(gate[first:last], up[first:last], out[first:last])
+
+
+@numba.njit(parallel=True, **_JIT)
+def rms_norm_parallel(x, weight, eps, out, parts):  # type: ignore[no-untyped-def]
+    """`_fused.rms_norm` of ``x [n, h]`` into ``out`` with the rows shared between ``parts`` of numba's threads."""
+    rows = x.shape[0]
+    share = (rows + parts - 1) // parts
+    for part in prange(parts):
+        first, last = min(rows, part * share), min(rows, (part + 1) * share)
+        rms_norm(x[first:last], weight, eps, out[first:last])

@@ -100,3 +100,33 @@ def test_large_batches_take_the_panel_kernels_where_the_cpu_has_512_bit_vnni() -
     expected = compiled.paneled(x, threads=1) if PANEL_PRODUCTS else compiled.tiled(x)
     np.testing.assert_array_equal(linear(x), expected)
     _within_bound(linear(x), x, q.dequantize())
+
+
+@pytest.mark.parametrize("method", ["q4", "k4", "q8"])
+@pytest.mark.parametrize("m", [1, 53, 128])
+def test_several_matrices_of_one_input_equal_their_own_products(method: str, m: int) -> None:
+    """`matmul_many` (the input rounded once, the matrices' groups shared out as one list, as a layer's q / k / v and
+    gate / up run) gives each matrix its own product bit for bit, on one thread and split unevenly across two or
+    three."""
+    from carton_runner_mcf._panel import activation_shapes
+
+    rng = np.random.default_rng(m)
+    cols = 300
+    parts = [
+        _compiled(QuantizedLinear.from_quantized(quantize(rng.standard_normal((rows, cols)), method), kernels="numba"))
+        for rows in (37, 130, 16)
+    ]
+    x = rng.standard_normal((m, cols)).astype(np.float32)
+    want = [part.paneled(x, threads=1) for part in parts]
+    kernels = parts[0].panels if parts[0].panels is not None else parts[0]._k.panel_kernels(parts[0].layout.bits)
+    flats, metas = tuple(part.payload for part in parts), tuple(part.meta for part in parts)
+    codes, scales = activation_shapes(m, parts[0].blocks)
+    for threads in (1, 2, 3):
+        outs = tuple(np.full((m, part.rows), np.nan, dtype=np.float32) for part in parts)
+        args = (flats, metas, x, np.empty(codes, np.int16), np.empty(scales, np.float32), outs)
+        if threads == 1:
+            kernels.matmul_many(*args)
+        else:
+            kernels.matmul_many_parallel(*args, threads)
+        for got, expected in zip(outs, want, strict=True):
+            np.testing.assert_array_equal(got, expected)

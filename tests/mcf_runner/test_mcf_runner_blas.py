@@ -61,6 +61,9 @@ def test_threads_option_runs_a_prompt_on_one_blas_thread(
     folder = mcf_model("base", "q4")
     # The host's OPENBLAS_NUM_THREADS reaches the runner: it asks for two threads, which the option overrides.
     monkeypatch.setenv("OPENBLAS_NUM_THREADS", "2")
+    # The numpy kernels, whose products and attention are BLAS calls on every CPU: the compiled ones make none in a
+    # prompt where the CPU has 512-bit VNNI (int16 panels, compiled attention).
+    monkeypatch.setenv("CARTON_MCF_KERNELS", "numpy")
     free = carton.pack(folder, tmp_path / "free.carton", runner_name="mcf", required_framework_version=">=0.1")
     bounded = carton.pack(
         folder, tmp_path / "one.carton", runner_name="mcf", required_framework_version=">=0.1",

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from carton_runner_mcf._llama import KVCache, pick_rows, positions_from_mask
+from carton_runner_mcf._packed import compiled_kernels
 from mcf_runner_models import (
     infer_logits,
     load_runner,
@@ -182,6 +183,22 @@ def test_two_threads_prefill_a_long_prompt_as_one_does(method: str, mcf_model: C
     assert_two_threads_continue_as_one(folder, LONG_IDS, max_new_tokens=4)
 
 
+@pytest.mark.parametrize("length", [1, 7, 61, 97])
+def test_a_prompt_on_two_threads_gives_one_threads_logits(length: int, mcf_model: Callable[..., Path]):
+    """A prompt's attention, norms and SwiGLU are shared between the threads in units each computed whole by one
+    thread, and its products by groups of rows (the panel kernels, where the CPU has 512-bit VNNI): two threads give
+    one thread's logits bit for bit there, and within float32 rounding elsewhere (BLAS's threads). Odd lengths
+    leave partial blocks of queries and of activation rows; one token is a decode step."""
+    folder = mcf_model("base", "q4")
+    ids = np.random.default_rng(length).integers(0, 512, size=(2, length), dtype=np.int64)
+    single = infer_logits(folder, {"input_ids": ids}, threads=1)
+    double = infer_logits(folder, {"input_ids": ids}, threads=2)
+    compiled = compiled_kernels("auto")
+    if compiled is not None and compiled.PANEL_PRODUCTS:
+        np.testing.assert_array_equal(double, single)
+    assert max_relative_error(double, single) < 1e-5
+
+
 def test_numpy_kernels_agree_with_the_compiled_ones(mcf_model: Callable[..., Path], monkeypatch: pytest.MonkeyPatch):
     """The same model on both kernel paths (CARTON_MCF_KERNELS=numpy forces the fallback, which auto-selects the
     int8 cache): logits within the compiled kernels' int16 rounding of the activations."""
@@ -191,3 +208,26 @@ def test_numpy_kernels_agree_with_the_compiled_ones(mcf_model: Callable[..., Pat
     monkeypatch.setenv("CARTON_MCF_KERNELS", "numpy")
     fallback = infer_logits(folder, {"input_ids": IDS})
     assert max_relative_error(compiled, fallback) < PATHS_AGREE
+
+
+@pytest.mark.parametrize("panels", [True, False])
+def test_a_prompts_work_is_shared_only_when_its_products_run_on_numbas_threads(
+    panels: bool, mcf_model: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+):
+    """With decoded tiles and BLAS (no panel kernels: a CPU without 512-bit VNNI) a prompt's attention and norms stay
+    on the calling thread, so that numba's threads do not poll on the cores BLAS's threads need next, and the
+    results stay those of one thread; with the panel kernels they take the model's threads."""
+    compiled = compiled_kernels("auto")
+    if compiled is None:
+        pytest.skip("the compiled kernels need numba")
+    if panels and not compiled.PANEL_PRODUCTS:
+        pytest.skip("this CPU has no 512-bit VNNI: prompts never use the panel kernels")
+    monkeypatch.setattr(compiled, "PANEL_PRODUCTS", panels)
+    runner = load_runner(mcf_model("base", "q4"), threads=2)
+    try:
+        assert runner._loaded.model._prefill_parts == (min(2, compiled.MAX_THREADS) if panels else 1)
+        got = runner.infer({"input_ids": LONG_IDS})["logits"]
+    finally:
+        runner.close()
+    single = infer_logits(mcf_model("base", "q4"), {"input_ids": LONG_IDS}, threads=1)
+    assert max_relative_error(got, single) < 1e-5
