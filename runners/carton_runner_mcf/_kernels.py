@@ -213,6 +213,12 @@ class QuantizedLinear:
         """Whether calls run the compiled kernels."""
         return self._compiled is not None
 
+    @property
+    def compiled_payload(self) -> CompiledPayload | None:
+        """The compiled payload calls multiply by (the decode region and a prompt's grouped products call its
+        kernels directly), or None when calls run the numpy paths."""
+        return self._compiled
+
     @classmethod
     def from_quantized(cls, tensor: QuantizedTensor, **options: object) -> QuantizedLinear:
         """Build from a :class:`QuantizedTensor` (options as for the constructor)."""

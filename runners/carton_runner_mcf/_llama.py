@@ -550,9 +550,9 @@ class LlamaModel:
 def _panel_payload(linear: Linear) -> CompiledPayload | None:
     """The compiled payload of ``linear`` when it is a whole q* / k* matrix whose large batches run on the panel
     kernels, else None."""
-    if type(linear) is not QuantizedLinear or linear._fp32 is not None:
+    if type(linear) is not QuantizedLinear:
         return None
-    compiled: CompiledPayload | None = linear._compiled
+    compiled = linear.compiled_payload
     if compiled is None or compiled.layout.method.family == "int" or compiled.panels is None:
         return None
     if (compiled.rows, compiled.cols) != (linear.rows, linear.cols):

@@ -31,7 +31,7 @@ def _payload(linear: object) -> CompiledPayload | None:
     """The compiled payload of a whole block-quantized matrix, else None."""
     if type(linear) is not QuantizedLinear:
         return None
-    compiled: CompiledPayload | None = linear._compiled
+    compiled = linear.compiled_payload
     if compiled is None or compiled.layout.method.family == "int":
         return None
     layout = compiled.layout
