@@ -330,32 +330,7 @@ class Model:
         self, inputs: Mapping[str, object] | Sequence[object], *, timeout: float | None = None
     ) -> dict[str, Tensor]:
         """`infer` for asyncio: the event loop is never blocked (restarts included)."""
-        tensors, checked = self._signature.prepare_inputs(inputs)
-        worker = self._only
-        if worker is None or self._closed:
-            worker = self._acquire()
-        try:
-            process = worker.process
-            if process is None:
-                process = await asyncio.to_thread(self._process_for, worker)
-            limit = self._settings.request_timeout if timeout is None else timeout
-            try:
-                # The liveness check is the send's own: it reads the runner's pidfd in the poll it makes anyway.
-                outputs, reply_layout = await process.infer_async_with_layouts(
-                    tensors, timeout=limit, layout_key=checked.layout_key, unsent=True
-                )
-            except NotSent:
-                # The runner had exited (or was closed) before the request left: restart it and send it once more.
-                process = await asyncio.to_thread(self._process_for, worker)
-                outputs, reply_layout = await process.infer_async_with_layouts(
-                    tensors, timeout=limit, layout_key=checked.layout_key
-                )
-        finally:
-            if self._balanced:
-                self._release(worker)
-            if self._spare_due:
-                self._replenish_spare()
-        return self._signature.check_outputs(outputs, checked, reply_layout)
+        return await self._infer_async(inputs, timeout, None)
 
     async def infer_async_lent(
         self, inputs: Mapping[str, object] | Sequence[object], *, timeout: float | None = None
@@ -373,6 +348,18 @@ class Model:
                     release()
         """
         lent: list[Callable[[], None]] = []
+        outputs = await self._infer_async(inputs, timeout, lent)
+        if not lent:
+            return outputs, None
+        return outputs, functools.partial(release_lent, lent)
+
+    async def _infer_async(
+        self,
+        inputs: Mapping[str, object] | Sequence[object],
+        timeout: float | None,
+        lent: list[Callable[[], None]] | None,
+    ) -> dict[str, Tensor]:
+        """`infer_async`, and with `lent` `infer_async_lent` (what it lends is given back here if the call fails)."""
         tensors, checked = self._signature.prepare_inputs(inputs)
         worker = self._only
         if worker is None or self._closed:
@@ -383,26 +370,26 @@ class Model:
                 process = await asyncio.to_thread(self._process_for, worker)
             limit = self._settings.request_timeout if timeout is None else timeout
             try:
+                # The liveness check is the send's own: it reads the runner's pidfd in the poll it makes anyway.
                 outputs, reply_layout = await process.infer_async_with_layouts(
                     tensors, timeout=limit, layout_key=checked.layout_key, unsent=True, lent=lent
                 )
             except NotSent:
+                # The runner had exited (or was closed) before the request left: restart it and send it once more.
                 process = await asyncio.to_thread(self._process_for, worker)
                 outputs, reply_layout = await process.infer_async_with_layouts(
                     tensors, timeout=limit, layout_key=checked.layout_key, lent=lent
                 )
-            checked_outputs = self._signature.check_outputs(outputs, checked, reply_layout)
+            return self._signature.check_outputs(outputs, checked, reply_layout)
         except BaseException:
-            release_lent(lent)
+            if lent is not None:
+                release_lent(lent)
             raise
         finally:
             if self._balanced:
                 self._release(worker)
             if self._spare_due:
                 self._replenish_spare()
-        if not lent:
-            return checked_outputs, None
-        return checked_outputs, functools.partial(release_lent, lent)
 
     def run_self_tests(self) -> tuple[SelfTestResult, ...]:
         """Run carton.toml's ``[[self_test]]`` entries; floats compare with allclose, everything else exactly.
