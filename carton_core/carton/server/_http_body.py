@@ -12,6 +12,7 @@ straight into one buffer, which `BodyBuffers` keeps for the next large body once
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import collections
 import logging
@@ -135,7 +136,7 @@ def copy_into(buffer: bytearray, at: int, chunks: Iterable[bytes]) -> int:
     return at
 
 
-class BodyReading(asyncio.Protocol):
+class BodyReading(asyncio.Protocol, metaclass=abc.ABCMeta):
     """What a connection (``_http_server.py``'s `_Connection`, which inherits it) does to hand its handler a request
     body that had not arrived with its head, and to give back the memory a response lent (`HttpResponse.done`) once
     none of it is left in the transport. The connection sets the attributes and defines the methods left undone
@@ -159,14 +160,17 @@ class BodyReading(asyncio.Protocol):
     #: The transport has not paused writing (`pause_writing` / `resume_writing`).
     writable: bool
 
+    @abc.abstractmethod
     def on_message_complete(self) -> None:
-        raise NotImplementedError
+        """The parser's end of a request (httptools' callback): the connection hands the request on."""
 
+    @abc.abstractmethod
     def _read(self, size: int) -> None:
-        raise NotImplementedError
+        """`size` more bytes were read this turn (the connection lets the loop's other callbacks run after many)."""
 
+    @abc.abstractmethod
     async def _drain(self) -> None:
-        raise NotImplementedError
+        """Wait until the transport takes writes again (or the connection is gone)."""
 
     def _reader(self, exchange: Exchange) -> Any:
         # The pieces as the network delivered them, one per read: joining is left to the reader's caller, which does
