@@ -105,69 +105,41 @@ _QUADS = 4
 
 
 @numba.njit(**_JIT)
-def _scores(query, keys_t, n, out):  # type: ignore[no-untyped-def]
-    """``out[j, s] = query[j] . key s`` for the four queries ``query [4, d]`` and the slots ``s < n`` of ``keys_t
-    [d, >= n]`` (keys transposed, so that the inner loop runs along the slots); two dimensions per pass."""
-    d = query.shape[1]
+def _four_rows(a, b, k, m, out):  # type: ignore[no-untyped-def]
+    """``out[:, :m] = a[:, :k] @ b[:k, :m]`` for the four rows of ``a``, two of ``b``'s rows per pass, the inner loop
+    along a row of ``b``. The attention's scores (``a`` four queries, ``b`` the keys transposed, ``k`` the head's
+    dimensions, ``m`` the slots) and its weighted values (``a`` their weights, ``b`` the values, ``k`` the slots,
+    ``m`` the dimensions)."""
     out0, out1, out2, out3 = out[0], out[1], out[2], out[3]
-    out[:, :n] = np.float32(0.0)
+    out[:, :m] = np.float32(0.0)
     i = 0
-    while i + 2 <= d:
-        k0, k1 = keys_t[i], keys_t[i + 1]
-        a0, a1, a2, a3 = query[0, i], query[1, i], query[2, i], query[3, i]
-        b0, b1, b2, b3 = query[0, i + 1], query[1, i + 1], query[2, i + 1], query[3, i + 1]
-        for s in range(n):
-            x, y = k0[s], k1[s]
-            out0[s] += a0 * x + b0 * y
-            out1[s] += a1 * x + b1 * y
-            out2[s] += a2 * x + b2 * y
-            out3[s] += a3 * x + b3 * y
+    while i + 2 <= k:
+        b0, b1 = b[i], b[i + 1]
+        x0, x1, x2, x3 = a[0, i], a[1, i], a[2, i], a[3, i]
+        y0, y1, y2, y3 = a[0, i + 1], a[1, i + 1], a[2, i + 1], a[3, i + 1]
+        for s in range(m):
+            u, v = b0[s], b1[s]
+            out0[s] += x0 * u + y0 * v
+            out1[s] += x1 * u + y1 * v
+            out2[s] += x2 * u + y2 * v
+            out3[s] += x3 * u + y3 * v
         i += 2
-    if i < d:
-        k0 = keys_t[i]
-        a0, a1, a2, a3 = query[0, i], query[1, i], query[2, i], query[3, i]
-        for s in range(n):
-            x = k0[s]
-            out0[s] += a0 * x
-            out1[s] += a1 * x
-            out2[s] += a2 * x
-            out3[s] += a3 * x
-
-
-@numba.njit(**_JIT)
-def _weighted(weights, values, n, out):  # type: ignore[no-untyped-def]
-    """``out[j] = sum over s < n of weights[j, s] * values[s]`` for four rows of ``weights [4, >= n]`` (``values
-    [>= n, d]``, ``out [4, d]``); two slots per pass."""
-    out0, out1, out2, out3 = out[0], out[1], out[2], out[3]
-    out[:] = np.float32(0.0)
-    d = out.shape[1]
-    s = 0
-    while s + 2 <= n:
-        v0, v1 = values[s], values[s + 1]
-        a0, a1, a2, a3 = weights[0, s], weights[1, s], weights[2, s], weights[3, s]
-        b0, b1, b2, b3 = weights[0, s + 1], weights[1, s + 1], weights[2, s + 1], weights[3, s + 1]
-        for i in range(d):
-            x, y = v0[i], v1[i]
-            out0[i] += a0 * x + b0 * y
-            out1[i] += a1 * x + b1 * y
-            out2[i] += a2 * x + b2 * y
-            out3[i] += a3 * x + b3 * y
-        s += 2
-    if s < n:
-        v0 = values[s]
-        a0, a1, a2, a3 = weights[0, s], weights[1, s], weights[2, s], weights[3, s]
-        for i in range(d):
-            x = v0[i]
-            out0[i] += a0 * x
-            out1[i] += a1 * x
-            out2[i] += a2 * x
-            out3[i] += a3 * x
+    if i < k:
+        b0 = b[i]
+        x0, x1, x2, x3 = a[0, i], a[1, i], a[2, i], a[3, i]
+        for s in range(m):
+            u = b0[s]
+            out0[s] += x0 * u
+            out1[s] += x1 * u
+            out2[s] += x2 * u
+            out3[s] += x3 * u
 
 
 @numba.njit(**_JIT)
 def _store_keys(k, v, cos, sin, keys, values, keys_t, start, part, parts):  # type: ignore[no-untyped-def]
     """`attend`'s first phase, the (row, kv head) pairs ``part, part + parts, ...``: the chunk's keys rotated into
-    the cache and its values stored, then the kv head's keys up to the chunk's end transposed for `_scores`."""
+    the cache and its values stored, then the kv head's keys up to the chunk's end transposed for the scores
+    (`_four_rows`)."""
     batch, seq, kv, d = k.shape
     end = start + seq
     for unit in range(part, batch * kv, parts):
@@ -203,10 +175,10 @@ def _attend_units(q, cos, sin, values, keys_t, key_mask, start, scale, out, part
             for j in range(count):
                 t = first + j
                 _rotate(q[b, t, h], cos[b, 0, t], sin[b, 0, t], query[j], scale)
-            _scores(query, keys_t[b, g], n, scores)
+            _four_rows(query, keys_t[b, g], d, n, scores)
             for j in range(count):
                 _softmax_row(scores[j], key_mask[b], start + first + j, weights[j, :n])
-            _weighted(weights, values[b, g], n, attended)
+            _four_rows(weights, values[b, g], n, d, attended)
             for j in range(count):
                 out[b, first + j, h * d : (h + 1) * d] = attended[j]
 
