@@ -18,7 +18,7 @@ from numpy.typing import NDArray
 
 from ._config import DecoderConfig
 from ._kernels import QuantizedLinear
-from ._packed import CompiledPayload, compiled_kernels
+from ._packed import CompiledPayload, compiled_kernels, without_threads
 from ._region import DecodeRegion
 from ._weights import Embedding, Linear
 
@@ -390,9 +390,7 @@ class LlamaModel:
                 parallel(*args, parts)
                 return
             except ValueError as exc:
-                if "threading layer" not in str(exc):
-                    raise
-                warnings.warn(f"mcf runner: a prompt's attention and norms run on one thread: {exc}", RuntimeWarning, 2)
+                without_threads(exc)  # (raises it again unless numba has no thread-safe threading layer)
                 self._prefill_parts = 1
         serial(*args)
 

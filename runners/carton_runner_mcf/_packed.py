@@ -43,6 +43,7 @@ __all__ = [
     "Kernels",
     "activation_buffers",
     "compiled_kernels",
+    "without_threads",
 ]
 
 Kernels = Literal["auto", "numba", "numpy"]
@@ -140,7 +141,7 @@ def _tile_buffer(size: int) -> npt.NDArray[np.float32]:
     return buf
 
 
-def _without_threads(exc: ValueError) -> None:
+def without_threads(exc: ValueError) -> None:
     """A threaded kernel raised `exc`: when numba found no thread-safe threading layer (tbb or OpenMP), products run
     on one thread from then on (with a warning); any other error is raised again."""
     global _parallel_broken
@@ -222,7 +223,7 @@ class CompiledPayload:
                 kernels.matmul_parallel(self._flat, self.meta, x2, codes, scales, out, parts)
                 return out
             except ValueError as exc:
-                _without_threads(exc)
+                without_threads(exc)
         kernels.matmul(self._flat, self.meta, x2, codes, scales, out)
         return out
 
@@ -235,7 +236,7 @@ class CompiledPayload:
                 self._kernels.matmul_parallel(self._flat, self.meta, x2, xq, xs, xe, xoff, out, parts)
                 return out
             except ValueError as exc:
-                _without_threads(exc)
+                without_threads(exc)
         self._kernels.matmul(self._flat, self.meta, x2, xq, xs, xe, xoff, out)
         return out
 
