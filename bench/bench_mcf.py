@@ -6,6 +6,8 @@
                                               # q4's product and a read of its payload, after N MiB of other reads
     bash bench/setup_llamacpp.sh && python bench/bench_mcf.py --sections matvec
                                               # the compiled kernels against numpy sgemv and ggml's q4_K
+    python bench/bench_mcf.py --sections matvec evict --base-pages
+                                              # the same with every matrix on base pages (as a mapped file)
 
 The ``prefill`` section times the large-batch products of a prompt (128 activation rows) on the shapes of
 SmolLM2-135M's layers for q4, k4, q8 and k6: the int16 panel kernels (`CompiledPayload.paneled`, what
@@ -16,22 +18,28 @@ gets the environment carton gives a runner process.
 
 The ``matvec`` section times ``y = W x`` (one vector, one thread unless ``--threads``) for every block method on
 the mcf runner's compiled kernels, numpy's fp32 sgemv of the dequantized matrix, the numpy int8-cache path, and
-ggml's q4_K kernel through llama.cpp's own ``test-backend-ops perf`` (which times MUL_MAT with the vector
-quantized to q8_K inside the op, as our kernels round theirs to int16 inside the call). The child and ggml run in
-alternating rounds; every figure is the best of its rounds. test-backend-ops runs ggml on half the hardware
-threads (one on a two-core machine).
+ggml's q4_K product of the same random matrix (quantized by ggml, without an importance matrix), called in the
+child through ctypes from the shared ggml that bench/setup_llamacpp.sh builds with its llama.cpp tools' flags
+(bench/_ggml.py): ggml's ``MUL_MAT`` on its CPU backend, the vector quantized to q8_K inside the op, as our kernels
+round theirs to int16 inside the call. Its output is checked against the float64 product and against ggml's own
+dequantized matrix. llama.cpp's own ``test-backend-ops perf`` figure for the same op (it repeats the op on the same
+tensors, on half the hardware threads) is kept as a cross-check of the repeated column. Without the shared build
+(or the tool), their rows are skipped with a note.
 
-Within the child the variants are timed twice. First alternated, call by call, so that every other variant's
-matrix passes through the caches between two calls of one (its matrix is then read from memory, or from a far
-level of cache); the goal lines use these figures. Then repeated: each variant called back to back, as
-test-backend-ops repeats ggml's op on the same tensors, so that its matrix stays in whatever cache holds it (the
-``warm`` columns, and the like-for-like line against ggml). ``q4 payload read`` is numpy summing the q4 payload's
-bytes (a copy of them, so as not to warm the product's) as 64-bit words: no product, only a read of as many bytes
-as the q4 kernel reads, as a floor for its alternated figure.
+Within the child the variants are timed twice, ggml's product among them. First alternated, call by call, so that
+every other variant's matrix passes through the caches between two calls of one (its matrix is then read from
+memory, or from a far level of cache); best and median of the rounds. Then repeated: each variant called back to
+back, so that its matrix stays in whatever cache holds it (the ``warm`` columns). The goal lines compare q4 and k4
+with sgemv alternated, and with ggml alternated against alternated and repeated against repeated. ``q4 payload
+read`` is numpy summing a copy of the q4 payload's bytes as 64-bit words: no product, only a read of as many bytes
+as the q4 kernel reads, as a floor for its alternated figure (and ggml's: how much of its arithmetic a product hides
+behind its cold read). Every matrix, ours and ggml's, lives in fresh memory on transparent huge pages, as numpy
+gives any large array; ``--base-pages`` puts them all on base pages instead, as a mapped model file is (memory the
+allocator hands back has whatever page size its earlier use left, which moves a cold read's time).
 
-The ``evict`` section (not run by default) times q4's product and a plain read of its payload with N MiB of other
-memory read between two calls, for N from 0 to 256: how much traffic the matrix survives in this machine's caches,
-and what the product and the read cost once it does not.
+The ``evict`` section (not run by default) times q4's product, a plain read of its payload and ggml's q4_K product
+with N MiB of other memory read between two calls, for N from 0 to 256: how much traffic the matrix survives in
+this machine's caches, and what the products and the read cost once it does not.
 
 Every timing section runs in a child process whose BLAS thread count is fixed through the environment before numpy
 is imported, and compares against a reference measured in the same child: fp32 ``numpy.matmul`` on the already
@@ -55,6 +63,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from _ggml import add_ggml_matvec
 from _timing import mcf_runner_env
 
 METHODS = ["q8", "k6", "q4", "k4", "k3", "k2"]
@@ -71,9 +80,10 @@ def best_times(
     repeat: int = 7,
     min_time: float = 0.5,
     clock: Callable[[], float] = time.perf_counter,
+    samples: dict[str, list[float]] | None = None,
 ) -> dict[str, float]:
     """Best time of each function, run in alternation round by round so that load from other processes hits the
-    reference and the candidates alike."""
+    reference and the candidates alike (every time is appended to ``samples``, when given)."""
     for fn in fns.values():
         fn()  # warm caches and buffers
     best = dict.fromkeys(fns, float("inf"))
@@ -85,6 +95,8 @@ def best_times(
             elapsed = clock() - start
             best[name] = min(best[name], elapsed)
             spent += elapsed
+            if samples is not None:
+                samples.setdefault(name, []).append(elapsed)
         rounds += 1
     return best
 
@@ -154,76 +166,93 @@ def repeated_times(fns: dict[str, Callable[[], object]], *, calls: int = 20, rou
     return best
 
 
-def child_matvec(size: int, threads: int) -> dict[str, Any]:
+def child_matvec(size: int, threads: int, huge: bool) -> dict[str, Any]:
     """Best time of one matrix-vector product per variant, alternated within each repeat (``seconds``) and
-    repeated back to back (``warm``)."""
+    repeated back to back (``warm``). Every matrix lives in fresh memory of the same page size (``huge``)."""
     import numpy as np
+    from _ggml import placed_copy
     from carton.mcf import quantize
     from carton_runner_mcf._kernels import QuantizedLinear
 
     rng = np.random.default_rng(3)
     w = rng.standard_normal((size, size)).astype(np.float32)
     x = rng.standard_normal((1, size)).astype(np.float32)
-    dense = quantize(w, "q4").dequantize()
+    dense = placed_copy(quantize(w, "q4").dequantize(), huge)
     x1 = x[0]
     fns: dict[str, Callable[[], object]] = {"sgemv": lambda: dense @ x1}
+    sizes: dict[str, int] = {}
     for method in ("q4", "k4", "q8", "k6", "k3", "k2"):
-        payload = quantize(w, method, mode="reference").payload
+        payload = placed_copy(np.frombuffer(quantize(w, method, mode="reference").payload, np.uint8), huge)
+        sizes[method] = len(payload)
         compiled = QuantizedLinear(payload, method, size, size, cache="packed", kernels="numba", threads=threads)
         fns[method] = lambda linear=compiled: linear(x)
         if method == "q4":  # a copy, so that reading it does not warm the product's payload
-            copy = bytes(bytearray(payload))
-            words = np.frombuffer(copy, dtype=np.uint8, count=len(copy) // 8 * 8).view(np.uint64)
+            words = placed_copy(payload[: len(payload) // 8 * 8], huge).view(np.uint64)
         if method in ("q4", "k4"):
             numpy_path = QuantizedLinear(payload, method, size, size, cache="int8", kernels="numpy", threads=threads)
             fns[f"{method} numpy int8"] = lambda linear=numpy_path: linear(x)
+    ggml = add_ggml_matvec(fns, w, x1, threads, huge)
     fns["q4 payload read"] = lambda: words.sum()  # last in a round: every other variant's order is unchanged
-    seconds = best_times(fns, repeat=15, min_time=1.0)
+    samples: dict[str, list[float]] = {}
+    seconds = best_times(fns, repeat=15, min_time=1.0, samples=samples)
     warm = repeated_times({name: fn for name, fn in fns.items() if "numpy int8" not in name})
-    return {"threads": threads, "seconds": seconds, "warm": warm}
+    exact = w.astype(np.float64) @ x1
+    check = {name: float(np.linalg.norm(np.asarray(fns[name](), np.float64).ravel() - exact) / np.linalg.norm(exact))
+             for name in ("q4", "k4")}  # fmt: skip
+    if ggml is not None:
+        check.update(ggml)
+        sizes["ggml q4_K"] = fns["ggml q4_K"].nbytes  # type: ignore[attr-defined]
+    median = {name: [sorted(times)[len(times) // 2]] for name, times in samples.items()}
+    return {"threads": threads, "seconds": seconds, "median": median, "warm": warm, "check": check, "bytes": sizes}
 
 
-def child_evict(size: int) -> dict[str, Any]:
-    """q4's matrix-vector product and a plain read of its payload after reading N MiB of other memory between two
-    calls, for growing N: where the matrix stops being found in a cache, and what reading it then costs."""
+def child_evict(size: int, huge: bool) -> dict[str, Any]:
+    """q4's matrix-vector product, a plain read of its payload and ggml's q4_K product after reading N MiB of other
+    memory between two calls, for growing N: where the matrix stops being found in a cache, and what reading it
+    then costs."""
     import numpy as np
+    from _ggml import placed_copy
     from carton.mcf import quantize
     from carton_runner_mcf._kernels import QuantizedLinear
 
     rng = np.random.default_rng(3)
     w = rng.standard_normal((size, size)).astype(np.float32)
     x = rng.standard_normal((1, size)).astype(np.float32)
-    payload = quantize(w, "q4", mode="reference").payload
+    payload = placed_copy(np.frombuffer(quantize(w, "q4", mode="reference").payload, np.uint8), huge)
     linear = QuantizedLinear(payload, "q4", size, size, cache="packed", kernels="numba", threads=1)
-    words = np.frombuffer(payload, dtype=np.uint8, count=len(payload) // 8 * 8).view(np.uint64)
+    words = payload[: len(payload) // 8 * 8].view(np.uint64)
     other = rng.integers(0, 1 << 62, (256 << 20) // 8, dtype=np.uint64)  # read only: nothing to write back
-    linear(x)
+    fns: dict[str, Callable[[], object]] = {"product": lambda: linear(x), "read": lambda: words.sum()}
+    add_ggml_matvec(fns, w, x[0], 1, huge)
+    for fn in fns.values():
+        fn()
     rows = []
     for mib in (0, 8, 16, 32, 64, 128, 256):
         between = other[: (mib << 20) // 8]
-        product, read = [], []
+        row: dict[str, Any] = {"mib": mib, **{name: [] for name in fns}}
         for _ in range(25):
-            between.sum()
-            start = time.perf_counter()
-            linear(x)
-            product.append(time.perf_counter() - start)
-            between.sum()
-            start = time.perf_counter()
-            words.sum()
-            read.append(time.perf_counter() - start)
-        rows.append({"mib": mib, "product": sorted(product), "read": sorted(read)})
+            for name, fn in fns.items():
+                between.sum()
+                start = time.perf_counter()
+                fn()
+                row[name].append(time.perf_counter() - start)
+        rows.append({k: sorted(v) if isinstance(v, list) else v for k, v in row.items()})
     return {"bytes": len(payload), "rows": rows}
 
 
 def report_evict(res: dict[str, Any], size: int) -> None:
+    ggml = "ggml q4_K" in res["rows"][0]
     print(f"\n### q4 {size}x{size} after reading other memory between calls (1 thread, {res['bytes'] / 2**20:.1f} MiB"
           " payload)\n")  # fmt: skip
-    print("| MiB read between two calls | product best ms | median | payload read best ms | median |")
-    print("|---:|---:|---:|---:|---:|")
+    if not ggml:
+        print("note: in-process ggml column skipped: run bench/setup_llamacpp.sh (or set GGML_LIBRARY)\n")
+    print("| MiB read between two calls | product best ms | median | payload read best ms | median |"
+          + (" ggml q4_K best ms | median |" if ggml else ""))  # fmt: skip
+    print("|---:|---:|---:|---:|---:|" + ("---:|---:|" if ggml else ""))
     for row in res["rows"]:
-        p, r = row["product"], row["read"]
-        print(f"| {row['mib']} | {p[0] * 1e3:.3f} | {p[len(p) // 2] * 1e3:.3f} | {r[0] * 1e3:.3f} "
-              f"| {r[len(r) // 2] * 1e3:.3f} |")  # fmt: skip
+        cells = [f"{s[0] * 1e3:.3f} | {s[len(s) // 2] * 1e3:.3f}" for s in (row["product"], row["read"],
+                 *([row["ggml q4_K"]] if ggml else []))]  # fmt: skip
+        print(f"| {row['mib']} | {' | '.join(cells)} |")
 
 
 def run_ggml(size: int) -> float | None:
@@ -460,36 +489,59 @@ def report_matmul(results: list[dict[str, Any]], size: int) -> None:
                 print(f"| {m} | {label} | {t1 * 1e3:.2f} | {gf1:.1f} | {t64 * 1e3:.1f} | {ratio:.2f}x | {mem} |")
 
 
-def report_matvec(size: int, results: list[dict[str, Any]], ggml: list[float]) -> None:
-    ggml_s = min(ggml) if ggml else None
+def report_matvec(size: int, results: list[dict[str, Any]], tool: list[float]) -> None:
+    """ggml's in-process product is compared regime for regime (alternated with alternated, repeated with
+    repeated); test-backend-ops' figure, always repeated, is a cross-check of the repeated one."""
+    tool_s = min(tool) if tool else None
     for res in results:
-        t, seconds = res["threads"], res["seconds"]
-        sgemv = seconds["sgemv"]
-        print(f"\n### Matrix-vector y = W x, W {size}x{size}, {t} thread(s) (ggml: test-backend-ops' own threads)\n")
-        warm = res.get("warm", {})
-        print("| variant | ms | GFLOP/s | x numpy fp32 sgemv | x ggml q4_K | warm ms | warm x ggml q4_K |")
-        print("|---|---:|---:|---:|---:|---:|---:|")
-        rows: list[tuple[str, str, float]] = [("numpy fp32 sgemv (reference)", "sgemv", sgemv)]
-        if ggml_s is not None:
-            rows.append(("ggml q4_K (test-backend-ops perf, repeated)", "", ggml_s))
-        rows += [(f"mcf {name} compiled" if " " not in name else f"mcf {name}", name, s) for name, s in seconds.items()
-                 if name != "sgemv"]  # fmt: skip
+        t, seconds, warm = res["threads"], res["seconds"], res.get("warm", {})
+        median = {name: sorted(m)[len(m) // 2] for name, m in res["median"].items()}
+        sgemv, cold_g, warm_g = seconds["sgemv"], seconds.get("ggml q4_K"), warm.get("ggml q4_K")
+        warm_ref = warm_g if warm_g is not None else tool_s
+        print(f"\n### Matrix-vector y = W x, W {size}x{size}, {t} thread(s)\n")
+        if cold_g is None:
+            print("note: in-process ggml rows skipped: run bench/setup_llamacpp.sh (or set GGML_LIBRARY)\n")
+        print("| variant | ms | median ms | GFLOP/s | x numpy fp32 sgemv | x ggml q4_K | warm ms | warm x ggml q4_K |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|")
+        rows: list[tuple[str, str, float | None]] = [("numpy fp32 sgemv (reference)", "sgemv", sgemv)]
+        if tool_s is not None and t == max(1, (os.cpu_count() or 2) // 2):  # the threads test-backend-ops takes
+            rows.append(("ggml q4_K (test-backend-ops perf, repeated: cross-check)", "tool", None))
+        labels = {"ggml q4_K": "ggml q4_K (in-process, same rounds)"}
+        rows += [(labels.get(name, f"mcf {name} compiled" if " " not in name else f"mcf {name}"), name, s)
+                 for name, s in seconds.items() if name != "sgemv"]  # fmt: skip
         for label, name, s in rows:
-            versus = f"{ggml_s / s:.2f}" if ggml_s is not None else "-"
-            w = warm.get(name)
-            warm_cells = "- | -" if w is None else f"{w * 1e3:.3f} | " + (f"{ggml_s / w:.2f}" if ggml_s else "-")
-            print(f"| {label} | {s * 1e3:.3f} | {2 * size * size / s / 1e9:.1f} | {sgemv / s:.2f} | {versus} "
-                  f"| {warm_cells} |")  # fmt: skip
+            w = tool_s if name == "tool" else warm.get(name)
+            cold_cells = "- | - | - | - | -" if s is None else (
+                f"{s * 1e3:.3f} | {median[name] * 1e3:.3f} | {2 * size * size / s / 1e9:.1f} | {sgemv / s:.2f} | "
+                + (f"{cold_g / s:.2f}" if cold_g else "-"))  # fmt: skip
+            warm_cells = "- | -" if w is None else f"{w * 1e3:.3f} | " + (f"{warm_ref / w:.2f}" if warm_ref else "-")
+            print(f"| {label} | {cold_cells} | {warm_cells} |")
+        check = res.get("check", {})
+        if "ggml" in check:
+            print(f"\noutput check, relative error of y against the float64 product: q4 {check['q4']:.4f}, k4 "
+                  f"{check['k4']:.4f}, ggml q4_K {check['ggml']:.4f} (against ggml's own dequantized matrix "
+                  f"{check['ggml own']:.4f})")  # fmt: skip
+            read = seconds["q4 payload read"]
+            mib = ", ".join(f"{k} {res['bytes'][k] / 2**20:.2f} MiB" for k in ("q4", "k4", "ggml q4_K"))
+            print(f"alternated product / alternated plain read of the q4 payload: ggml q4_K {cold_g / read:.2f}x, "
+                  f"q4 {seconds['q4'] / read:.2f}x, k4 {seconds['k4'] / read:.2f}x (bytes read: {mib})")  # fmt: skip
         if t == 1:
+            print()
             for method in ("q4", "k4"):
-                ratio = sgemv / seconds[method]
-                line = f"goal {method}: >= 3.5x sgemv: {ratio:.2f}x {'met' if ratio >= 3.5 else 'NOT met'}"
-                if ggml_s is not None:
-                    vs = ggml_s / seconds[method]
-                    line += f"; >= 0.8x ggml q4_K: {vs:.2f}x {'met' if vs >= 0.8 else 'NOT met'}"
-                    if method in warm:
-                        line += f" (both repeated, warm: {ggml_s / warm[method]:.2f}x)"
+                line = (f"goal {method}: >= 3.5x sgemv: {_verdict(sgemv / seconds[method], 3.5)} (medians "
+                        f"{median['sgemv'] / median[method]:.2f}x)")  # fmt: skip
+                if cold_g is not None and warm_g is not None:
+                    line += (f"; >= 0.8x ggml q4_K: alternated vs alternated {_verdict(cold_g / seconds[method], 0.8)}"
+                             f" (medians {median['ggml q4_K'] / median[method]:.2f}x), repeated vs repeated "
+                             f"{_verdict(warm_g / warm[method], 0.8)}")  # fmt: skip
+                elif tool_s is not None:
+                    ratio = _verdict(tool_s / warm[method], 0.8)
+                    line += f"; >= 0.8x ggml q4_K (repeated vs test-backend-ops): {ratio}"
                 print(line)
+
+
+def _verdict(ratio: float, target: float) -> str:
+    return f"{ratio:.2f}x {'met' if ratio >= target else 'NOT met'}"
 
 
 def main() -> None:
@@ -498,6 +550,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, nargs="*", default=[1, 2], help="thread counts for matmul")
     parser.add_argument("--sections", nargs="*", default=["accuracy", "dequant", "matvec", "matmul", "prefill"])
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of the matvec section")
+    parser.add_argument("--base-pages", action="store_true", help="matvec / evict matrices on base pages, not huge")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--method", help=argparse.SUPPRESS)
     parser.add_argument("--cache", help=argparse.SUPPRESS)
@@ -506,14 +559,15 @@ def main() -> None:
         threads = args.threads[0] if args.threads else 1
         fn = {"accuracy": lambda: child_accuracy(args.size), "dequant": lambda: child_dequant(args.size),
               "matmul": lambda: child_matmul(args.size, threads),
-              "matvec": lambda: child_matvec(args.size, threads),
-              "evict": lambda: child_evict(args.size),
+              "matvec": lambda: child_matvec(args.size, threads, not args.base_pages),
+              "evict": lambda: child_evict(args.size, not args.base_pages),
               "prefill": lambda: child_prefill(threads),
               "memory": lambda: child_memory(args.size, args.method, args.cache)}[args.child]  # fmt: skip
         print(json.dumps(fn()))
         return
     print(f"# bench_mcf: {' '.join(sys.argv[1:]) or '(defaults)'}; cpu count {os.cpu_count()}; load average "
           f"{os.getloadavg()[0]:.2f}")  # fmt: skip
+    pages = ["--base-pages"] if args.base_pages else []
     if "accuracy" in args.sections:
         report_accuracy(run_child("accuracy", args.size, 1), args.size)
     if "dequant" in args.sections:
@@ -523,20 +577,22 @@ def main() -> None:
         ggml: list[float] = []
         for _ in range(args.rounds):
             for t in args.threads:
-                res = run_child("matvec", args.size, t)
+                res = run_child("matvec", args.size, t, *pages)
                 kept = matvec.setdefault(t, res)
-                for key in ("seconds", "warm"):
-                    for name, s in res[key].items():
-                        kept[key][name] = min(kept[key][name], s)
+                for name in res["seconds"] if kept is not res else []:
+                    kept["median"][name] += res["median"][name]
+                    for key in ("seconds", "warm"):
+                        if name in res[key]:
+                            kept[key][name] = min(kept[key][name], res[key][name])
             found = run_ggml(args.size)
             if found is not None:
                 ggml.append(found)
         if not ggml:
-            print("note: ggml rows skipped: run bench/setup_llamacpp.sh (or set GGML_TEST_BACKEND_OPS)")
+            print("note: test-backend-ops rows skipped: run bench/setup_llamacpp.sh (or set GGML_TEST_BACKEND_OPS)")
         report_matvec(args.size, list(matvec.values()), ggml)
         print(f"load average after the section {os.getloadavg()[0]:.2f}")
     if "evict" in args.sections:
-        report_evict(run_child("evict", args.size, 1), args.size)
+        report_evict(run_child("evict", args.size, 1, *pages), args.size)
         print(f"load average after the section {os.getloadavg()[0]:.2f}")
     if "matmul" in args.sections:
         results = [run_child("matmul", args.size, t) for t in args.threads]
