@@ -114,8 +114,11 @@ class _Tensors:
         self._threads = weights.threads
         self.quantized: dict[str, str] = {}
         self._file: io.BufferedReader | None = None
-        #: The packed payloads, all in one arena per model (small matrices share huge pages).
-        self._arena = HugePageArena()
+        # The packed payloads, all in one arena per model sized for every quantized tensor whole (small matrices
+        # share huge pages; one chunk, so that only its last huge page is partly unused; a shard's unread rest is
+        # never touched, so it is never resident).
+        whole = sum(-(-entry.data_size // 64) * 64 for entry in mcf.tensors.values() if entry.method is not None)
+        self._arena = HugePageArena(chunk_bytes=max(whole, 64))
         #: Whole payloads already read, by tensor name: a tied head and its embedding share one.
         self._kept: dict[str, NDArray[np.uint8]] = {}
 
