@@ -87,11 +87,15 @@ def _chunk(nbytes: int) -> npt.NDArray[np.uint8]:
     size = (nbytes + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
     # One huge page more than needed, so that an aligned start exists inside the mapping; the slack is never
     # touched, so it costs address space only.
-    mapping = _Chunk(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    private = getattr(mmap, "MAP_PRIVATE", None)  # absent on Windows, whose anonymous mappings are private anyway
+    if private is None:
+        mapping = _Chunk(-1, size + HUGE_PAGE)
+    else:
+        mapping = _Chunk(-1, size + HUGE_PAGE, flags=private | mmap.MAP_ANONYMOUS)
     whole = np.frombuffer(mapping, dtype=np.uint8)
     skip = -_address(whole) % HUGE_PAGE
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is not None:
+    if advice is not None and hasattr(mapping, "madvise"):
         with contextlib.suppress(OSError):  # no transparent huge pages in this kernel: small pages, still correct
             mapping.madvise(advice, skip, size)
     region = whole[skip : skip + size]
