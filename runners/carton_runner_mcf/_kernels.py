@@ -224,6 +224,9 @@ class QuantizedLinear:
         else:
             self._build_int8_cache(flat, full, (r0, r1), (c0 // BLOCK, -(-c1 // BLOCK)))
 
+        #: The compiled payload when its integer block products serve small batches (q* / k*), else None.
+        self._blocks = self._compiled if self._compiled is not None and self.method.family != "int" else None
+
     @property
     def compiled(self) -> bool:
         """Whether calls run the compiled kernels."""
@@ -281,6 +284,19 @@ class QuantizedLinear:
 
     # --- application ---------------------------------------------------------------------------------------------
     def __call__(self, x: npt.ArrayLike) -> npt.NDArray[np.float32]:
+        compiled = self._blocks
+        if (
+            compiled is not None
+            and type(x) is np.ndarray
+            and x.dtype == np.float32
+            and x.ndim == 2
+            and 0 < x.shape[0] <= self.gemv_max_batch
+            and x.shape[1] == self.cols
+            and x.flags.c_contiguous
+        ):
+            # A few rows as the compiled kernels take them: straight to the integer block products, since every
+            # Python step before them is paid again, from memory, when the product runs after other work
+            return compiled.blockwise(x, self.threads)
         arr = np.asarray(x)
         if arr.dtype != np.float32:
             if not np.issubdtype(arr.dtype, np.floating):
