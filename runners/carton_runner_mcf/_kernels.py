@@ -2,10 +2,12 @@
 
 A `QuantizedLinear` keeps one of three weight caches:
 
-* ``"packed"``: only the payload, zero-copy (bytes, or a uint8 array over the mapped file). With the compiled
-  kernels (numba installed, `_packed`) every product reads the codes as stored: integer block products for small
-  batches, decoded row tiles and BLAS for large ones. Without them (the numpy fallback) row tiles are decoded
-  through lookup tables (`carton.mcf.BlockDecoder`), scaled and multiplied per call, which is slow.
+* ``"packed"``: only the payload (bytes, or a uint8 array over the mapped file). With the compiled kernels (numba
+  installed, `_packed`) every product reads the codes as stored: integer block products for small batches, decoded
+  row tiles and BLAS for large ones; a whole matrix's payload of 2 MiB or more is first copied onto huge pages
+  (`_arena`) unless ``pages="given"``, smaller ones and parts are referenced as given. Without them (the numpy
+  fallback) row tiles are decoded through lookup tables (`carton.mcf.BlockDecoder`), scaled and multiplied per
+  call, which is slow.
 * ``"int8"``: the codes as int8, stored K-major (``[cols_padded, rows]``, i.e. ``W.T``'s layout) plus one fp32
   scale per block (``[blocks_per_row, rows]``, k* super x sub-scales folded once at load); about 2x the q4/k4
   payload. Two numpy paths use it, both converting cache-sized tiles and handing them to BLAS:
@@ -55,6 +57,7 @@ from carton.mcf import (
     resolve_threads,
 )
 
+from ._arena import HUGE_PAGE, HugePageArena, in_arena
 from ._packed import CompiledPayload, Kernels, compiled_kernels
 
 __all__ = [
@@ -62,6 +65,7 @@ __all__ = [
     "DEFAULT_GEMV_MAX_BATCH",
     "DEFAULT_TILE_BYTES",
     "CacheMode",
+    "Pages",
     "Payload",
     "QuantizedLinear",
     "compiled_available",
@@ -71,6 +75,8 @@ __all__ = [
 
 CacheMode = Literal["packed", "int8", "fp32"]
 _CACHE_MODES = ("packed", "int8", "fp32")
+Pages = Literal["huge", "given"]
+_PAGES = ("huge", "given")
 
 # Work-buffer budget per call and thread of the numpy paths (bytes of fp32 tile): about half an L2 cache, so that a
 # tile, the codes it is made from and the partial sums stay in L2 (measured in docs/performance.md, "Quantized
@@ -109,8 +115,11 @@ def default_cache(kernels: Kernels = "auto") -> CacheMode:
 class QuantizedLinear:
     """A quantized ``[rows = out_features, cols = in_features]`` weight applied as ``x @ W.T``.
 
-    ``payload`` may be bytes, a memoryview or a uint8 array over an mmap; with ``cache="packed"`` it is referenced,
-    never copied. Calls accept float32 (other floats are converted) of shape ``[..., cols]`` and return float32
+    ``payload`` may be bytes, a memoryview or a uint8 array over an mmap. With ``cache="packed"`` and the compiled
+    kernels, a whole matrix's payload of at least 2 MiB is copied once onto 2 MiB pages (``pages="huge"``, the
+    default; `_arena.HugePageArena`: products read it from memory about twice as fast as from small pages) unless it
+    already lies in such an arena; with ``pages="given"``, or a smaller payload, or a part, it is referenced, never
+    copied. Calls accept float32 (other floats are converted) of shape ``[..., cols]`` and return float32
     ``[..., rows]``. A call reuses per-thread work buffers of about ``tile_bytes`` (default: 1 MiB on the numpy
     paths, 8 MiB for the compiled path's large batches). ``threads`` (default 1; ``None``:
     one per CPU) splits the output features of each call across threads; results do not depend on it (the compiled
@@ -141,8 +150,11 @@ class QuantizedLinear:
         threads: int | None = 1,
         row_range: tuple[int, int] | None = None,
         col_range: tuple[int, int] | None = None,
+        pages: Pages = "huge",
     ) -> None:
         compiled = compiled_kernels(kernels)
+        if pages not in _PAGES:
+            raise MCFError(f"unknown pages {pages!r} (expected one of: {', '.join(_PAGES)})")
         if cache is None:
             cache = "packed" if compiled is not None else "int8"
         if cache not in _CACHE_MODES:
@@ -190,6 +202,10 @@ class QuantizedLinear:
         self._int_scale = np.float32(1.0)
         self._int_zero = np.float32(0.0)
         if cache == "packed" and compiled is not None:
+            if pages == "huge" and not part and flat.nbytes >= HUGE_PAGE and not in_arena(flat):
+                copy = HugePageArena(chunk_bytes=flat.nbytes).take(flat.nbytes)
+                copy[:] = flat
+                flat = copy
             self._compiled = CompiledPayload(compiled, flat, full, (r0, r1), (c0, c1))
         elif cache == "fp32":
             whole = dequantize(flat, self.method, (rows, cols), domain=self.domain)
@@ -207,6 +223,9 @@ class QuantizedLinear:
             self._decoder = BlockDecoder(flat, self.layout, self._scales)
         else:
             self._build_int8_cache(flat, full, (r0, r1), (c0 // BLOCK, -(-c1 // BLOCK)))
+
+        #: The compiled payload when its integer block products serve small batches (q* / k*), else None.
+        self._blocks = self._compiled if self._compiled is not None and self.method.family != "int" else None
 
     @property
     def compiled(self) -> bool:
@@ -265,6 +284,19 @@ class QuantizedLinear:
 
     # --- application ---------------------------------------------------------------------------------------------
     def __call__(self, x: npt.ArrayLike) -> npt.NDArray[np.float32]:
+        compiled = self._blocks
+        if (
+            compiled is not None
+            and type(x) is np.ndarray
+            and x.dtype == np.float32
+            and x.ndim == 2
+            and 0 < x.shape[0] <= self.gemv_max_batch
+            and x.shape[1] == self.cols
+            and x.flags.c_contiguous
+        ):
+            # A few rows as the compiled kernels take them: straight to the integer block products, since every
+            # Python step before them is paid again, from memory, when the product runs after other work
+            return compiled.blockwise(x, self.threads)
         arr = np.asarray(x)
         if arr.dtype != np.float32:
             if not np.issubdtype(arr.dtype, np.floating):

@@ -26,6 +26,7 @@ from carton.mcf import (
 )
 from numpy.typing import NDArray
 
+from ._arena import HugePageArena
 from ._config import DecoderConfig, parse_config
 from ._kernels import CacheMode, QuantizedLinear
 from ._llama import Decoder, DecoderLayer, LlamaModel
@@ -113,6 +114,13 @@ class _Tensors:
         self._threads = weights.threads
         self.quantized: dict[str, str] = {}
         self._file: io.BufferedReader | None = None
+        # The packed payloads, all in one arena per model sized for every quantized tensor whole (small matrices
+        # share huge pages; one chunk, so that only its last huge page is partly unused; a shard's unread rest is
+        # never touched, so it is never resident).
+        whole = sum(-(-entry.data_size // 64) * 64 for entry in mcf.tensors.values() if entry.method is not None)
+        self._arena = HugePageArena(chunk_bytes=max(whole, 64))
+        #: Whole payloads already read, by tensor name: a tied head and its embedding share one.
+        self._kept: dict[str, NDArray[np.uint8]] = {}
 
     def _entry(self, name: str, shape: tuple[int, ...]) -> Any:
         if name not in self._mcf.tensors:
@@ -123,17 +131,17 @@ class _Tensors:
         return entry
 
     def _payload(self, name: str, entry: Any, rows: Range | None) -> tuple[NDArray[np.uint8], int, Range | None]:
-        """The packed cache keeps the payload: a zero-copy view of the mapped file. The int8 and fp32 caches only
-        read it once, so it is read into a temporary buffer instead: the file's pages then never count in this
-        process's resident memory (for a q4 model that is half a byte per weight, on top of the int8 cache).
+        """The payload of a quantized matrix, read from the file (with `read`, not through the mapping, so that the
+        file's pages never count in this process's resident memory). The packed cache keeps it, in the model's
+        `HugePageArena` (2 MiB pages, which its products read about twice as fast as the mapping's small pages:
+        docs/performance.md); the int8 and fp32 caches read it into a temporary buffer and drop it once converted.
 
         A shard reads only its ``rows`` when the layout allows. Returns the payload, how many rows it holds, and the
         row range still to be cut from it (None when it holds exactly ``rows``)."""
         whole = entry.shape[0]
-        if self._cache == "packed" or not Path(self._mcf.name).is_file():
-            return np.frombuffer(self._mcf.tensor_bytes(name), dtype=np.uint8), whole, rows
-        if self._file is None:
-            self._file = open(self._mcf.name, "rb")  # noqa: SIM115 - closed by close()
+        kept = self._kept.get(name)
+        if kept is not None:  # the tied head of an embedding already read whole
+            return kept, whole, rows
         plan = None
         if rows is not None and rows != (0, whole):
             layout = payload_layout(entry.method, *entry.shape, domain=entry.domain)
@@ -142,14 +150,27 @@ class _Tensors:
             copies, size = [(0, entry.data_size, 0)], entry.data_size
         else:
             copies, size = plan[1], plan[0].size
-        payload = np.zeros(size, dtype=np.uint8)
+        payload = self._arena.take(size) if self._cache == "packed" else np.zeros(size, dtype=np.uint8)
+        self._read(name, entry, copies, payload)
+        if plan is None or rows is None:
+            if self._cache == "packed":
+                self._kept[name] = payload
+            return payload, whole, rows
+        return payload, rows[1] - rows[0], None
+
+    def _read(self, name: str, entry: Any, copies: list[tuple[int, int, int]], payload: NDArray[np.uint8]) -> None:
+        """``(source, length, destination)`` byte ranges of tensor ``name``'s data into ``payload``."""
+        if not Path(self._mcf.name).is_file():  # an MCF given as bytes: nothing is mapped, copy from memory
+            data = np.frombuffer(self._mcf.tensor_bytes(name), dtype=np.uint8)
+            for source, length, destination in copies:
+                payload[destination : destination + length] = data[source : source + length]
+            return
+        if self._file is None:
+            self._file = open(self._mcf.name, "rb")  # noqa: SIM115 - closed by close()
         for source, length, destination in copies:
             self._file.seek(entry.data_offset + source)
             if self._file.readinto(payload[destination : destination + length].data) != length:
                 raise MCFError(f"{self._mcf.name}: tensor {name!r}: the file ended inside its data")
-        if plan is None or rows is None:
-            return payload, whole, rows
-        return payload, rows[1] - rows[0], None
 
     def close(self) -> None:
         if self._file is not None:
@@ -220,7 +241,10 @@ class _Tensors:
         def decode(sub: NDArray[np.uint8], count: int) -> NDArray[np.float32]:
             return dequantize(sub, method, (count, cols), domain=domain)
 
-        payload = np.frombuffer(self._mcf.tensor_bytes(name), dtype=np.uint8)
+        if self._cache == "packed":  # read whole once, so that a tied head reads the same copy
+            payload = self._payload(name, entry, None)[0]
+        else:
+            payload = np.frombuffer(self._mcf.tensor_bytes(name), dtype=np.uint8)
         layout = payload_layout(method, rows, cols, domain=domain)
         try:
             return QuantizedEmbedding(payload, layout=layout, dequantize=decode)

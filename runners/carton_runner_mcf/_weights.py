@@ -1,6 +1,6 @@
 """Weights as the decoder sees them: `Linear` maps (``x @ W.T + b``) and `Embedding` row lookups.
 
-A quantized weight stays in its MCF payload (memory-mapped, zero-copy) and every matmul goes through
+A quantized weight stays in its MCF payload (read onto 2 MiB pages by the loader) and every matmul goes through
 `_kernels.QuantizedLinear`; the ``weight_cache`` runner option chooses how much the kernel may keep decoded
 (``packed`` bytes only, ``int8`` codes + fp32 scales, or a full ``fp32`` matrix). A float weight (f32 in the file:
 zero-copy; f16/bf16: widened once, the only way BLAS can use it) goes through numpy's matmul.

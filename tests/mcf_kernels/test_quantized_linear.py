@@ -374,3 +374,28 @@ def test_the_plugin_passes_kernel_settings_to_the_runner_process(monkeypatch: py
     (spec,) = plugin.carton_runners()
     assert dict(spec.env)["OPENBLAS_NUM_THREADS"] == "1"
     assert dict(spec.env)["OPENBLAS_THREAD_TIMEOUT"] == "28"
+
+
+def test_a_large_packed_payload_is_copied_onto_huge_pages_unless_given(kernels: str) -> None:
+    from carton_runner_mcf._arena import HUGE_PAGE, in_arena
+
+    rng = np.random.default_rng(19)
+    q = quantize(rng.standard_normal((1024, 4096)).astype(np.float32), "q4")  # 2.25 MiB of payload
+    assert len(q.payload) >= HUGE_PAGE
+    base = np.frombuffer(q.payload, np.uint8)
+    x = rng.standard_normal((3, 4096)).astype(np.float32)
+    copied = QuantizedLinear(q.payload, "q4", 1024, 4096, cache="packed", kernels=kernels)
+    given = QuantizedLinear(q.payload, "q4", 1024, 4096, cache="packed", kernels=kernels, pages="given")
+    if kernels == "numba":
+        kept = copied.compiled_payload.payload  # type: ignore[union-attr]
+        assert in_arena(kept) and not np.shares_memory(kept, base) and np.array_equal(kept, base)
+        assert kept.ctypes.data % 64 == 0
+        assert not in_arena(given.compiled_payload.payload)  # type: ignore[union-attr]
+        assert np.shares_memory(given.compiled_payload.payload, base)  # type: ignore[union-attr]
+        # a payload already in an arena is not copied again
+        again = QuantizedLinear(kept, "q4", 1024, 4096, cache="packed", kernels=kernels)
+        assert again.compiled_payload.payload is kept or np.shares_memory(again.compiled_payload.payload, kept)  # type: ignore[union-attr]
+    assert np.array_equal(copied(x), given(x))
+    _check(copied, x, q.dequantize())
+    with pytest.raises(MCFError, match="unknown pages"):
+        QuantizedLinear(q.payload, "q4", 1024, 4096, pages="tiny")  # type: ignore[arg-type]

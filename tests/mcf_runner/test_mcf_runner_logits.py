@@ -231,3 +231,33 @@ def test_a_prompts_work_is_shared_only_when_its_products_run_on_numbas_threads(
         runner.close()
     single = infer_logits(mcf_model("base", "q4"), {"input_ids": LONG_IDS}, threads=1)
     assert max_relative_error(got, single) < 1e-5
+
+
+def test_packed_payloads_are_read_into_one_arena_and_a_tied_head_shares_its_embedding(
+    mcf_model: Callable[..., Path],
+) -> None:
+    if compiled_kernels("auto") is None:
+        pytest.skip("the packed cache's payloads are read into an arena with the compiled kernels only")
+    from carton_runner_mcf._arena import in_arena
+
+    folder = mcf_model("tied_linear", "k4")
+    runner = load_runner(folder, weight_cache="packed")
+    try:
+        model = runner._loaded.model  # type: ignore[union-attr]
+        payloads = [
+            getattr(layer, name).compiled_payload.payload
+            for layer in model.layers
+            for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+        ]
+        head = model.lm_head.compiled_payload.payload
+        assert all(in_arena(p) for p in [*payloads, head])
+        embedding = model.embedding.payload
+        assert head.ctypes.data == embedding.ctypes.data and head.nbytes == embedding.nbytes  # read once for both
+        # the file is no longer what the products read
+        mapped = np.frombuffer(runner._mcf.tensor_bytes("model.layers.0.self_attn.q_proj.weight"), np.uint8)  # type: ignore[union-attr]
+        assert not np.shares_memory(payloads[0], mapped) and np.array_equal(payloads[0], mapped)
+        logits = runner.infer({"input_ids": IDS})["logits"]
+    finally:
+        runner.close()
+    given = infer_logits(folder, {"input_ids": IDS}, weight_cache="int8")
+    assert max_relative_error(logits, given) < PATHS_AGREE
