@@ -296,7 +296,7 @@ def measure_hop(model_file: Path, calls: int, rounds: int = 10) -> Hop:
 
 def bench_hop(calls: int) -> None:
     """`Model.infer` of the ONNX identity carton vs raw REQ/REP, with CPU and switches per call by thread."""
-    from bench_server import build_repository
+    from _servers import build_repository
 
     rounds = 10
     with tempfile.TemporaryDirectory() as folder:
