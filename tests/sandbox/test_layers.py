@@ -15,8 +15,7 @@ from typing import Any
 import carton
 import numpy as np
 import pytest
-from carton._runtime._exits import memory_failure
-from carton._runtime._process import _describe_exit, _exit_signal
+from carton._runtime._exits import describe_exit, exit_signal, memory_failure
 from carton._sandbox import Backend, Layer, SandboxPolicy, _seccomp, _wrap, launch_wrapper, machine_support, plan_setup
 from carton._sandbox._layers import SHIM
 from carton._sandbox._paths import system_paths
@@ -197,8 +196,8 @@ def test_machine_support_reports_every_layer() -> None:
     ],
 )
 def test_exit_classification(returncode: int | None, base: int | None, signum: int | None, text: str) -> None:
-    assert _exit_signal(returncode, base) == signum
-    assert _describe_exit(returncode, base) == text
+    assert exit_signal(returncode, base) == signum
+    assert describe_exit(returncode, base) == text
 
 
 # --- seccomp: exact bytes and behaviour ---------------------------------------------------------------------------
