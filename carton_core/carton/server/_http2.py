@@ -41,7 +41,6 @@ from ._http2_frames import (
     ENABLE_PUSH,
     END_HEADERS,
     END_STREAM,
-    FRAME_HEAD,
     GOAWAY,
     HEADER_TABLE_SIZE,
     HEADERS,
@@ -52,13 +51,11 @@ from ._http2_frames import (
     MAX_WINDOW,
     PADDED,
     PING,
-    PREFACE,
     PRIORITY,
     PRIORITY_FLAG,
     PUSH_PROMISE,
     RST_STREAM,
     SETTINGS,
-    U32,
     WINDOW_UPDATE,
     ErrorCode,
     Http2Error,
@@ -84,6 +81,12 @@ _MAX_HEADER_BLOCK = 256 * 1024
 
 # Decoded header blocks kept per connection: a client's calls repeat a handful (one per method and model).
 _KNOWN_BLOCKS = 64
+# The preface, and a frame's head: length (24 bits, as 8 + 16), type, flags, stream id. They are this module's own
+# names, not imported ones: CPython compiles `name.method(...)` on a name an import bound as an attribute load and a
+# call (a bound method made on every call) rather than a method call, and a frame's head is on every request's path.
+_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+_HEAD = struct.Struct(">BHBBI")
+_U32 = struct.Struct(">I")
 
 
 class _Stream(msgspec.Struct, gc=False, eq=False):
@@ -104,7 +107,7 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
         self._out: list[bytes] = []
         self._parts: list[bytes] = []  # received bytes not yet parsed
         self._have = 0
-        self._need = len(PREFACE)
+        self._need = len(_PREFACE)
         self._preface = True
         # The client's first SETTINGS came and no header block is being continued: a frame of any kind may come.
         self._ordinary = False
@@ -191,12 +194,12 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
         need = 9  # the bytes that make the next frame's head (or, once that is known, the whole frame)
         try:
             if self._preface:
-                if data[: len(PREFACE)] != PREFACE:
+                if data[: len(_PREFACE)] != _PREFACE:
                     raise Http2Error(ErrorCode.PROTOCOL_ERROR, "not the HTTP/2 connection preface")
                 self._preface = False
-                at = len(PREFACE)
+                at = len(_PREFACE)
             while size - at >= 9:
-                high, low, kind, flags, stream_id = FRAME_HEAD.unpack_from(data, at)
+                high, low, kind, flags, stream_id = _HEAD.unpack_from(data, at)
                 length = high << 16 | low
                 if length > _MAX_FRAME:
                     raise Http2Error(ErrorCode.FRAME_SIZE_ERROR, f"a frame of {length} bytes")
@@ -218,7 +221,7 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
                     if length != 4:
                         message = "a WINDOW_UPDATE frame that is not 4 bytes"
                         raise Http2Error(ErrorCode.FRAME_SIZE_ERROR, message)
-                    increment = U32.unpack_from(data, start)[0] & MAX_WINDOW
+                    increment = _U32.unpack_from(data, start)[0] & MAX_WINDOW
                     if not stream_id:
                         if not increment:
                             raise Http2Error(ErrorCode.PROTOCOL_ERROR, "a WINDOW_UPDATE of 0")
@@ -288,7 +291,7 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
         self._parts.append(data)
         self._have += len(data)
         if self._have < self._need:
-            if self._preface and not PREFACE.startswith(b"".join(self._parts)):  # say so without waiting for more
+            if self._preface and not _PREFACE.startswith(b"".join(self._parts)):  # say so without waiting for more
                 self._fail(ErrorCode.PROTOCOL_ERROR, "not the HTTP/2 connection preface")
             return
         buffer = b"".join(self._parts) if len(self._parts) > 1 else self._parts[0]
@@ -542,11 +545,11 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
             self._empty_table = False
             headers = EMPTY_TABLE + headers
         self._out += (
-            FRAME_HEAD.pack(0, len(headers), HEADERS, END_HEADERS, stream_id),
+            _HEAD.pack(0, len(headers), HEADERS, END_HEADERS, stream_id),
             headers,
-            FRAME_HEAD.pack(size >> 16, size & 0xFFFF, DATA, 0, stream_id),
+            _HEAD.pack(size >> 16, size & 0xFFFF, DATA, 0, stream_id),
             *pieces,
-            FRAME_HEAD.pack(0, len(trailers), HEADERS, END_HEADERS | END_STREAM, stream_id),
+            _HEAD.pack(0, len(trailers), HEADERS, END_HEADERS | END_STREAM, stream_id),
             trailers,
         )
         # `_buffer_data` and `_response_ended` written out (the usual response's path): the DATA counted against the
@@ -578,6 +581,6 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
     def _buffer_data(self, stream_id: int, stream: _Stream, pieces: tuple[bytes, ...], size: int) -> None:
         """One DATA frame of the concatenation of `pieces` (`size` bytes, within both windows), counted against
         them."""
-        self._out += (FRAME_HEAD.pack(size >> 16, size & 0xFFFF, DATA, 0, stream_id), *pieces)
+        self._out += (_HEAD.pack(size >> 16, size & 0xFFFF, DATA, 0, stream_id), *pieces)
         self._send_window -= size
         stream.send_window -= size

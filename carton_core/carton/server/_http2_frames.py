@@ -1,13 +1,12 @@
-"""HTTP/2's wire format as `._http2`'s connection speaks it (RFC 9113, RFC 7541): frame types, flags and settings,
-a frame's 9-byte head, the error codes this side sends, and the HPACK header blocks of responses (`header_block`,
-`indexing_block`), built once and reused by the gRPC transport. Parsing a frame's fields is the connection's (it
-reads them in place from what it received); header blocks received are decoded by the `hpack` library there.
+"""HTTP/2's wire format as `._http2`'s connection speaks it (RFC 9113, RFC 7541): frame types, flags and settings, the
+error codes this side sends, and the HPACK header blocks of responses (`header_block`, `indexing_block`), built once
+and reused by the gRPC transport. Parsing a frame's fields is the connection's (it reads them in place from what it
+received); header blocks received are decoded by the `hpack` library there.
 """
 
 from __future__ import annotations
 
 import enum
-import struct
 
 __all__ = [
     "ACK",
@@ -20,7 +19,6 @@ __all__ = [
     "ENABLE_PUSH",
     "END_HEADERS",
     "END_STREAM",
-    "FRAME_HEAD",
     "GOAWAY",
     "HEADERS",
     "HEADERS_MASK",
@@ -31,13 +29,11 @@ __all__ = [
     "MAX_WINDOW",
     "PADDED",
     "PING",
-    "PREFACE",
     "PRIORITY",
     "PRIORITY_FLAG",
     "PUSH_PROMISE",
     "RST_STREAM",
     "SETTINGS",
-    "U32",
     "WINDOW_UPDATE",
     "ErrorCode",
     "Http2Error",
@@ -48,8 +44,6 @@ __all__ = [
     "indexing_block",
     "unpad",
 ]
-
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 
 # Frame types.
 DATA = 0
@@ -81,9 +75,6 @@ EMPTY_TABLE = b"\x20"  # an HPACK dynamic table size update to 0
 MAX_WINDOW = 2**31 - 1
 DEFAULT_WINDOW = 65535
 DEFAULT_FRAME = 16384
-
-FRAME_HEAD = struct.Struct(">BHBBI")  # length (24 bits, as 8 + 16), type, flags, stream id
-U32 = struct.Struct(">I")
 
 
 class ErrorCode(enum.IntEnum):
