@@ -28,7 +28,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from _server_load import LoadResult, run_load
-from bench_server import Served, build_repository, carton_served
+from _servers import Served, build_repository, carton_served
 
 _TICKS = os.sysconf("SC_CLK_TCK")
 

@@ -25,7 +25,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_server import build_repository, carton_server, free_port, run_load, wait_ready
+from _server_load import run_load
+from _servers import build_repository, carton_server, free_port, wait_ready
 
 SHAPE = (1, 16)
 

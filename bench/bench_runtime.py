@@ -42,17 +42,24 @@ RUNNERS_DIR = ROOT / "tests" / "runtime"
 
 
 def spec(entry: str, name: str, concurrent: bool = False) -> RunnerSpec:
-    return RunnerSpec(runner_name=name, framework_version="1.0.0", runner_compat_version=1,
-                      entry=f"runtime_test_runners:{entry}", concurrent=concurrent,
-                      env=(("PYTHONPATH", str(RUNNERS_DIR)),))
+    return RunnerSpec(
+        runner_name=name,
+        framework_version="1.0.0",
+        runner_compat_version=1,
+        entry=f"runtime_test_runners:{entry}",
+        concurrent=concurrent,
+        env=(("PYTHONPATH", str(RUNNERS_DIR)),),
+    )
 
 
 class BenchPlugin:
     @hookimpl
     def carton_runners(self) -> list[RunnerSpec]:
-        return [spec("Passthrough", "bench-passthrough"), spec("Spin", "bench-spin"),
-                spec("Affine", "bench-affine", concurrent=True)]
-
+        return [
+            spec("Passthrough", "bench-passthrough"),
+            spec("Spin", "bench-spin"),
+            spec("Affine", "bench-affine", concurrent=True),
+        ]
 
 
 def _rep_server(endpoint: str, ready: object) -> None:
@@ -105,8 +112,9 @@ def bench_small(repeat: int) -> None:
     declared = (TensorSpec(name="x", dtype=DType.FLOAT32, shape=("batch", 16)),)
     outputs = (TensorSpec(name="x", dtype=DType.FLOAT32, shape=("batch", 16)),)
     with tempfile.TemporaryDirectory() as folder:
-        model = load_unpacked(folder, runner_name="bench-passthrough", required_framework_version="*",
-                              inputs=declared, outputs=outputs)
+        model = load_unpacked(
+            folder, runner_name="bench-passthrough", required_framework_version="*", inputs=declared, outputs=outputs
+        )
         bare = load_unpacked(folder, runner_name="bench-passthrough", required_framework_version="*")
         process = RunnerProcess.start(spec("Passthrough", "bench-passthrough"))
         process.load(model_dir=Path(folder), opts={}, inputs=(), outputs=())
@@ -164,8 +172,9 @@ def bench_workers(seconds: float) -> None:
     with tempfile.TemporaryDirectory() as folder:
         rates: list[float] = []
         for workers in (1, 2):
-            with load_unpacked(folder, runner_name="bench-spin", required_framework_version="*",
-                               workers=workers) as model:
+            with load_unpacked(
+                folder, runner_name="bench-spin", required_framework_version="*", workers=workers
+            ) as model:
                 _throughput(model, 4, 0.5)  # warm up
                 rates.append(_throughput(model, 4, seconds))
             print(f"| {f'workers={workers}':<20} | {rates[-1]:>9.0f} | {rates[-1] / rates[0]:>5.2f}x |")
@@ -177,8 +186,9 @@ def bench_load(repeat: int) -> None:
         folder = Path(tmp, "model")
         folder.mkdir()
         (folder / "offset.txt").write_text("0.5")
-        path = carton.pack(folder, Path(tmp, "affine.carton"), runner_name="bench-affine",
-                           required_framework_version="*")
+        path = carton.pack(
+            folder, Path(tmp, "affine.carton"), runner_name="bench-affine", required_framework_version="*"
+        )
         x = np.ones((1, 4), np.float32)
 
         def by_hand() -> None:
@@ -205,8 +215,10 @@ def bench_load(repeat: int) -> None:
     p50 = percentiles(loaded)[0]
     print(f"| {'carton.load(.carton, cached) + infer + close':<60} | {p50 * 1e3:>6.1f} ms | {p50 / reference:>5.2f}x |")
     d50 = percentiles(discovery)[0]
-    print(f"| {'discover(): every plugin carton_runners() (part of load)':<60} | {d50 * 1e3:>6.2f} ms | "
-          f"{d50 / reference:>5.2f}x |")
+    print(
+        f"| {'discover(): every plugin carton_runners() (part of load)':<60} | {d50 * 1e3:>6.2f} ms | "
+        f"{d50 / reference:>5.2f}x |"
+    )
 
 
 def _thread_usage(pid: int) -> dict[int, tuple[str, int, int]]:
@@ -296,14 +308,16 @@ def measure_hop(model_file: Path, calls: int, rounds: int = 10) -> Hop:
 
 def bench_hop(calls: int) -> None:
     """`Model.infer` of the ONNX identity carton vs raw REQ/REP, with CPU and switches per call by thread."""
-    from bench_server import build_repository
+    from _servers import build_repository
 
     rounds = 10
     with tempfile.TemporaryDirectory() as folder:
         hop = measure_hop(build_repository(Path(folder)) / "identity" / "1" / "model.carton", calls, rounds)
     raw_p50, model_p50 = (percentiles(hop.samples[name])[0] for name in ("raw", "model"))
-    print(f"\n## The hop by thread: Model.infer of a [1,16] ONNX identity carton vs raw pyzmq REQ/REP "
-          f"({calls} calls each, {rounds} interleaved rounds, load {os.getloadavg()[0]:.2f})\n")
+    print(
+        f"\n## The hop by thread: Model.infer of a [1,16] ONNX identity carton vs raw pyzmq REQ/REP "
+        f"({calls} calls each, {rounds} interleaved rounds, load {os.getloadavg()[0]:.2f})\n"
+    )
     print(f"p50: Model.infer {model_p50 * 1e6:.1f} us, raw {raw_p50 * 1e6:.1f} us, ratio {model_p50 / raw_p50:.2f}x\n")
     print("| thread | Model.infer CPU per call | switches per call | raw CPU per call | switches per call |")
     print("|---|---|---|---|---|")
@@ -331,8 +345,10 @@ def main() -> None:
     sections = set(args.only.split(","))
     warnings.simplefilter("ignore", carton.CartonWarning)
     plugin_manager().register(BenchPlugin(), name="bench-runtime")
-    print(f"python {sys.version.split()[0]}, numpy {np.__version__}, pyzmq {zmq.__version__}, "
-          f"{os.cpu_count()} cpu(s), {carton.target_triple()}")
+    print(
+        f"python {sys.version.split()[0]}, numpy {np.__version__}, pyzmq {zmq.__version__}, "
+        f"{os.cpu_count()} cpu(s), {carton.target_triple()}"
+    )
     if "small" in sections:
         bench_small(2000 if args.quick else 20000)
     if "workers" in sections:

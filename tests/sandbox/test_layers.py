@@ -15,8 +15,7 @@ from typing import Any
 import carton
 import numpy as np
 import pytest
-from carton._runtime._exits import memory_failure
-from carton._runtime._process import _describe_exit, _exit_signal
+from carton._runtime._exits import describe_exit, exit_signal, memory_failure
 from carton._sandbox import Backend, Layer, SandboxPolicy, _seccomp, _wrap, launch_wrapper, machine_support, plan_setup
 from carton._sandbox._layers import SHIM
 from carton._sandbox._paths import system_paths
@@ -50,8 +49,16 @@ def test_strict_names_every_missing_layer(monkeypatch: pytest.MonkeyPatch) -> No
     with pytest.raises(SandboxUnavailable) as caught:
         plan_setup(SandboxPolicy.STRICT, None)
     text = str(caught.value)
-    for layer in ("pid_namespace", "network_namespace", "mount_namespace", "ipc_namespace", "filesystem_view",
-                  "landlock", "seccomp", "non_root_uid"):
+    for layer in (
+        "pid_namespace",
+        "network_namespace",
+        "mount_namespace",
+        "ipc_namespace",
+        "filesystem_view",
+        "landlock",
+        "seccomp",
+        "non_root_uid",
+    ):
         assert layer in text
     assert "bwrap missing (test)" in text
 
@@ -99,9 +106,12 @@ def test_limits_are_validated(field: str, value: object) -> None:
 def test_memory_limit_applies_without_a_sandbox(tmp_path: Path) -> None:
     (tmp_path / "note.txt").write_text("n:")
     limits = carton.RunnerLimits(memory_bytes=3 << 30)
-    with (carton.load_unpacked(tmp_path, runner_name="adversary", required_framework_version="1", sandbox="none",
-                               limits=limits) as model,
-          pytest.raises(RunnerMemoryLimit, match=r"memory_bytes=3221225472")):
+    with (
+        carton.load_unpacked(
+            tmp_path, runner_name="adversary", required_framework_version="1", sandbox="none", limits=limits
+        ) as model,
+        pytest.raises(RunnerMemoryLimit, match=r"memory_bytes=3221225472"),
+    ):
         model.infer({"action": np.array(["alloc"]), "arg": np.array([str(50 << 30)])})
 
 
@@ -113,10 +123,14 @@ def test_a_memory_limit_too_low_to_start_names_the_limit(tmp_path: Path, policy:
         pytest.skip("strict is refused on this machine (a layer is missing)")
     (tmp_path / "note.txt").write_text("n:")
     limits = carton.RunnerLimits(memory_bytes=50 << 20)  # numpy's libraries cannot even be mapped
-    with pytest.raises(RunnerMemoryLimit, match=r"before completing the handshake: it ran out of memory under its "
-                       r"memory limit \(memory_bytes=52428800\): ") as caught:
-        carton.load_unpacked(tmp_path, runner_name="adversary", required_framework_version="1", sandbox=policy,
-                             limits=limits)
+    with pytest.raises(
+        RunnerMemoryLimit,
+        match=r"before completing the handshake: it ran out of memory under its "
+        r"memory limit \(memory_bytes=52428800\): ",
+    ) as caught:
+        carton.load_unpacked(
+            tmp_path, runner_name="adversary", required_framework_version="1", sandbox=policy, limits=limits
+        )
     message = str(caught.value)
     assert caught.value.limit_bytes == 50 << 20
     # The one line that says what failed, not the log's tail (numpy's import error is a page of advice).
@@ -147,23 +161,36 @@ Original error was: libscipy_openblas64_.so: failed to map segment from shared o
 @pytest.mark.parametrize(
     ("text", "limits", "expected"),
     [
-        ("ImportError: libstdc++.so.6: failed to map segment from shared object", {"memory_bytes": 5e7},
-         "ImportError: libstdc++.so.6: failed to map segment from shared object"),
+        (
+            "ImportError: libstdc++.so.6: failed to map segment from shared object",
+            {"memory_bytes": 5e7},
+            "ImportError: libstdc++.so.6: failed to map segment from shared object",
+        ),
         ("MemoryError", {"memory_bytes": 1024.0}, "MemoryError"),
-        ("OSError: [Errno 12] Cannot allocate memory", {"memory_bytes": 1024.0},
-         "OSError: [Errno 12] Cannot allocate memory"),
+        (
+            "OSError: [Errno 12] Cannot allocate memory",
+            {"memory_bytes": 1024.0},
+            "OSError: [Errno 12] Cannot allocate memory",
+        ),
         ("mmap failed: ENOMEM", {"memory_bytes": 1024.0}, "mmap failed: ENOMEM"),
-        ("terminate called after throwing an instance of 'std::bad_alloc'\n  what():  std::bad_alloc\n",
-         {"memory_bytes": 1024.0}, "what():  std::bad_alloc"),
-        (NUMPY_IMPORT_FAILURE, {"memory_bytes": 1024.0},
-         "Original error was: libscipy_openblas64_.so: failed to map segment from shared object"),
+        (
+            "terminate called after throwing an instance of 'std::bad_alloc'\n  what():  std::bad_alloc\n",
+            {"memory_bytes": 1024.0},
+            "what():  std::bad_alloc",
+        ),
+        (
+            NUMPY_IMPORT_FAILURE,
+            {"memory_bytes": 1024.0},
+            "Original error was: libscipy_openblas64_.so: failed to map segment from shared object",
+        ),
         ("ImportError: libstdc++.so.6: failed to map segment from shared object", {}, None),  # no limit: not it
         ("ModuleNotFoundError: No module named 'x'", {"memory_bytes": 1024.0}, None),
         ("ENOMEMORIES are not errors", {"memory_bytes": 1024.0}, None),
     ],
 )
-def test_memory_failures_are_recognised_only_under_a_memory_limit(text: str, limits: dict[str, float],
-                                                                 expected: str | None) -> None:
+def test_memory_failures_are_recognised_only_under_a_memory_limit(
+    text: str, limits: dict[str, float], expected: str | None
+) -> None:
     """What a memory-limit error quotes: the last line that shows an allocation failure, nothing else."""
     assert memory_failure(limits, "runner x exited with status 1", text) == expected
 
@@ -171,8 +198,13 @@ def test_memory_failures_are_recognised_only_under_a_memory_limit(text: str, lim
 @pytest.mark.usefixtures("adversarial_plugin")
 def test_an_unrelated_start_failure_under_a_memory_limit_stays_a_start_error(tmp_path: Path) -> None:
     with pytest.raises(RunnerStartError, match=r"failed to load .*FileNotFoundError.*note\.txt"):  # no note.txt
-        carton.load_unpacked(tmp_path, runner_name="adversary", required_framework_version="1",
-                             sandbox="none", limits=carton.RunnerLimits(memory_bytes=3 << 30))
+        carton.load_unpacked(
+            tmp_path,
+            runner_name="adversary",
+            required_framework_version="1",
+            sandbox="none",
+            limits=carton.RunnerLimits(memory_bytes=3 << 30),
+        )
 
 
 def test_machine_support_reports_every_layer() -> None:
@@ -197,8 +229,8 @@ def test_machine_support_reports_every_layer() -> None:
     ],
 )
 def test_exit_classification(returncode: int | None, base: int | None, signum: int | None, text: str) -> None:
-    assert _exit_signal(returncode, base) == signum
-    assert _describe_exit(returncode, base) == text
+    assert exit_signal(returncode, base) == signum
+    assert describe_exit(returncode, base) == text
 
 
 # --- seccomp: exact bytes and behaviour ---------------------------------------------------------------------------
@@ -211,27 +243,36 @@ def _insn(code: int, jt: int, jf: int, k: int) -> bytes:
 def test_seccomp_program_bytes_x86_64() -> None:
     program = _seccomp.build_filter("x86_64")
     assert len(program) % 8 == 0
-    assert program[:40] == b"".join([
-        _insn(0x20, 0, 0, 4),  # ld arch
-        _insn(0x15, 1, 0, 0xC000003E),  # jeq AUDIT_ARCH_X86_64
-        _insn(0x06, 0, 0, 0x80000000),  # ret KILL_PROCESS
-        _insn(0x20, 0, 0, 0),  # ld nr
-        _insn(0x35, len(program) // 8 - 6, 0, 0x40000000),  # x32 syscalls -> the final KILL_PROCESS
-    ])
-    assert program[-40:] == b"".join([
-        _insn(0x06, 0, 0, 0x7FFF0000),  # allow
-        _insn(0x06, 0, 0, 0x00050001),  # errno EPERM
-        _insn(0x06, 0, 0, 0x00050026),  # errno ENOSYS
-        _insn(0x06, 0, 0, 0x00050061),  # errno EAFNOSUPPORT
-        _insn(0x06, 0, 0, 0x80000000),  # kill
-    ])
+    assert program[:40] == b"".join(
+        [
+            _insn(0x20, 0, 0, 4),  # ld arch
+            _insn(0x15, 1, 0, 0xC000003E),  # jeq AUDIT_ARCH_X86_64
+            _insn(0x06, 0, 0, 0x80000000),  # ret KILL_PROCESS
+            _insn(0x20, 0, 0, 0),  # ld nr
+            _insn(0x35, len(program) // 8 - 6, 0, 0x40000000),  # x32 syscalls -> the final KILL_PROCESS
+        ]
+    )
+    assert program[-40:] == b"".join(
+        [
+            _insn(0x06, 0, 0, 0x7FFF0000),  # allow
+            _insn(0x06, 0, 0, 0x00050001),  # errno EPERM
+            _insn(0x06, 0, 0, 0x00050026),  # errno ENOSYS
+            _insn(0x06, 0, 0, 0x00050061),  # errno EAFNOSUPPORT
+            _insn(0x06, 0, 0, 0x80000000),  # kill
+        ]
+    )
 
 
 def test_seccomp_program_bytes_aarch64() -> None:
     program = _seccomp.build_filter("aarch64")
-    assert program[:32] == b"".join([
-        _insn(0x20, 0, 0, 4), _insn(0x15, 1, 0, 0xC00000B7), _insn(0x06, 0, 0, 0x80000000), _insn(0x20, 0, 0, 0),
-    ])
+    assert program[:32] == b"".join(
+        [
+            _insn(0x20, 0, 0, 4),
+            _insn(0x15, 1, 0, 0xC00000B7),
+            _insn(0x06, 0, 0, 0x80000000),
+            _insn(0x20, 0, 0, 0),
+        ]
+    )
     assert _insn(0x15, 0, 0, 117)[:2] in program  # ptrace is in the deny list (jump offsets vary)
 
 
@@ -243,7 +284,10 @@ def test_seccomp_unknown_architecture() -> None:
 def _run_shim(config: dict[str, object], code: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-E", "-s", "-S", str(SHIM), json.dumps(config), "--", sys.executable, "-S", "-c", code],
-        capture_output=True, text=True, timeout=60, check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
 
 
@@ -301,7 +345,10 @@ def test_landlock_rules(tmp_path: Path) -> None:
     done = _run_shim({"landlock": {"read": read, "write": [str(writable)]}}, code)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == [
-        "read ro ok", "write ro PermissionError", "write rw ok", "read hidden PermissionError",
+        "read ro ok",
+        "write ro PermissionError",
+        "write rw ok",
+        "read hidden PermissionError",
         "read shadow PermissionError",
     ]
 
@@ -312,8 +359,13 @@ def test_shim_reports_a_failing_layer_by_name() -> None:
     assert done.stderr.startswith("carton sandbox: resource_limits: setrlimit(NOFILE, 10, 5)")
     done = _run_shim({}, "pass")
     assert done.returncode == 0
-    bad = subprocess.run([sys.executable, "-S", str(SHIM), "{not json", "--", "true"], capture_output=True,
-                         text=True, timeout=60, check=False)
+    bad = subprocess.run(
+        [sys.executable, "-S", str(SHIM), "{not json", "--", "true"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert bad.returncode == SETUP_FAILED and "carton sandbox: shim: bad configuration" in bad.stderr
 
 
@@ -322,20 +374,31 @@ def test_shim_reaper_reports_signals_like_bubblewrap() -> None:
     assert done.returncode == 128 + 11
 
 
-
-@pytest.mark.parametrize(("where", "given", "expected"), [
-    ("https://example.invalid/m.carton", None, SandboxPolicy.BEST_EFFORT),
-    ("http://127.0.0.1:9/m.carton", None, SandboxPolicy.BEST_EFFORT),
-    ("https://example.invalid/m.carton", "none", "none"),
-    ("/models/m.carton", None, None),
-])
-def test_url_loads_default_to_best_effort(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, where: str,
-                                          given: str | None, expected: object) -> None:
+@pytest.mark.parametrize(
+    ("where", "given", "expected"),
+    [
+        ("https://example.invalid/m.carton", None, SandboxPolicy.BEST_EFFORT),
+        ("http://127.0.0.1:9/m.carton", None, SandboxPolicy.BEST_EFFORT),
+        ("https://example.invalid/m.carton", "none", "none"),
+        ("/models/m.carton", None, None),
+    ],
+)
+def test_url_loads_default_to_best_effort(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, where: str, given: str | None, expected: object
+) -> None:
     from carton._workflows import _load
 
-    info = carton.CartonInfo(spec_version=1, model_name=None, required_platforms=(), inputs=(), outputs=(),
-                             runner=carton.RunnerInfo(runner_name="adversary", required_framework_version="1",
-                                                      runner_compat_version=1, opts={}), manifest_sha256="")
+    info = carton.CartonInfo(
+        spec_version=1,
+        model_name=None,
+        required_platforms=(),
+        inputs=(),
+        outputs=(),
+        runner=carton.RunnerInfo(
+            runner_name="adversary", required_framework_version="1", runner_compat_version=1, opts={}
+        ),
+        manifest_sha256="",
+    )
 
     class Opened:
         def __init__(self) -> None:

@@ -1,5 +1,6 @@
-"""carton's HTTP/2 frame layer (carton/server/_http2.py) byte for byte: hand-built frames over a real socket to the
-gRPC port, and the exact frames that come back (settings, pings, header blocks, flow control, connection errors)."""
+"""carton's HTTP/2 frame layer (carton/server/_http2.py, _http2_frames.py) byte for byte: hand-built frames over a
+real socket to the gRPC port, and the exact frames that come back (settings, pings, header blocks, flow control,
+connection errors)."""
 
 from __future__ import annotations
 

@@ -5,17 +5,17 @@ dies fails the calls in flight with `RunnerCrashed` within milliseconds (its pid
 that does not answer in time is killed with its whole process tree (`RunnerTimeout`), a failure the runner reports
 becomes the exception its code maps to (`_failures.remote_failure`), and the process, its descendants and its
 runtime directory are cleaned up on close, on garbage collection and at exit. Exceptions of the layers below (the
-wire, ZeroMQ, the operating system) are translated in one place, `RunnerProcess._failure`.
+wire, ZeroMQ, the operating system) are translated in one place, `RunnerProcess._failure`. That failure side (the
+translation, and the exceptions for a runner that exited, timed out, did not start or answered amiss) is
+``_process_failures.py``'s `RunnerFailures`, which `RunnerProcess` inherits; the calls' own checks stay here.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import functools
 import os
-import signal
 import threading
 import time
 import weakref
@@ -45,34 +45,26 @@ from carton_protocol import (
     RunnerSpec,
     Tensor,
     TensorSpec,
-    VersionMismatch,
     WireLimits,
 )
 
-from .._environments import rebuild_command
 from .._warnings import warn_user
 from ..errors import (
-    CartonError,
     InvalidInput,
     ModelClosed,
     ProtocolMismatch,
-    RunnerCPULimit,
-    RunnerCrashed,
     RunnerError,
     RunnerMemoryLimit,
     RunnerProtocolError,
     RunnerStartError,
-    RunnerTimeout,
     RunnerWarning,
 )
 from ._cgroups import runner_cgroup
 from ._connection import AsyncChannel, CallTimeout, Connection, NotSent, PeerGone
 from ._exits import Resources as _Resources
-from ._exits import describe_exit as _describe_exit
-from ._exits import exit_signal as _exit_signal
-from ._exits import memory_failure as _memory_failure
-from ._failures import Operation, remote_failure
-from ._launch import LaunchPlan, build_launch_plan, make_runtime_dir, read_log_tail, spawn
+from ._failures import Operation
+from ._launch import LaunchPlan, build_launch_plan, make_runtime_dir, spawn
+from ._process_failures import RunnerFailures
 
 __all__ = ["DEFAULT_SHM_THRESHOLD", "LaunchPlan", "RunnerProcess", "release_lent"]
 
@@ -105,7 +97,7 @@ def _cause(exc: BaseException) -> BaseException | None:
     return None if isinstance(exc, PeerGone | CallTimeout) else exc
 
 
-class RunnerProcess:
+class RunnerProcess(RunnerFailures):
     """One runner in its own process. `infer` is thread-safe: several calls may be in flight at once."""
 
     def __init__(self, spec: RunnerSpec, plan: LaunchPlan, resources: _Resources) -> None:
@@ -244,101 +236,6 @@ class RunnerProcess:
             raise self._failure(exc, operation, timeout, limit_name) from _cause(exc)
         finally:
             self._leave()
-
-    def _failure(self, exc: BaseException, operation: Operation, timeout: float | None, limit_name: str) -> CartonError:
-        """The one translation of what the layers below raise (the wire, ZeroMQ, the system, the host's own
-        wake-ups) into the `carton` exception a call raises; sync and async calls alike."""
-        entry = self.spec.entry
-        starting = operation is Operation.START
-        match exc:
-            case PeerGone() if starting:
-                text = f"runner {entry} {self._exit_text()} before completing the handshake"
-                return self._start_error(text)
-            case PeerGone():
-                return self._gone_error(str(operation))
-            case CallTimeout():
-                what = "complete the handshake" if starting else f"answer {operation}"
-                fate = RunnerTimeout(
-                    f"runner {entry} did not {what} within {timeout:g} s ({limit_name}); it was killed"
-                    + (self._log_text() if starting else ""),
-                    limit_seconds=timeout,
-                    limit_name=limit_name,
-                )
-                self._kill(fate)
-                return fate
-            case VersionMismatch():
-                return self._mismatch(exc.remote)
-            case ProtocolError():
-                what = "a malformed handshake" if starting else f"a malformed reply to {operation}"
-                return RunnerProtocolError(f"runner {entry} sent {what}: {exc}")
-            case _ if self._closed:
-                return ModelClosed(f"runner {entry} was closed during {operation}")
-            case _:
-                return RunnerProtocolError(f"runner {entry}: transport failed during {operation}: {exc}")
-
-    def _remote_failure(self, reply: ErrorReply, operation: Operation, subject: str = "") -> CartonError:
-        return remote_failure(
-            reply, runner=self.spec.entry, operation=operation, subject=subject, limits=self.plan.limits
-        )
-
-    def _unexpected(self, reply: Reply, what: str) -> RunnerProtocolError:
-        return RunnerProtocolError(f"runner {self.spec.entry} answered {what} with a {type(reply).__name__}")
-
-    def _gone_error(self, what: str) -> RunnerError:
-        if self._fate is not None:
-            failure = copy.copy(self._fate)  # the same type and facts (a timeout's limit), told for this call
-            failure.args = (f"{self._fate} (while waiting for {what})",)
-            return failure
-        if self._closed:
-            return ModelClosed(f"runner {self.spec.entry} was closed during {what}")
-        text = f"runner {self.spec.entry} (pid {self.pid}) {self._exit_text()} during {what}"
-        # Whatever is left of the tree goes now (a runner that killed its supervisor is still running).
-        self._resources.kill()
-        ended = self._resources.exit
-        returncode = None if ended is None else ended.returncode
-        signum = _exit_signal(returncode, self.plan.exit_signal_base)
-        cpu = self.plan.limits.get("cpu_seconds")
-        used = None if ended is None else ended.cpu_seconds
-        if cpu is not None and signum in (signal.SIGXCPU, signal.SIGKILL) and used is not None and used >= cpu:
-            # SIGXCPU at the soft limit; SIGKILL at the hard one (a second later) if the runner caught SIGXCPU. The
-            # signal alone proves nothing (a runner can send either to itself): its CPU time must show the limit.
-            return RunnerCPULimit(
-                f"{text}: it went over its CPU-time limit (cpu_seconds={cpu:g}; it used {used:.1f} s)"
-                + self._log_text(),
-                limit_seconds=cpu,
-            )
-        if cpu is not None and signum in (signal.SIGXCPU, signal.SIGKILL):
-            # A reader of the signal would blame the limit: say what the accounting showed instead.
-            shown = "its CPU time is not known" if used is None else f"it used {used:.2f} s"
-            text += f" (not its CPU-time limit cpu_seconds={cpu:g}: {shown})"
-        return RunnerCrashed(f"{text}{self._log_text()}", returncode=returncode, signal=signum)
-
-    def _start_error(self, what: str) -> RunnerError:
-        """`RunnerStartError` quoting the log's end, or `RunnerMemoryLimit` naming the limit and quoting only the
-        line that shows an allocation failure, when the runner had a memory limit and its log shows one."""
-        line = _memory_failure(self.plan.limits, read_log_tail(self._resources.runtime.log_fd, 1 << 16))
-        if line is not None:
-            limit = self.plan.limits["memory_bytes"]
-            return RunnerMemoryLimit(
-                f"{what}: it ran out of memory under its memory limit (memory_bytes={limit:.0f}): {line}",
-                limit_bytes=limit,
-            )
-        hint = ""
-        if self.spec.environment is not None:
-            # A runner environment that cannot start its runner is broken (a package removed from it, say): the user
-            # can do nothing with the log alone.
-            command = rebuild_command(self.spec.runner_name, self.spec.framework_version, force=True)
-            hint = (
-                f"\n(the runner runs in the runner environment {self.spec.runner_name} {self.spec.framework_version};"
-                f" if it is broken, rebuild it: {command})"
-            )
-        return RunnerStartError(f"{what}{self._log_text()}{hint}")
-
-    def _kill(self, fate: RunnerError) -> None:
-        with self._lock:
-            if self._fate is None:
-                self._fate = fate
-        self._resources.kill()
 
     def load(
         self,
@@ -617,14 +514,6 @@ class RunnerProcess:
         return f"<RunnerProcess {self.spec.runner_name} {self.spec.entry} pid={self.pid} {state}>"
 
     # --- helpers -------------------------------------------------------------------------------------------------
-    def _exit_text(self) -> str:
-        ended = self._resources.wait(1.0)
-        return _describe_exit(None if ended is None else ended.returncode, self.plan.exit_signal_base)
-
-    def _log_text(self) -> str:
-        tail = read_log_tail(self._resources.runtime.log_fd)
-        return f"; runner log ends with:\n{tail}" if tail else ""
-
     def _raise_warnings(self, messages: tuple[str, ...]) -> None:
         for message in messages:
             warn_user(f"runner {self.spec.runner_name}: {message}", RunnerWarning)

@@ -13,14 +13,14 @@ headers into it or names those a previous block inserted (a subclass keeps track
 its blocks are sent). This side's table stays within the default 4096 bytes; when the client's HEADER_TABLE_SIZE
 setting goes below that, the next header block sent starts by emptying the table (a size update to 0) and
 `header_table_lowered` tells the subclass to insert nothing more. Server push is never used. Why not the `h2`
-library: docs/server.md, "The gRPC server".
+library: docs/server.md, "The gRPC server". The wire format (frame types, flags, settings, error codes, the header
+blocks sent) is `._http2_frames`'s; this module keeps the streams' states, the windows and the frames' handling.
 """
 
 from __future__ import annotations
 
 import abc
 import asyncio
-import enum
 import logging
 import struct
 from typing import cast
@@ -30,25 +30,46 @@ from hpack import Decoder
 from hpack.exceptions import HPACKError
 
 from ._bounded import remember
+from ._http2_frames import (
+    ACK,
+    CONTINUATION,
+    DATA,
+    DEFAULT_FRAME,
+    DEFAULT_TABLE,
+    DEFAULT_WINDOW,
+    EMPTY_TABLE,
+    ENABLE_PUSH,
+    END_HEADERS,
+    END_STREAM,
+    GOAWAY,
+    HEADER_TABLE_SIZE,
+    HEADERS,
+    HEADERS_MASK,
+    INITIAL_WINDOW_SIZE,
+    MAX_CONCURRENT_STREAMS,
+    MAX_FRAME_SIZE,
+    MAX_WINDOW,
+    PADDED,
+    PING,
+    PRIORITY,
+    PRIORITY_FLAG,
+    PUSH_PROMISE,
+    RST_STREAM,
+    SETTINGS,
+    WINDOW_UPDATE,
+    ErrorCode,
+    Http2Error,
+    StreamGone,
+    frame,
+    goaway_frame,
+    header_block,
+    indexing_block,
+    unpad,
+)
 
 __all__ = ["ErrorCode", "Http2Connection", "StreamGone", "header_block", "indexing_block"]
 
 _log = logging.getLogger("carton.server")
-
-_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-
-_DATA, _HEADERS, _PRIORITY, _RST_STREAM, _SETTINGS, _PUSH_PROMISE, _PING, _GOAWAY, _WINDOW_UPDATE, _CONTINUATION = (
-    range(10)
-)
-_END_STREAM, _ACK, _END_HEADERS, _PADDED, _PRIORITY_FLAG = 0x1, 0x1, 0x4, 0x8, 0x20
-_HEADERS_MASK = _END_HEADERS | _PADDED | _PRIORITY_FLAG
-
-_HEADER_TABLE_SIZE, _ENABLE_PUSH, _MAX_CONCURRENT_STREAMS, _INITIAL_WINDOW_SIZE, _MAX_FRAME_SIZE = 1, 2, 3, 4, 5
-_DEFAULT_TABLE = 4096  # the dynamic table's size an encoder may use until the client's settings say otherwise
-_EMPTY_TABLE = b"\x20"  # an HPACK dynamic table size update to 0
-_MAX_WINDOW = 2**31 - 1
-_DEFAULT_WINDOW = 65535
-_DEFAULT_FRAME = 16384
 
 # Offered to clients: a large receive window and frames, so large tensors arrive in few frames and few window updates.
 _WINDOW = 4 * 1024 * 1024
@@ -60,89 +81,12 @@ _MAX_HEADER_BLOCK = 256 * 1024
 
 # Decoded header blocks kept per connection: a client's calls repeat a handful (one per method and model).
 _KNOWN_BLOCKS = 64
-_HEAD = struct.Struct(">BHBBI")  # length (24 bits, as 8 + 16), type, flags, stream id
+# The preface, and a frame's head: length (24 bits, as 8 + 16), type, flags, stream id. They are this module's own
+# names, not imported ones: CPython compiles `name.method(...)` on a name an import bound as an attribute load and a
+# call (a bound method made on every call) rather than a method call, and a frame's head is on every request's path.
+_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+_HEAD = struct.Struct(">BHBBI")
 _U32 = struct.Struct(">I")
-
-
-class ErrorCode(enum.IntEnum):
-    """The error codes of the RST_STREAM and GOAWAY frames this side sends."""
-
-    NO_ERROR = 0
-    PROTOCOL_ERROR = 1
-    FLOW_CONTROL_ERROR = 3
-    STREAM_CLOSED = 5
-    FRAME_SIZE_ERROR = 6
-    REFUSED_STREAM = 7
-    COMPRESSION_ERROR = 9
-
-
-class StreamGone(Exception):
-    """A send on a stream the client reset, or on a connection that is closed."""
-
-
-class _ConnectionError(Exception):
-    """A connection error: GOAWAY with `code`, then the connection is closed."""
-
-    def __init__(self, code: int, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-def _frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
-    return len(payload).to_bytes(3, "big") + bytes((kind, flags)) + stream_id.to_bytes(4, "big") + payload
-
-
-def _integer(value: int, prefix_bits: int, first: int) -> bytes:
-    """An HPACK integer with a `prefix_bits`-bit prefix whose other bits are `first`."""
-    limit = (1 << prefix_bits) - 1
-    if value < limit:
-        return bytes((first | value,))
-    out = bytearray((first | limit,))
-    value -= limit
-    while value >= 128:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-# The static table's entries a response names (RFC 7541, appendix A).
-_STATIC_NAMES = {b":status": 8, b"content-type": 31}
-_STATIC_FIELDS = {(b":status", b"200"): 8}
-
-
-def header_block(headers: list[tuple[bytes, bytes]]) -> bytes:
-    """An HPACK header block for `headers` that never touches the dynamic table (so any decoder state accepts it)."""
-    out = []
-    for name, value in headers:
-        if (name, value) in _STATIC_FIELDS:
-            out.append(_integer(_STATIC_FIELDS[name, value], 7, 0x80))
-            continue
-        index = _STATIC_NAMES.get(name)
-        out.append(_integer(index, 4, 0) if index else b"\x00" + _integer(len(name), 7, 0) + name)
-        out.append(_integer(len(value), 7, 0) + value)
-    return b"".join(out)
-
-
-def indexing_block(headers: list[tuple[bytes, bytes]], table: list[tuple[bytes, bytes]]) -> bytes:
-    """An HPACK header block for `headers` against the client's dynamic table holding `table` (the headers inserted by
-    the blocks sent before, newest first): a header in the static table or in `table` is named by its index, any
-    other is inserted (and `table` updated to what the client's table holds after this block). The caller keeps
-    `table` within `_DEFAULT_TABLE` bytes (32 more per header than its name and value), so nothing is evicted."""
-    out = []
-    for name, value in headers:
-        if (name, value) in _STATIC_FIELDS:
-            out.append(_integer(_STATIC_FIELDS[name, value], 7, 0x80))
-        elif (name, value) in table:
-            out.append(_integer(62 + table.index((name, value)), 7, 0x80))
-        else:
-            index = _STATIC_NAMES.get(name)
-            out.append(_integer(index, 6, 0x40) if index else b"\x40" + _integer(len(name), 7, 0) + name)
-            out.append(_integer(len(value), 7, 0) + value)
-            table.insert(0, (name, value))
-    if sum(32 + len(name) + len(value) for name, value in table) > _DEFAULT_TABLE:
-        raise ValueError("the headers inserted would not fit the default dynamic table")
-    return b"".join(out)
 
 
 class _Stream(msgspec.Struct, gc=False, eq=False):
@@ -173,9 +117,9 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
         self._streams: dict[int, _Stream] = {}
         self._last_stream = 0
         self._continuing: tuple[int, int, list[bytes]] | None = None  # stream id, flags, fragments of a header block
-        self._send_window = _DEFAULT_WINDOW
-        self._initial_window = _DEFAULT_WINDOW
-        self._max_frame = _DEFAULT_FRAME
+        self._send_window = DEFAULT_WINDOW
+        self._initial_window = DEFAULT_WINDOW
+        self._max_frame = DEFAULT_FRAME
         self._received = 0  # DATA bytes not yet given back: the connection's receive window is what is left
         self._stream_owed = False  # a stream has received half of its window since its last WINDOW_UPDATE
         self._waiters: list[asyncio.Future[None]] = []
@@ -223,13 +167,13 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
         settings = b"".join(
             struct.pack(">HI", key, value)
             for key, value in (
-                (_MAX_CONCURRENT_STREAMS, _MAX_STREAMS),
-                (_INITIAL_WINDOW_SIZE, _WINDOW),
-                (_MAX_FRAME_SIZE, _MAX_FRAME),
+                (MAX_CONCURRENT_STREAMS, _MAX_STREAMS),
+                (INITIAL_WINDOW_SIZE, _WINDOW),
+                (MAX_FRAME_SIZE, _MAX_FRAME),
             )
         )
-        self._out.append(_frame(_SETTINGS, 0, 0, settings))
-        self._out.append(_frame(_WINDOW_UPDATE, 0, 0, (_WINDOW - _DEFAULT_WINDOW).to_bytes(4, "big")))
+        self._out.append(frame(SETTINGS, 0, 0, settings))
+        self._out.append(frame(WINDOW_UPDATE, 0, 0, (_WINDOW - DEFAULT_WINDOW).to_bytes(4, "big")))
         self.flush()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -251,83 +195,83 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
         try:
             if self._preface:
                 if data[: len(_PREFACE)] != _PREFACE:
-                    raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "not the HTTP/2 connection preface")
+                    raise Http2Error(ErrorCode.PROTOCOL_ERROR, "not the HTTP/2 connection preface")
                 self._preface = False
                 at = len(_PREFACE)
             while size - at >= 9:
                 high, low, kind, flags, stream_id = _HEAD.unpack_from(data, at)
                 length = high << 16 | low
                 if length > _MAX_FRAME:
-                    raise _ConnectionError(ErrorCode.FRAME_SIZE_ERROR, f"a frame of {length} bytes")
+                    raise Http2Error(ErrorCode.FRAME_SIZE_ERROR, f"a frame of {length} bytes")
                 end: int = at + 9 + length
                 if end > size:
                     need = 9 + length
                     break
                 start = at + 9  # the payload is data[start:end], sliced only where it is used
                 at = end
-                stream_id &= _MAX_WINDOW
+                stream_id &= MAX_WINDOW
                 if not self._ordinary:
-                    if not self._settled and kind != _SETTINGS:
-                        raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "the first frame is not SETTINGS")
-                    if self._continuing is not None and kind != _CONTINUATION:
-                        raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "a frame inside a header block")
+                    if not self._settled and kind != SETTINGS:
+                        raise Http2Error(ErrorCode.PROTOCOL_ERROR, "the first frame is not SETTINGS")
+                    if self._continuing is not None and kind != CONTINUATION:
+                        raise Http2Error(ErrorCode.PROTOCOL_ERROR, "a frame inside a header block")
                 # A call's frames first: the client's two WINDOW_UPDATEs (its stream's, and the connection's for the
                 # last response), handled here, its DATA and its HEADERS.
-                if kind == _WINDOW_UPDATE:
+                if kind == WINDOW_UPDATE:
                     if length != 4:
                         message = "a WINDOW_UPDATE frame that is not 4 bytes"
-                        raise _ConnectionError(ErrorCode.FRAME_SIZE_ERROR, message)
-                    increment = _U32.unpack_from(data, start)[0] & _MAX_WINDOW
+                        raise Http2Error(ErrorCode.FRAME_SIZE_ERROR, message)
+                    increment = _U32.unpack_from(data, start)[0] & MAX_WINDOW
                     if not stream_id:
                         if not increment:
-                            raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "a WINDOW_UPDATE of 0")
+                            raise Http2Error(ErrorCode.PROTOCOL_ERROR, "a WINDOW_UPDATE of 0")
                         self._send_window += increment
-                        if self._send_window > _MAX_WINDOW:
+                        if self._send_window > MAX_WINDOW:
                             message = "the connection's window over 2^31-1"
-                            raise _ConnectionError(ErrorCode.FLOW_CONTROL_ERROR, message)
+                            raise Http2Error(ErrorCode.FLOW_CONTROL_ERROR, message)
                     elif (stream := self._streams.get(stream_id)) is not None:
                         stream.send_window += increment
-                        if not increment or stream.send_window > _MAX_WINDOW:
+                        if not increment or stream.send_window > MAX_WINDOW:
                             code = ErrorCode.PROTOCOL_ERROR if not increment else ErrorCode.FLOW_CONTROL_ERROR
                             self._reset(stream_id, code)
                     elif stream_id > self._last_stream:
-                        raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "a WINDOW_UPDATE on a stream never opened")
+                        raise Http2Error(ErrorCode.PROTOCOL_ERROR, "a WINDOW_UPDATE on a stream never opened")
                     # (a closed stream's is ignored)
                     if self._waiters:  # usually none: the response went out at once
                         self._wake()
-                elif kind == _DATA:
+                elif kind == DATA:
                     self._data(stream_id, flags, data[start:end])
-                elif kind == _HEADERS:
-                    if flags & _HEADERS_MASK == _END_HEADERS and stream_id:  # the usual: plain, whole
+                elif kind == HEADERS:
+                    if flags & HEADERS_MASK == END_HEADERS and stream_id:  # the usual: plain, whole
                         self._header_block(stream_id, flags, data[start:end])
                     else:
                         self._headers(stream_id, flags, data[start:end])
-                elif kind == _CONTINUATION:
+                elif kind == CONTINUATION:
                     self._continuation(stream_id, flags, data[start:end])
-                elif kind == _SETTINGS:
+                elif kind == SETTINGS:
                     self._settings(stream_id, flags, data[start:end])
-                elif kind == _PING:
+                elif kind == PING:
                     if length != 8:
-                        raise _ConnectionError(ErrorCode.FRAME_SIZE_ERROR, "a PING frame that is not 8 bytes")
+                        raise Http2Error(ErrorCode.FRAME_SIZE_ERROR, "a PING frame that is not 8 bytes")
                     if stream_id:
-                        raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "a PING frame on a stream")
-                    if not flags & _ACK:
-                        self._out.append(_frame(_PING, _ACK, 0, data[start:end]))
-                elif kind == _RST_STREAM:
+                        raise Http2Error(ErrorCode.PROTOCOL_ERROR, "a PING frame on a stream")
+                    if not flags & ACK:
+                        self._out.append(frame(PING, ACK, 0, data[start:end]))
+                elif kind == RST_STREAM:
                     self._rst_stream(stream_id, data[start:end])
-                elif kind == _GOAWAY:
+                elif kind == GOAWAY:
                     if stream_id:
-                        raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "a GOAWAY frame on a stream")
+                        raise Http2Error(ErrorCode.PROTOCOL_ERROR, "a GOAWAY frame on a stream")
                     self.flush()
                     self.close()
                     return
-                elif kind == _PRIORITY:
+                elif kind == PRIORITY:
                     if length != 5:
-                        raise _ConnectionError(ErrorCode.FRAME_SIZE_ERROR, "a PRIORITY frame that is not 5 bytes")
-                elif kind == _PUSH_PROMISE:
-                    raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "a client sent PUSH_PROMISE")
+                        raise Http2Error(ErrorCode.FRAME_SIZE_ERROR, "a PRIORITY frame that is not 5 bytes")
+                elif kind == PUSH_PROMISE:
+                    raise Http2Error(ErrorCode.PROTOCOL_ERROR, "a client sent PUSH_PROMISE")
                 # Other frame types are extensions this side does not take part in: ignored, as RFC 9113 asks.
-        except _ConnectionError as error:
+        except Http2Error as error:
             self._fail(error.code, str(error))
             return
         self._need = need
@@ -371,12 +315,12 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
         """Tell the client no new streams are taken; the streams under way go on."""
         if not self.closed and not self._going_away:
             self._going_away = True
-            self._out.append(_goaway(self._last_stream, ErrorCode.NO_ERROR))
+            self._out.append(goaway_frame(self._last_stream, ErrorCode.NO_ERROR))
             self.flush()
 
     def _fail(self, code: int, message: str) -> None:
         _log.debug("HTTP/2 connection error %d: %s", code, message)
-        self._out.append(_goaway(self._last_stream, code, message.encode()))
+        self._out.append(goaway_frame(self._last_stream, code, message.encode()))
         self.flush()
         self.closed = True
         self.close()
@@ -384,60 +328,60 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
     # ---- receiving: the frames' handlers ------------------------------------------------------------------------
     def _settings(self, stream_id: int, flags: int, payload: bytes) -> None:
         if stream_id:
-            raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "a SETTINGS frame on a stream")
-        if flags & _ACK:
+            raise Http2Error(ErrorCode.PROTOCOL_ERROR, "a SETTINGS frame on a stream")
+        if flags & ACK:
             if payload:
-                raise _ConnectionError(ErrorCode.FRAME_SIZE_ERROR, "a SETTINGS acknowledgement with a payload")
+                raise Http2Error(ErrorCode.FRAME_SIZE_ERROR, "a SETTINGS acknowledgement with a payload")
             return
         if len(payload) % 6:
-            raise _ConnectionError(ErrorCode.FRAME_SIZE_ERROR, "a SETTINGS frame that is not whole settings")
+            raise Http2Error(ErrorCode.FRAME_SIZE_ERROR, "a SETTINGS frame that is not whole settings")
         self._settled = True
         self._ordinary = self._continuing is None
         for key, value in struct.iter_unpack(">HI", payload):
-            if key == _INITIAL_WINDOW_SIZE:
-                if value > _MAX_WINDOW:
-                    raise _ConnectionError(ErrorCode.FLOW_CONTROL_ERROR, "an INITIAL_WINDOW_SIZE over 2^31-1")
+            if key == INITIAL_WINDOW_SIZE:
+                if value > MAX_WINDOW:
+                    raise Http2Error(ErrorCode.FLOW_CONTROL_ERROR, "an INITIAL_WINDOW_SIZE over 2^31-1")
                 delta = value - self._initial_window
                 self._initial_window = value
                 for stream in self._streams.values():
                     stream.send_window += delta
-                    if stream.send_window > _MAX_WINDOW:
-                        raise _ConnectionError(ErrorCode.FLOW_CONTROL_ERROR, "a stream's window over 2^31-1")
+                    if stream.send_window > MAX_WINDOW:
+                        raise Http2Error(ErrorCode.FLOW_CONTROL_ERROR, "a stream's window over 2^31-1")
                 self._wake()
-            elif key == _MAX_FRAME_SIZE:
-                if not _DEFAULT_FRAME <= value < 1 << 24:
-                    raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, f"a MAX_FRAME_SIZE of {value}")
+            elif key == MAX_FRAME_SIZE:
+                if not DEFAULT_FRAME <= value < 1 << 24:
+                    raise Http2Error(ErrorCode.PROTOCOL_ERROR, f"a MAX_FRAME_SIZE of {value}")
                 self._max_frame = value
                 self._wake()
-            elif key == _ENABLE_PUSH and value > 1:
-                raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, f"an ENABLE_PUSH of {value}")
-            elif key == _HEADER_TABLE_SIZE and value < _DEFAULT_TABLE:
+            elif key == ENABLE_PUSH and value > 1:
+                raise Http2Error(ErrorCode.PROTOCOL_ERROR, f"an ENABLE_PUSH of {value}")
+            elif key == HEADER_TABLE_SIZE and value < DEFAULT_TABLE:
                 # The table this side's blocks use must shrink, which HPACK says at the start of the next block:
                 # it is emptied (a size of 0 fits any setting), and nothing is inserted from then on.
                 self._empty_table = True
                 self.header_table_lowered()
             # The others (this side opens no streams, and its header blocks are small) have nothing to change.
-        self._out.append(_frame(_SETTINGS, _ACK, 0))
+        self._out.append(frame(SETTINGS, ACK, 0))
 
     def _rst_stream(self, stream_id: int, payload: bytes) -> None:
         if len(payload) != 4:
-            raise _ConnectionError(ErrorCode.FRAME_SIZE_ERROR, "an RST_STREAM frame that is not 4 bytes")
+            raise Http2Error(ErrorCode.FRAME_SIZE_ERROR, "an RST_STREAM frame that is not 4 bytes")
         if not stream_id or stream_id > self._last_stream:
-            raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "an RST_STREAM on a stream never opened")
+            raise Http2Error(ErrorCode.PROTOCOL_ERROR, "an RST_STREAM on a stream never opened")
         if self._streams.pop(stream_id, None) is not None:
             self.stream_reset(stream_id)
             self._wake()
 
     def _headers(self, stream_id: int, flags: int, payload: bytes) -> None:
         if not stream_id:
-            raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "a HEADERS frame on stream 0")
-        if flags & _PADDED:
-            payload = _unpad(payload)
-        if flags & _PRIORITY_FLAG:
+            raise Http2Error(ErrorCode.PROTOCOL_ERROR, "a HEADERS frame on stream 0")
+        if flags & PADDED:
+            payload = unpad(payload)
+        if flags & PRIORITY_FLAG:
             if len(payload) < 5:
-                raise _ConnectionError(ErrorCode.FRAME_SIZE_ERROR, "a HEADERS frame too short for its priority")
+                raise Http2Error(ErrorCode.FRAME_SIZE_ERROR, "a HEADERS frame too short for its priority")
             payload = payload[5:]
-        if flags & _END_HEADERS:
+        if flags & END_HEADERS:
             self._header_block(stream_id, flags, payload)
         else:
             self._continuing = (stream_id, flags, [payload])
@@ -445,12 +389,12 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
 
     def _continuation(self, stream_id: int, flags: int, payload: bytes) -> None:
         if self._continuing is None or self._continuing[0] != stream_id:
-            raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "a CONTINUATION frame outside a header block")
+            raise Http2Error(ErrorCode.PROTOCOL_ERROR, "a CONTINUATION frame outside a header block")
         _, first_flags, fragments = self._continuing
         fragments.append(payload)
         if sum(map(len, fragments)) > _MAX_HEADER_BLOCK:
-            raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "a header block over 256 KiB")
-        if flags & _END_HEADERS:
+            raise Http2Error(ErrorCode.PROTOCOL_ERROR, "a header block over 256 KiB")
+        if flags & END_HEADERS:
             self._continuing = None
             self._ordinary = self._settled
             self._header_block(stream_id, first_flags, b"".join(fragments))
@@ -461,7 +405,7 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
             try:
                 decoded = cast(list[tuple[bytes, bytes]], self._decoder.decode(block, raw=True))
             except HPACKError as exc:
-                raise _ConnectionError(ErrorCode.COMPRESSION_ERROR, "a header block that is not valid HPACK") from exc
+                raise Http2Error(ErrorCode.COMPRESSION_ERROR, "a header block that is not valid HPACK") from exc
             headers = dict(decoded)
             # A client repeats its calls' headers as blocks of one-byte indexed fields (each byte above 0x80, none
             # 0xff, which starts a longer index). Such a block leaves the dynamic table as it is, so while the table
@@ -473,36 +417,36 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
         if stream_id <= self._last_stream:  # a stream's trailers (they end its request), or a stream id used up
             stream = self._streams.get(stream_id)
             if stream is None:
-                raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, f"a request on stream {stream_id}")
+                raise Http2Error(ErrorCode.PROTOCOL_ERROR, f"a request on stream {stream_id}")
             if stream.ended:
                 self._reset(stream_id, ErrorCode.STREAM_CLOSED)
-            elif not flags & _END_STREAM:
-                raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "trailers without END_STREAM")
+            elif not flags & END_STREAM:
+                raise Http2Error(ErrorCode.PROTOCOL_ERROR, "trailers without END_STREAM")
             else:
                 stream.ended = True
                 self.body_ended(stream_id)
             return
         if not stream_id & 1:
-            raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, f"a request on stream {stream_id}")
+            raise Http2Error(ErrorCode.PROTOCOL_ERROR, f"a request on stream {stream_id}")
         self._last_stream = stream_id
         if self._going_away or len(self._streams) >= _MAX_STREAMS:
-            self._out.append(_frame(_RST_STREAM, 0, stream_id, ErrorCode.REFUSED_STREAM.to_bytes(4, "big")))
+            self._out.append(frame(RST_STREAM, 0, stream_id, ErrorCode.REFUSED_STREAM.to_bytes(4, "big")))
             return
         # Ended (or not) before the subclass answers, which may end the stream.
-        stream = self._streams[stream_id] = _Stream(self._initial_window, flags & _END_STREAM != 0)
+        stream = self._streams[stream_id] = _Stream(self._initial_window, flags & END_STREAM != 0)
         self.request_received(stream_id, headers)
-        if flags & _END_STREAM and self._streams.get(stream_id) is stream:
+        if flags & END_STREAM and self._streams.get(stream_id) is stream:
             self.body_ended(stream_id)
 
     def _data(self, stream_id: int, flags: int, payload: bytes) -> None:
         if not stream_id or stream_id > self._last_stream:
-            raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "a DATA frame on a stream never opened")
+            raise Http2Error(ErrorCode.PROTOCOL_ERROR, "a DATA frame on a stream never opened")
         length = len(payload)
         self._received += length
         if self._received > _WINDOW:
-            raise _ConnectionError(ErrorCode.FLOW_CONTROL_ERROR, "DATA over the connection's window")
-        if flags & _PADDED:
-            payload = _unpad(payload)
+            raise Http2Error(ErrorCode.FLOW_CONTROL_ERROR, "DATA over the connection's window")
+        if flags & PADDED:
+            payload = unpad(payload)
         stream = self._streams.get(stream_id)
         if stream is None:  # a stream answered or reset already: only the connection's window counts it
             return
@@ -515,7 +459,7 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
                 self._reset(stream_id, ErrorCode.FLOW_CONTROL_ERROR)
                 return
             self._stream_owed = True
-        if not flags & _END_STREAM:
+        if not flags & END_STREAM:
             if payload:
                 self.body_received(stream_id, payload)
             return
@@ -528,19 +472,19 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
     def _give_back(self) -> None:
         """Give the client back the window its DATA used, once half of a window is used (so it never runs out)."""
         if self._received >= _HALF_WINDOW:
-            self._out.append(_frame(_WINDOW_UPDATE, 0, 0, self._received.to_bytes(4, "big")))
+            self._out.append(frame(WINDOW_UPDATE, 0, 0, self._received.to_bytes(4, "big")))
             self._received = 0
         if not self._stream_owed:
             return
         self._stream_owed = False
         for stream_id, stream in self._streams.items():
             if stream.received >= _HALF_WINDOW and not stream.ended:
-                self._out.append(_frame(_WINDOW_UPDATE, 0, stream_id, stream.received.to_bytes(4, "big")))
+                self._out.append(frame(WINDOW_UPDATE, 0, stream_id, stream.received.to_bytes(4, "big")))
                 stream.received = 0
 
     def _reset(self, stream_id: int, code: int) -> None:
         """A stream error: RST_STREAM with `code`, and the request is abandoned."""
-        self._out.append(_frame(_RST_STREAM, 0, stream_id, code.to_bytes(4, "big")))
+        self._out.append(frame(RST_STREAM, 0, stream_id, code.to_bytes(4, "big")))
         if self._streams.pop(stream_id, None) is not None:
             self.stream_reset(stream_id)
             self._wake()
@@ -560,18 +504,18 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
         stream = self._streams.get(stream_id)
         if stream is None or self.closed:
             raise StreamGone(stream_id)
-        flags = _END_STREAM if end_stream else 0
+        flags = END_STREAM if end_stream else 0
         if self._empty_table:
             self._empty_table = False
-            block = _EMPTY_TABLE + block
+            block = EMPTY_TABLE + block
         if len(block) <= self._max_frame:
-            self._out.append(_frame(_HEADERS, flags | _END_HEADERS, stream_id, block))
+            self._out.append(frame(HEADERS, flags | END_HEADERS, stream_id, block))
         else:
             pieces = [block[at : at + self._max_frame] for at in range(0, len(block), self._max_frame)]
-            self._out.append(_frame(_HEADERS, flags, stream_id, pieces[0]))
+            self._out.append(frame(HEADERS, flags, stream_id, pieces[0]))
             for piece in pieces[1:-1]:
-                self._out.append(_frame(_CONTINUATION, 0, stream_id, piece))
-            self._out.append(_frame(_CONTINUATION, _END_HEADERS, stream_id, pieces[-1]))
+                self._out.append(frame(CONTINUATION, 0, stream_id, piece))
+            self._out.append(frame(CONTINUATION, END_HEADERS, stream_id, pieces[-1]))
         if end_stream:
             self._response_ended(stream_id, stream)
 
@@ -580,7 +524,7 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
         as RFC 9113 allows)."""
         del self._streams[stream_id]
         if not stream.ended:
-            self._out.append(_frame(_RST_STREAM, 0, stream_id, ErrorCode.NO_ERROR.to_bytes(4, "big")))
+            self._out.append(frame(RST_STREAM, 0, stream_id, ErrorCode.NO_ERROR.to_bytes(4, "big")))
 
     def send_response_now(
         self, stream_id: int, headers: bytes, pieces: tuple[bytes, ...], size: int, trailers: bytes
@@ -599,13 +543,13 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
             return False
         if self._empty_table:
             self._empty_table = False
-            headers = _EMPTY_TABLE + headers
+            headers = EMPTY_TABLE + headers
         self._out += (
-            _HEAD.pack(0, len(headers), _HEADERS, _END_HEADERS, stream_id),
+            _HEAD.pack(0, len(headers), HEADERS, END_HEADERS, stream_id),
             headers,
-            _HEAD.pack(size >> 16, size & 0xFFFF, _DATA, 0, stream_id),
+            _HEAD.pack(size >> 16, size & 0xFFFF, DATA, 0, stream_id),
             *pieces,
-            _HEAD.pack(0, len(trailers), _HEADERS, _END_HEADERS | _END_STREAM, stream_id),
+            _HEAD.pack(0, len(trailers), HEADERS, END_HEADERS | END_STREAM, stream_id),
             trailers,
         )
         # `_buffer_data` and `_response_ended` written out (the usual response's path): the DATA counted against the
@@ -613,7 +557,7 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
         self._send_window -= size
         del self._streams[stream_id]
         if not stream.ended:
-            self._out.append(_frame(_RST_STREAM, 0, stream_id, ErrorCode.NO_ERROR.to_bytes(4, "big")))
+            self._out.append(frame(RST_STREAM, 0, stream_id, ErrorCode.NO_ERROR.to_bytes(4, "big")))
         return True
 
     async def send_data(self, stream_id: int, data: bytes) -> None:
@@ -637,16 +581,6 @@ class Http2Connection(asyncio.Protocol, abc.ABC):
     def _buffer_data(self, stream_id: int, stream: _Stream, pieces: tuple[bytes, ...], size: int) -> None:
         """One DATA frame of the concatenation of `pieces` (`size` bytes, within both windows), counted against
         them."""
-        self._out += (_HEAD.pack(size >> 16, size & 0xFFFF, _DATA, 0, stream_id), *pieces)
+        self._out += (_HEAD.pack(size >> 16, size & 0xFFFF, DATA, 0, stream_id), *pieces)
         self._send_window -= size
         stream.send_window -= size
-
-
-def _unpad(payload: bytes) -> bytes:
-    if not payload or payload[0] >= len(payload):
-        raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "padding as long as the frame")
-    return payload[1 : len(payload) - payload[0]]
-
-
-def _goaway(last_stream: int, code: int, debug: bytes = b"") -> bytes:
-    return _frame(_GOAWAY, 0, 0, last_stream.to_bytes(4, "big") + code.to_bytes(4, "big") + debug)

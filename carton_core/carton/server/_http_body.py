@@ -1,13 +1,14 @@
 """Request bodies for the HTTP/1.1 server, a large one received into one buffer as it arrives, and the memory a
 response lends given back once it is written.
 
-`BodyReading` is the part of a connection (``_http_server.py``'s, which inherits it) that reads a request body for
-its handler and gives back what a response lent. A body read piece by piece and joined afterwards is copied twice
-in this process, once by the event loop into a new ``bytes`` per socket read and once more into the joined whole,
-and the whole is fresh memory: a buffer of that size lies above glibc's largest mmap threshold, so it is mapped
-anew and page-faulted in on every request. `BodySink` instead takes the transport's reads itself (an
-`asyncio.BufferedProtocol`, the connection's protocol for as long as the body arrives): the kernel copies the body
-straight into one buffer, which `BodyBuffers` keeps for the next large body once nothing holds it any more.
+`BodyReading` is the part of a connection (``_http_server.py``'s, which inherits it through ``_http_answering.py``'s
+`Answering`) that reads a request body for its handler and gives back what a response lent. A body read piece by
+piece and joined afterwards is copied twice in this process, once by the event loop into a new ``bytes`` per socket
+read and once more into the joined whole, and the whole is fresh memory: a buffer of that size lies above glibc's
+largest mmap threshold, so it is mapped anew and page-faulted in on every request. `BodySink` instead takes the
+transport's reads itself (an `asyncio.BufferedProtocol`, the connection's protocol for as long as the body arrives):
+the kernel copies the body straight into one buffer, which `BodyBuffers` keeps for the next large body once nothing
+holds it any more.
 """
 
 from __future__ import annotations
