@@ -224,9 +224,6 @@ class QuantizedLinear:
         else:
             self._build_int8_cache(flat, full, (r0, r1), (c0 // BLOCK, -(-c1 // BLOCK)))
 
-        #: The compiled payload when its integer block products serve small batches (q* / k*), else None.
-        self._blocks = self._compiled if self._compiled is not None and self.method.family != "int" else None
-
     @property
     def compiled(self) -> bool:
         """Whether calls run the compiled kernels."""
@@ -284,28 +281,26 @@ class QuantizedLinear:
 
     # --- application ---------------------------------------------------------------------------------------------
     def __call__(self, x: npt.ArrayLike) -> npt.NDArray[np.float32]:
-        compiled = self._blocks
         if (
-            compiled is not None
-            and type(x) is np.ndarray
+            type(x) is np.ndarray
             and x.dtype == np.float32
             and x.ndim == 2
-            and 0 < x.shape[0] <= self.gemv_max_batch
             and x.shape[1] == self.cols
             and x.flags.c_contiguous
         ):
-            # A few rows as the compiled kernels take them: straight to the integer block products, since every
-            # Python step before them is paid again, from memory, when the product runs after other work
-            return compiled.blockwise(x, self.threads)
-        arr = np.asarray(x)
-        if arr.dtype != np.float32:
-            if not np.issubdtype(arr.dtype, np.floating):
-                raise MCFError(f"QuantizedLinear input must be a float array, got dtype {arr.dtype}")
-            arr = arr.astype(np.float32)
-        if arr.ndim == 0 or arr.shape[-1] != self.cols:
-            raise MCFError(f"QuantizedLinear input must have shape [..., {self.cols}], got {arr.shape}")
-        lead = arr.shape[:-1]
-        x2 = np.ascontiguousarray(arr.reshape(-1, self.cols))
+            # Already in the form the products take: no conversion, no copy, since every Python step before a
+            # product is paid again, from memory, when it runs after other work
+            x2, lead = x, x.shape[:1]
+        else:
+            arr = np.asarray(x)
+            if arr.dtype != np.float32:
+                if not np.issubdtype(arr.dtype, np.floating):
+                    raise MCFError(f"QuantizedLinear input must be a float array, got dtype {arr.dtype}")
+                arr = arr.astype(np.float32)
+            if arr.ndim == 0 or arr.shape[-1] != self.cols:
+                raise MCFError(f"QuantizedLinear input must have shape [..., {self.cols}], got {arr.shape}")
+            lead = arr.shape[:-1]
+            x2 = np.ascontiguousarray(arr.reshape(-1, self.cols))
         if x2.shape[0] == 0:
             return np.zeros((*lead, self.rows), dtype=np.float32)
         if self._fp32 is not None:

@@ -205,7 +205,7 @@ class CompiledPayload:
         default `PREFILL_TILE_BYTES`)."""
         m = x2.shape[0]
         if not self._int and m <= gemv_max_batch:
-            return self.blockwise(x2, threads)
+            return self._blockwise(x2, threads)
         if not self._int and self.panels is not None:
             return self.paneled(x2, threads)
         return self.tiled(x2, tile_bytes)
@@ -227,9 +227,7 @@ class CompiledPayload:
         kernels.matmul(self._flat, self.meta, x2, codes, scales, out)
         return out
 
-    def blockwise(self, x2: npt.NDArray[np.float32], threads: int) -> npt.NDArray[np.float32]:
-        """``x2 @ W.T`` by the integer block products (q* / k* parts; ``x2`` float32, C-contiguous, ``[m, cols]``
-        with ``m`` at most a few dozen), rows split across ``threads`` of numba's."""
+    def _blockwise(self, x2: npt.NDArray[np.float32], threads: int) -> npt.NDArray[np.float32]:
         xq, xs, xe, xoff = activation_buffers(self._k, x2.shape[0], self.blocks)
         out = np.empty((x2.shape[0], self.rows), dtype=np.float32)
         parts = min(threads, self._k.MAX_THREADS, self.rows // _MIN_ROWS_PER_PART)
