@@ -125,7 +125,9 @@ def child_matvec(size: int, threads: int, huge: bool) -> dict[str, Any]:
     for method in ("q4", "k4", "q8", "k6", "k3", "k2"):
         payload = placed_copy(np.frombuffer(quantize(w, method, mode="reference").payload, np.uint8), huge)
         sizes[method] = len(payload)
-        compiled = QuantizedLinear(payload, method, size, size, cache="packed", kernels="numba", threads=threads)
+        compiled = QuantizedLinear(  # pages="given": the payload stays in the memory placed for it
+            payload, method, size, size, cache="packed", kernels="numba", threads=threads, pages="given"
+        )
         fns[method] = lambda linear=compiled: linear(x)
         if method == "q4":  # a copy, so that reading it does not warm the product's payload
             words = placed_copy(payload[: len(payload) // 8 * 8], huge).view(np.uint64)
@@ -160,7 +162,7 @@ def child_evict(size: int, huge: bool) -> dict[str, Any]:
     w = rng.standard_normal((size, size)).astype(np.float32)
     x = rng.standard_normal((1, size)).astype(np.float32)
     payload = placed_copy(np.frombuffer(quantize(w, "q4", mode="reference").payload, np.uint8), huge)
-    linear = QuantizedLinear(payload, "q4", size, size, cache="packed", kernels="numba", threads=1)
+    linear = QuantizedLinear(payload, "q4", size, size, cache="packed", kernels="numba", threads=1, pages="given")
     words = payload[: len(payload) // 8 * 8].view(np.uint64)
     other = rng.integers(0, 1 << 62, (256 << 20) // 8, dtype=np.uint64)  # read only: nothing to write back
     fns: dict[str, Callable[[], object]] = {"product": lambda: linear(x), "read": lambda: words.sum()}
