@@ -123,10 +123,12 @@ def test_unload_under_running_grpc_calls_lets_them_finish(threaded_server: Serve
         assert caught.value.status() == str(grpc.StatusCode.NOT_FOUND)
         for i, future in enumerate(running):
             np.testing.assert_array_equal(future.result(timeout=30), (arange((1, 4)) + i) * 2)
-    _wait_for(handle.closed.is_set, "the unloaded version's runner closed")
-    assert {"name": "identity", "version": "2", "state": "UNAVAILABLE", "reason": "unloaded"} in (
-        client.get_model_repository_index(as_json=True)["models"]
+    # UNAVAILABLE is reported once the runner is closed (the state changes after the close, on the event loop).
+    unloaded = {"name": "identity", "version": "2", "state": "UNAVAILABLE", "reason": "unloaded"}
+    _wait_for(
+        lambda: unloaded in client.get_model_repository_index(as_json=True)["models"], "the version reported unloaded"
     )
+    assert handle.closed.is_set()
     client.load_model("identity")
     np.testing.assert_array_equal(
         client.infer("identity", [_input(arange((1, 2)))]).as_numpy("OUTPUT0"), arange((1, 2)) * 2

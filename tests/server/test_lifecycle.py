@@ -113,14 +113,16 @@ def test_unload_lets_in_flight_requests_finish(lifecycle_server: Server, loader:
             _infer(port, "identity", arange((1, 4)))
         for i, future in enumerate(running):
             np.testing.assert_array_equal(future.result(timeout=30), (arange((1, 4)) + i) * 2)
+    # The index reports UNLOADING until the runner is closed, then UNAVAILABLE: wait for the second report (the
+    # runner closes in a worker thread and the state changes on the event loop after it, so polling the handle is
+    # not enough) and check that the runner was indeed closed by then.
+    unloaded = {"name": "identity", "version": "2", "state": "UNAVAILABLE", "reason": "unloaded"}
     deadline = time.monotonic() + 30
-    identity = next(handle for path, handle in loader.handles if "identity" in path)
-    while not identity.closed.is_set():
-        assert time.monotonic() < deadline
+    while unloaded not in (index := client.get_model_repository_index()):
+        assert time.monotonic() < deadline, index
         time.sleep(0.05)
-    assert {"name": "identity", "version": "2", "state": "UNAVAILABLE", "reason": "unloaded"} in (
-        client.get_model_repository_index()
-    )
+    identity = next(handle for path, handle in loader.handles if "identity" in path)
+    assert identity.closed.is_set()
     assert client.is_server_ready()
 
 
