@@ -1,7 +1,8 @@
 """Loads and unloads with requests in flight, load timeouts, readiness, and dynamic batching, on real cartons.
 
-A loader wrapping the real `load_carton` adds delays where the test needs a window (a slow load, a slow request);
-the models themselves are real cartons run by real runner processes.
+A loader wrapping the real `load_carton` holds a load or a request open where the test needs a window (a load under
+way, requests queued or in flight), until the test has seen the state it checks; the models themselves are real
+cartons run by real runner processes.
 """
 
 from __future__ import annotations
@@ -49,30 +50,34 @@ class _Slow:
 
 
 class _Loader:
+    """Loads real cartons; while `held` is set, a load first waits for `release` (a load the test holds open)."""
+
     def __init__(self) -> None:
-        self.load_delay = 0.0
         self.handles: list[tuple[str, _Slow]] = []
-        self.block = threading.Event()
+        self.held = threading.Event()
+        self.release = threading.Event()
 
     def __call__(self, spec: LoadSpec) -> ModelHandle:
-        if self.block.is_set():
-            time.sleep(5)  # longer than the server's load timeout in these tests
-        time.sleep(self.load_delay)
+        if self.held.is_set():
+            self.release.wait(120)
         handle = _Slow(load_carton(spec), 0.5 if "identity" in str(spec.path) else 0.0)
         self.handles.append((str(spec.path), handle))
         return handle
 
 
 @pytest.fixture
-def loader() -> _Loader:
-    return _Loader()
+def loader() -> Iterator[_Loader]:
+    made = _Loader()
+    yield made
+    made.release.set()  # a load a failed test still holds ends, and its runner is closed
 
 
 @pytest.fixture
 def lifecycle_server(repository: Path, loader: _Loader) -> Iterator[Server]:
+    # The load timeout is the default's: a runner's start on a slow, loaded machine takes seconds.
     options = ServerOptions(
         repository=repository, http_port=0, grpc_port=None, model_control_mode=ModelControlMode.EXPLICIT,
-        load_models=("identity", "batched"), loader=loader, load_timeout=2.0,
+        load_models=("identity", "batched"), loader=loader,
     )  # fmt: skip
     with serve_in_thread(options) as running:
         yield running
@@ -138,27 +143,52 @@ def test_reload_while_serving_swaps_versions(lifecycle_server: Server) -> None:
     assert client.get_model_metadata("identity")["versions"] == ["1"]
 
 
-def test_readiness_false_while_loading_and_load_timeout(lifecycle_server: Server, loader: _Loader) -> None:
+def test_readiness_false_while_loading(lifecycle_server: Server, loader: _Loader) -> None:
     port = lifecycle_server.http_port
     client = httpclient.InferenceServerClient(f"127.0.0.1:{port}")
-    loader.load_delay = 1.0
-    with ThreadPoolExecutor(1) as pool:
-        loading = pool.submit(_load, port, "sum")
-        time.sleep(0.4)
-        assert not client.is_server_ready()
-        assert {"name": "sum", "version": "1", "state": "LOADING"} in client.get_model_repository_index()
-        loading.result(timeout=30)
+    loader.held.set()  # the load waits in the loader until released
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            loading = pool.submit(_load, port, "sum")
+            deadline = time.monotonic() + 30
+            while {"name": "sum", "version": "1", "state": "LOADING"} not in (
+                index := client.get_model_repository_index()
+            ):
+                assert time.monotonic() < deadline, index
+                time.sleep(0.02)
+            assert not client.is_server_ready()
+            loader.release.set()
+            loading.result(timeout=60)
+    finally:
+        loader.release.set()
     assert client.is_server_ready() and client.is_model_ready("sum")
 
-    loader.load_delay = 0.0
-    loader.block.set()
-    started = time.monotonic()
-    with pytest.raises(InferenceServerException, match=r"load timed out after 2s"):
-        client.load_model("strings")
-    assert time.monotonic() - started < 4.5
-    entry = next(e for e in client.get_model_repository_index() if e["name"] == "strings")
-    assert entry["state"] == "UNAVAILABLE" and "timed out" in entry["reason"]
-    assert client.is_server_ready()
+
+def test_load_timeout(repository: Path, loader: _Loader) -> None:
+    # A server of its own, whose short load timeout no real load has to meet: the only load is one held in the
+    # loader until the test has its answer, so the answer can only come from the timeout.
+    options = ServerOptions(
+        repository=repository, http_port=0, grpc_port=None, model_control_mode=ModelControlMode.EXPLICIT,
+        load_models=(), loader=loader, load_timeout=2.0,
+    )  # fmt: skip
+    loader.held.set()
+    try:
+        with serve_in_thread(options) as running:
+            client = httpclient.InferenceServerClient(f"127.0.0.1:{running.http_port}", network_timeout=120)
+            with pytest.raises(InferenceServerException, match=r"load timed out after 2s"):
+                client.load_model("strings")
+            entry = next(e for e in client.get_model_repository_index() if e["name"] == "strings")
+            assert entry["state"] == "UNAVAILABLE" and "timed out" in entry["reason"]
+            assert client.is_server_ready()
+            # What the loader returns after the timeout is closed, not served.
+            loader.release.set()
+            deadline = time.monotonic() + 60
+            while not (loader.handles and loader.handles[0][1].closed.is_set()):
+                assert time.monotonic() < deadline, loader.handles
+                time.sleep(0.02)
+            assert not client.is_model_ready("strings")
+    finally:
+        loader.release.set()
 
 
 def test_dynamic_batching_merges_concurrent_requests(lifecycle_server: Server) -> None:
