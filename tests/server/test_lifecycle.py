@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 from carton.server import LoadSpec, ModelControlMode, ModelHandle, Server, ServerOptions, load_carton, serve_in_thread
+from carton.server._repository import ServedVersion
 from carton_protocol import Tensor, TensorSpec
 from tritonclient.utils import InferenceServerException
 
@@ -131,12 +132,21 @@ def test_unload_lets_in_flight_requests_finish(lifecycle_server: Server, loader:
     assert client.is_server_ready()
 
 
+def _wait_in_flight(served: ServedVersion, count: int) -> None:
+    """Until `count` requests are inside `served` (sent from other threads, they arrive when the machine lets them)."""
+    deadline = time.monotonic() + 30
+    while served.in_flight < count:
+        assert time.monotonic() < deadline, served.in_flight
+        time.sleep(0.01)
+
+
 def test_reload_while_serving_swaps_versions(lifecycle_server: Server) -> None:
     port = lifecycle_server.http_port
     client = httpclient.InferenceServerClient(f"127.0.0.1:{port}")
+    (version_2,) = lifecycle_server.repository.versions("identity")
     with ThreadPoolExecutor(2) as pool:
         before = pool.submit(_infer, port, "identity", arange((1, 2)))
-        time.sleep(0.1)
+        _wait_in_flight(version_2, 1)  # the request is inside version 2 (for 0.5 s) when the reload comes
         client.load_model("identity", config='{"version_policy": {"specific": {"versions": [1]}}}')
         np.testing.assert_array_equal(before.result(timeout=30), arange((1, 2)) * 2)  # finished on version 2
     np.testing.assert_array_equal(_infer(port, "identity", arange((1, 2))), arange((1, 2)))  # now version 1
