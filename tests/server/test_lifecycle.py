@@ -27,10 +27,11 @@ from .conftest import arange
 
 
 class _Slow:
-    """A real model handle whose requests take `delay` seconds longer (the window for an unload to land in)."""
+    """A real model handle whose requests take `delay` seconds longer (the window for an unload to land in), and
+    wait for `gate` when one is set (held shut until the test has what it wants queued)."""
 
-    def __init__(self, inner: ModelHandle, delay: float) -> None:
-        self.inner, self.delay = inner, delay
+    def __init__(self, inner: ModelHandle, delay: float, gate: threading.Event | None = None) -> None:
+        self.inner, self.delay, self.gate = inner, delay, gate
         self.closed = threading.Event()
 
     @property
@@ -42,6 +43,8 @@ class _Slow:
         return self.inner.outputs
 
     async def infer(self, inputs: dict[str, np.ndarray]) -> Mapping[str, Tensor]:
+        if self.gate is not None and not self.gate.is_set():
+            await asyncio.to_thread(self.gate.wait, 60)
         await asyncio.sleep(self.delay)
         return await self.inner.infer(inputs)
 
@@ -57,11 +60,15 @@ class _Loader:
         self.handles: list[tuple[str, _Slow]] = []
         self.held = threading.Event()
         self.release = threading.Event()
+        #: What the batched model's requests wait for (set: they run at once).
+        self.batched_gate = threading.Event()
+        self.batched_gate.set()
 
     def __call__(self, spec: LoadSpec) -> ModelHandle:
         if self.held.is_set():
             self.release.wait(120)
-        handle = _Slow(load_carton(spec), 0.5 if "identity" in str(spec.path) else 0.0)
+        gate = self.batched_gate if "batched" in str(spec.path) else None
+        handle = _Slow(load_carton(spec), 0.5 if "identity" in str(spec.path) else 0.0, gate)
         self.handles.append((str(spec.path), handle))
         return handle
 
@@ -71,6 +78,7 @@ def loader() -> Iterator[_Loader]:
     made = _Loader()
     yield made
     made.release.set()  # a load a failed test still holds ends, and its runner is closed
+    made.batched_gate.set()
 
 
 @pytest.fixture
@@ -201,13 +209,20 @@ def test_load_timeout(repository: Path, loader: _Loader) -> None:
         loader.release.set()
 
 
-def test_dynamic_batching_merges_concurrent_requests(lifecycle_server: Server) -> None:
+def test_dynamic_batching_merges_concurrent_requests(lifecycle_server: Server, loader: _Loader) -> None:
     port = lifecycle_server.http_port
     client = httpclient.InferenceServerClient(f"127.0.0.1:{port}")
-    with ThreadPoolExecutor(8) as pool:
-        futures = [pool.submit(_infer, port, "batched", np.full((1, 4), i, np.float32)) for i in range(16)]
-        for i, future in enumerate(futures):
-            np.testing.assert_array_equal(future.result(timeout=30), np.full((1, 4), 2 * i, np.float32))
+    (batched,) = lifecycle_server.repository.versions("batched")
+    loader.batched_gate.clear()  # the model holds the first batch until the other requests are queued behind it
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(_infer, port, "batched", np.full((1, 4), i, np.float32)) for i in range(16)]
+            _wait_in_flight(batched, 8)  # the first batch held in the model, the other requests queued behind it
+            loader.batched_gate.set()
+            for i, future in enumerate(futures):
+                np.testing.assert_array_equal(future.result(timeout=30), np.full((1, 4), 2 * i, np.float32))
+    finally:
+        loader.batched_gate.set()
     stats = client.get_inference_statistics("batched")["model_stats"][0]
     assert stats["inference_count"] == 16
     assert stats["execution_count"] < 16  # some requests ran together
