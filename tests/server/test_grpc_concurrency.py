@@ -3,6 +3,7 @@ that cancels mid-call, and the status codes of refused calls."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -98,9 +99,18 @@ def test_concurrent_clients_each_get_their_answer_and_every_call_is_counted(
 
 def test_concurrent_grpc_calls_reach_the_dynamic_batcher(threaded_server: Server, loader: _Loader) -> None:
     address = f"127.0.0.1:{threaded_server.grpc_port}"
-
-    with ThreadPoolExecutor(8) as pool:
-        results = list(pool.map(lambda i: _infer_once(address, "batched", arange((1, 4)) + i), range(8)))
+    (served,) = threaded_server.repository.versions("batched")
+    # The model holds the first batch until all eight calls are in: each call opens a channel of its own, and on a
+    # slow machine they may otherwise arrive one by one, further apart than the queue delay.
+    gate = loader.handles["batched"].gate = threading.Event()
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            running = pool.map(lambda i: _infer_once(address, "batched", arange((1, 4)) + i), range(8))
+            _wait_for(lambda: served.in_flight == 8, "eight calls in the model or queued for it")
+            gate.set()
+            results = list(running)
+    finally:
+        gate.set()
     for i, result in enumerate(results):
         np.testing.assert_array_equal(result, (arange((1, 4)) + i) * 2)
     stats = grpcclient.InferenceServerClient(address).get_inference_statistics("batched", as_json=True)
