@@ -199,10 +199,11 @@ def test_a_call_past_its_deadline_inside_the_model_is_cancelled_and_released(
     handle = loader.handles["identity"]
     (served,) = threaded_server.repository.versions("identity")
     failed = served.stats.fail.count
-    handle.delay = 0.5
+    assert client.is_server_live()  # the channel is connected: the deadline is not spent on connecting
+    handle.delay = 60.0
     try:
         with pytest.raises(InferenceServerException) as caught:
-            client.infer("identity", [_input(arange((1, 4)))], client_timeout=0.05)
+            client.infer("identity", [_input(arange((1, 4)))], client_timeout=1.0)
     finally:
         handle.delay = 0.0
     assert caught.value.status() == str(grpc.StatusCode.DEADLINE_EXCEEDED)
