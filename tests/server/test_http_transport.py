@@ -394,7 +394,14 @@ def test_close_waits_for_requests_in_flight() -> None:
 
         thread = threading.Thread(target=client)
         thread.start()
-        loop.run_until_complete(asyncio.sleep(0.1))
+
+        async def until_started() -> None:  # the loop runs only here: the request arrives when the machine lets it
+            deadline = time.monotonic() + 30
+            while not handler.started:
+                assert time.monotonic() < deadline, "the request never arrived"
+                await asyncio.sleep(0.01)
+
+        loop.run_until_complete(until_started())
         loop.run_until_complete(server.close())
         thread.join(10)
         assert results == [b"/sleep/300"] and not server.connections
