@@ -274,6 +274,7 @@ def test_large_responses_wait_for_the_client() -> None:
     handler = Handler()
     with served(handler) as (port, _), connect(port) as sock:
         sock.sendall(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n" * 3)
+        assert wait_until(lambda: handler.started)
         time.sleep(0.5)
         # The client reads nothing: the first answer waits on the socket, and the next request is not started.
         assert handler.started == [b"/big"]
