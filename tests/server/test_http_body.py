@@ -258,7 +258,7 @@ def test_a_response_is_done_only_once_the_transport_holds_none_of_it() -> None:
             limits.set()
 
         server.loop.call_soon_threadsafe(set_limits)
-        assert limits.wait(5)
+        assert limits.wait(30)
         buffer = bytearray()
         for _ in range(3):
             sock.sendall(b"GET /lent HTTP/1.1\r\nHost: x\r\n\r\n")
