@@ -241,7 +241,11 @@ def test_workers_dispatch_to_the_least_busy(affine_dir: Path) -> None:
         pids: list[int] = []
         busy = threading.Thread(target=lambda: pids.append(int(model.infer({"x": special(SLEEP, 1.0)})["pid"])))
         busy.start()
-        time.sleep(0.3)
+        # Until the busy call holds its worker (the thread runs when the machine lets it).
+        deadline = time.monotonic() + 30
+        while not any(worker.in_flight for worker in model._workers):
+            assert time.monotonic() < deadline, "the busy call never reached a worker"
+            time.sleep(0.01)
         free_pid = int(model.infer({"x": special(1.0)})["pid"])
         busy.join()
         assert pids and pids[0] != free_pid
