@@ -245,15 +245,16 @@ def test_a_cancelled_call_keeps_its_shared_memory_until_the_runner_answers(start
     assert pool is not None
 
     async def main() -> None:
-        call = asyncio.ensure_future(runner.infer_async({"sleep": np.array([0.3]), "x": np.ones(4096, np.uint8)}))
+        # The runner answers after 1 s: the cancel comes before the reply unless this loop stalls for most of it.
+        call = asyncio.ensure_future(runner.infer_async({"sleep": np.array([1.0]), "x": np.ones(4096, np.uint8)}))
         await asyncio.sleep(0.1)
         call.cancel()
         await asyncio.gather(call, return_exceptions=True)
         assert len(pool._busy) == 1  # the runner may still be reading it
-        await asyncio.sleep(0.5)
-        assert not pool._busy  # released when the late reply came in
+        while pool._busy:  # released when the late reply comes in (the test's `wait_for` bounds the wait)
+            await asyncio.sleep(0.01)
 
-    asyncio.run(main())
+    asyncio.run(asyncio.wait_for(main(), 30))
 
 
 def test_close_during_async_calls_gives_model_closed(start_runner: Start) -> None:
