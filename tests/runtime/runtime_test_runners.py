@@ -20,8 +20,10 @@ SLEEP = 777.0  # x[0] == SLEEP: sleep x[1] seconds first (GIL released)
 WRONG = 888.0  # x[0] == WRONG: return y as float64 (an output that breaks its declared dtype)
 #: An environment variable naming a file that a SLEEP request touches before it sleeps.
 STARTED_MARKER = "CARTON_TEST_SLEEP_STARTED"
+#: The runner option doing the same (for a runner whose environment the test does not choose).
+STARTED_OPT = "sleep_started"
 
-KNOWN_OPTS = ("scale", "fail_load")
+KNOWN_OPTS = ("scale", "fail_load", STARTED_OPT)
 
 
 class Affine(Runner):
@@ -34,6 +36,7 @@ class Affine(Runner):
             raise ValueError("refusing to load: fail_load is set")
         self.offset = np.float32(float((context.model_dir / "offset.txt").read_text()))
         self.scale = np.float32(float(context.opts.get("scale", 1.0)))  # type: ignore[arg-type]
+        self.started = str(context.opts.get(STARTED_OPT, "")) or os.environ.get(STARTED_MARKER, "")
         for key in context.opts:
             if key not in KNOWN_OPTS:
                 context.warn(f"unknown option {key!r}")
@@ -45,9 +48,8 @@ class Affine(Runner):
         if first == CRASH:
             os.kill(os.getpid(), signal.SIGSEGV)
         if first == SLEEP:
-            started = os.environ.get(STARTED_MARKER)
-            if started:
-                Path(started).touch()  # tells a test watching from outside that the request is in the runner
+            if self.started:
+                Path(self.started).touch()  # tells a test watching from outside that the request is in the runner
             time.sleep(float(x.flat[1]))
         y = x * self.scale + self.offset
         if first == WRONG:

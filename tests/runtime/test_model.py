@@ -31,7 +31,7 @@ from carton.errors import (
 )
 from carton_protocol import DType, TensorSpec
 
-from .runtime_test_runners import CRASH, SLEEP, WRONG
+from .runtime_test_runners import CRASH, SLEEP, STARTED_OPT, WRONG
 
 pytestmark = pytest.mark.usefixtures("runtime_plugin")
 
@@ -110,8 +110,9 @@ def test_invalid_output(affine_dir: Path) -> None:
         model.infer({"x": special(1.0)})
 
 
-def test_crash_fails_in_flight_calls_and_the_next_call_restarts(affine_dir: Path) -> None:
-    with load_affine(affine_dir) as model:
+def test_crash_fails_in_flight_calls_and_the_next_call_restarts(affine_dir: Path, tmp_path: Path) -> None:
+    started = tmp_path / "started"
+    with load_affine(affine_dir, runner_opts={STARTED_OPT: str(started)}) as model:
         first_pid = int(model.infer({"x": special(1.0)})["pid"])
         # A 10 ms call: the runner then hands the next calls to its pool, so both below are in flight together
         # (after short calls it would run the slow one on its socket thread and read the crash request afterwards).
@@ -125,9 +126,13 @@ def test_crash_fails_in_flight_calls_and_the_next_call_restarts(affine_dir: Path
             except BaseException as exc:
                 results.append(exc)
 
+        started.unlink()  # touched by the 10 ms call
         waiter = threading.Thread(target=slow_call)
         waiter.start()
-        time.sleep(0.3)
+        deadline = time.monotonic() + 30
+        while not started.exists():  # the slow call is in the runner (its thread runs when the machine lets it)
+            assert time.monotonic() < deadline, "the slow call never reached the runner"
+            time.sleep(0.01)
         with pytest.raises(RunnerCrashed, match="SIGSEGV"):
             model.infer({"x": special(CRASH)})
         waiter.join(timeout=10)
