@@ -257,6 +257,34 @@ def test_a_cancelled_call_keeps_its_shared_memory_until_the_runner_answers(start
     asyncio.run(asyncio.wait_for(main(), 30))
 
 
+def test_a_call_cancelled_once_its_reply_is_in_gives_back_its_shared_memory(start_runner: Start) -> None:
+    """A cancel that comes after the reply was read, or was waiting to be read, before the call saw it: the call
+    gives its input's shared memory back at once (no later reply will), and leaves nothing behind."""
+    runner = start_runner("ConcurrentEcho", threads=4, shm_threshold=1024)
+    pool = runner._resources.connection.codec._pool  # type: ignore[union-attr]
+    assert pool is not None
+    x = np.ones(4096, np.uint8)
+
+    async def one(i: int) -> int:
+        return int((await runner.infer_async({"sleep": np.array([0.0]), "i": np.array([i]), "x": x}))["i"][0])
+
+    async def main() -> None:
+        assert await one(0) == 0
+        for read_by in ("the next send", "the loop"):
+            call = asyncio.ensure_future(one(1))
+            await asyncio.sleep(0)  # sent
+            time.sleep(0.3)  # the loop blocked: the reply waits on the socket
+            if read_by == "the loop":
+                await asyncio.sleep(0)  # the loop's reader reads it, and the call is cancelled before it resumes
+            call.cancel()
+            assert await one(2) == 2  # (its send reads a reply still waiting)
+            await asyncio.gather(call, return_exceptions=True)
+            while pool._busy or channels(runner)[0]._orphans:  # bounded by the `wait_for`
+                await asyncio.sleep(0.01)
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
 def test_close_during_async_calls_gives_model_closed(start_runner: Start) -> None:
     runner = start_runner("Sleep")
 

@@ -395,6 +395,9 @@ class AsyncChannel:
         self._pending: dict[int, asyncio.Future[Answer]] = {}
         # Requests given up (cancelled) whose shared-memory input the runner may still read: released on their reply.
         self._orphans: dict[int, Callable[[], None]] = {}
+        # Requests whose reply was read after their call was cancelled but before the call gave them up (`orphan`):
+        # their reply is in, so `orphan` releases them at once.
+        self._answered: set[int] = set()
         self._loop = weakref.ref(loop)
         sock = _shared_async_context().socket(zmq.DEALER)
         sock.linger = 0
@@ -465,7 +468,8 @@ class AsyncChannel:
 
     def orphan(self, request_id: int, release: Callable[[], None]) -> None:
         """Run `release` when the reply to `request_id`, a call given up, arrives (or the channel closes)."""
-        if self.closed:
+        if self.closed or request_id in self._answered:
+            self._answered.discard(request_id)
             release()
         else:
             self._orphans[request_id] = release
@@ -510,6 +514,8 @@ class AsyncChannel:
                         release = self._orphans.pop(matched[0], None)
                         if release is not None:
                             release()
+                        elif waiting is not None:  # cancelled, and not yet given up: `orphan` will find it answered
+                            self._answered.add(matched[0])
                 if not pending and not self._orphans:
                     # Every call is answered: a message still coming is no one's, and stops here. Not asking the
                     # socket again leaves its pipe counted as awake, so what arrives next may not signal; the next
@@ -541,15 +547,18 @@ class AsyncChannel:
         self._unanswered -= 1
         waiting = pending.pop(message.id, None)
         if waiting is None or waiting.done():
-            self._discard(received)
+            self._discard(received, cancelled=waiting is not None)
             return
         waiting.set_result(received)
 
-    def _discard(self, received: Received) -> None:
-        """The late reply of a call given up: free what it holds on both sides, use nothing else of it."""
+    def _discard(self, received: Received, *, cancelled: bool) -> None:
+        """The late reply of a call given up (or `cancelled` and not yet given up): free what it holds on both
+        sides, use nothing else of it."""
         release = self._orphans.pop(received.message.id, None)
         if release is not None:
             release()
+        elif cancelled:
+            self._answered.add(received.message.id)
         self._connection.release(received, self._sock)
 
     def _fail_all(self, error: BaseException) -> None:
@@ -583,6 +592,7 @@ class AsyncChannel:
         for release in self._orphans.values():
             release()
         self._orphans.clear()
+        self._answered.clear()
 
 
 def _close_quietly(sock: zmq.Socket[Any], pidfd: int) -> None:

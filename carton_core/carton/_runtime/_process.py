@@ -419,8 +419,12 @@ class RunnerProcess(RunnerFailures):
                 if timer is not None:
                     timer.cancel()
             except asyncio.CancelledError:
-                # The runner may still be reading the input: what it lies in is freed only once its reply is in.
-                channel.orphan(outgoing.id, outgoing.done)
+                # The runner may still be reading the input: what it lies in is freed only once its reply is in (at
+                # once if it already is: read for the call just before the cancel came).
+                if future.done() and not future.cancelled():
+                    outgoing.done()
+                else:
+                    channel.orphan(outgoing.id, outgoing.done)
                 raise
             except BaseException:
                 outgoing.done()
