@@ -47,6 +47,7 @@ from ._messages import (
 from ._runner import Tensor
 from ._shm import SHM_AVAILABLE, FdChannel, PeerSegments, Segment, SegmentPool
 from ._templates import REPLY_PREFIX, Layout, Plan, Templates, pack_id
+from ._zmqio import COPY_BELOW
 from .errors import FrameError, VersionMismatch
 
 __all__ = ["HostCodec", "Outgoing", "Received", "RunnerCodec"]
@@ -82,6 +83,8 @@ class Outgoing(msgspec.Struct, gc=False):
     parts: list[Any]
     segment: Segment | None = None
     pool: SegmentPool | None = None
+    #: Every part is under `COPY_BELOW` bytes: `send_copied` may send them, without `send_message`'s look at each.
+    copied: bool = False
 
     def done(self) -> None:
         segment, self.segment = self.segment, None
@@ -103,10 +106,14 @@ class _Codec:
         self._pool: SegmentPool | None = None
         self._peer: PeerSegments | None = None
         self._threshold = _NEVER
+        # A header template's tensors are all under the threshold: when it is no larger than `COPY_BELOW`, every part
+        # of its message is copied on send (`Outgoing.copied`; a header is far smaller).
+        self._inline_copied = False
 
     def _use_shared_memory(self, channel: FdChannel, threshold: int, *, prefix: str, writable: bool) -> None:
         self._channel = channel
         self._threshold = threshold
+        self._inline_copied = threshold <= COPY_BELOW
         self._pool = SegmentPool(prefix, channel)
         self._peer = PeerSegments(channel, writable=writable, max_segments=self.limits.max_segments)
 
@@ -153,7 +160,7 @@ class _Codec:
         if pool is None or not pool.dropped:
             parts = self._templates.encode(request_id, tensors, self._threshold, layout_key)
             if parts is not None:
-                return Outgoing(request_id, parts)
+                return Outgoing(request_id, parts, None, None, self._inline_copied)
         return None
 
     # --- receiving -------------------------------------------------------------------------------------------
