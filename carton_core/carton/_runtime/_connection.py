@@ -40,6 +40,7 @@ from carton_protocol import (
     Tensor,
     new_context,
     recv_message,
+    send_copied,
     send_message,
 )
 from zmq.backend import zmq_poll
@@ -390,7 +391,8 @@ class AsyncChannel:
     def __init__(self, connection: Connection, loop: asyncio.AbstractEventLoop) -> None:
         assert connection.pidfd is not None
         self.closed = False
-        self._connection = connection
+        #: The connection this channel's socket talks to the runner of (its codec is the channel's).
+        self.connection = connection
         self._codec = connection.codec
         self._pending: dict[int, asyncio.Future[Answer]] = {}
         # Requests given up (cancelled) whose shared-memory input the runner may still read: released on their reply.
@@ -425,10 +427,11 @@ class AsyncChannel:
         self._finalizer = weakref.finalize(loop, _close_quietly, sock, self._pidfd)
 
     def send(
-        self, parts: Sequence[Any], request_id: int, *, timeout: float | None
+        self, parts: Sequence[Any], request_id: int, timeout: float | None, copied: bool = False
     ) -> tuple[asyncio.Future[Answer], asyncio.TimerHandle | None]:
         """Send a ready request; its reply comes in the future (PeerGone, CallTimeout or ProtocolError instead): the
-        plan and data frames of a reply in a learnt header template, else the `Received`. `NotSent` when the runner
+        plan and data frames of a reply in a learnt header template, else the `Received`. `copied`: every part is
+        to be copied (`carton_protocol.Outgoing.copied`), so `send_copied` sends them. `NotSent` when the runner
         had exited before the request left (or the channel is closed, which it is once the runner exited).
         The caller awaits the future; if that raises, it calls `forget` with both, else it cancels the timer (the
         reply took the future out of the channel): no coroutine of the channel's own stands between the caller and
@@ -447,7 +450,10 @@ class AsyncChannel:
                 if ready[-1][0] is not self._sock:  # the pidfd, listed last
                     raise NotSent
                 self._drain(True)  # the poll found a message waiting
-            send_message(self._sock, parts)
+            if copied:
+                send_copied(self._sock, parts)
+            else:
+                send_message(self._sock, parts)
             self._unanswered += 1
             if self._unanswered > 1:
                 # Another reply may have arrived while this request was sent, its signal taken by the send.
@@ -550,7 +556,7 @@ class AsyncChannel:
         release = self._orphans.pop(received.message.id, None)
         if release is not None:
             release()
-        self._connection.release(received, self._sock)
+        self.connection.release(received, self._sock)
 
     def _fail_all(self, error: BaseException) -> None:
         for future in self._pending.values():
