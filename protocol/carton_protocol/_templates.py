@@ -30,7 +30,7 @@ from ._messages import Infer, InferReply, TensorEntry, encode
 from ._runner import Tensor
 from .errors import FrameError
 
-__all__ = ["REPLY_PREFIX", "REQUEST_PREFIX", "Layout", "Plan", "Templates", "pack_id"]
+__all__ = ["PACK_U32", "REPLY_PREFIX", "REQUEST_PREFIX", "Layout", "Plan", "Templates", "pack_id"]
 
 #: ``{"op": "infer", "id": `` as msgpack (a map of 3): the start of every plain infer request.
 REQUEST_PREFIX = b"\x83\xa2op\xa5infer\xa2id"
@@ -53,7 +53,9 @@ _U32 = struct.Struct(">I")
 _U64 = struct.Struct(">Q")
 _PACK_U8 = struct.Struct(">BB")
 _PACK_U16 = struct.Struct(">BH")
-_PACK_U32 = struct.Struct(">BI")
+#: A msgpack uint32: its marker (0xCE) and the value, packed in one call (an id past 65535, `pack_id`'s usual case).
+PACK_U32 = struct.Struct(">BI")
+_PACK_U32 = PACK_U32
 _PACK_U64 = struct.Struct(">BQ")
 _SMALL_IDS = [bytes([value]) for value in range(128)]
 # A wider msgpack uint's marker -> (its width with the marker, what reads the value after the marker).

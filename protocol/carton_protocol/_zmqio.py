@@ -64,11 +64,15 @@ def send_copied(sock: zmq.Socket[Any], parts: Sequence[Any]) -> None:
     _send(sock, parts[last], 0, True)
 
 
-def send_routed(sock: zmq.Socket[Any], ident: bytes, parts: Sequence[Any]) -> None:
+def send_routed(sock: zmq.Socket[Any], ident: bytes, parts: Sequence[Any], copied: bool = False) -> None:
     """`send_message` of ``[ident, *parts]`` on a ROUTER `sock` (`ident` a routing id as `recv_routed` gives it),
-    without building that list: the runner loop's every reply."""
+    without building that list: the runner loop's every reply. `copied`: `parts` are all to be copied, as for
+    `send_copied`."""
     _send(sock, ident, _SNDMORE, True)
-    send_message(sock, parts)
+    if copied:
+        send_copied(sock, parts)
+    else:
+        send_message(sock, parts)
 
 
 def recv_message(sock: zmq.Socket[Any], flags: int = 0) -> list[zmq.Frame]:
