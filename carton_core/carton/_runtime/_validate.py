@@ -248,7 +248,13 @@ class Signature:
     def prepare_inputs(self, inputs: Mapping[str, object] | Sequence[object]) -> tuple[dict[str, Tensor], Checked]:
         """Name positional inputs, check every input; returns the tensors and what `check_outputs` needs."""
         if type(inputs) is dict:
-            layout = _layout(inputs)
+            layout: _Layout | None
+            if len(inputs) == 1:
+                # One input (most models): `_layout` written out, without its loop and list.
+                ((name, value),) = inputs.items()
+                layout = ((name, value.dtype, value.shape),) if type(value) is np.ndarray else None
+            else:
+                layout = _layout(inputs)
             if layout is not None:
                 checked = self._input_layouts.get(layout)
                 if checked is not None:
