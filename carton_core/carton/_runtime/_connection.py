@@ -178,11 +178,12 @@ class Connection:
             raise
 
     def infer(
-        self, parts: Sequence[Any], request_id: int, *, timeout: float | None
+        self, parts: Sequence[Any], request_id: int, timeout: float | None, copied: bool = False
     ) -> tuple[dict[str, Tensor], Hashable] | Received:
         """`exchange` for an infer request: the reply's tensors and the plan that read them when it came in a header
         template (the usual reply; the same plan always reads the same layout), else its `Received` (an error, or
-        tensors the full decoder reads: `outputs`)."""
+        tensors the full decoder reads: `outputs`). `copied`: every part is to be copied, as `AsyncChannel.send`
+        says."""
         if timeout is not None or self._pidfd is None or self._exited:
             return self.exchange(parts, request_id, timeout=timeout)
         # Every call's path: a send and a blocking receive (as in `exchange`), and a reply in a header template read
@@ -194,7 +195,10 @@ class Connection:
             if state is None:
                 state = self._thread_socket()
             sock = state.socket
-            send_message(sock, parts)
+            if copied:
+                send_copied(sock, parts)
+            else:
+                send_message(sock, parts)
             while True:
                 try:
                     frames = recv_message(sock)

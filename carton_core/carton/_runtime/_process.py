@@ -317,7 +317,7 @@ class RunnerProcess(RunnerFailures):
             if outgoing is None:
                 outgoing = self._encode(connection, request_id, tensors)
             try:
-                reply = connection.infer(outgoing.parts, outgoing.id, timeout=timeout)
+                reply = connection.infer(outgoing.parts, outgoing.id, timeout, outgoing.copied)
             finally:
                 if outgoing.segment is not None:
                     outgoing.done()
