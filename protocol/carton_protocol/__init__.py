@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from ._reaper import descendants, kill_tree
     from ._runner import LoadContext, OptValue, PackContext, PackResult, Runner, Tensor
     from ._spec import DType, RunnerSpec, Shape, TensorSpec, hookimpl, installed_version
-    from ._zmqio import new_context, recv_message, send_message
+    from ._zmqio import new_context, recv_message, send_copied, send_message
     from .errors import (
         ErrorCode,
         FrameError,
@@ -103,6 +103,7 @@ __all__ = [
     "kill_tree",
     "new_context",
     "recv_message",
+    "send_copied",
     "send_message",
 ]
 
@@ -159,6 +160,7 @@ _SOURCES = {
     "kill_tree": "_reaper",
     "new_context": "_zmqio",
     "recv_message": "_zmqio",
+    "send_copied": "_zmqio",
     "send_message": "_zmqio",
 }
 

@@ -46,7 +46,9 @@ from ._messages import (
 )
 from ._runner import Tensor
 from ._shm import SHM_AVAILABLE, FdChannel, PeerSegments, Segment, SegmentPool
+from ._templates import PACK_U32 as _PACK_U32
 from ._templates import REPLY_PREFIX, Layout, Plan, Templates, pack_id
+from ._zmqio import COPY_BELOW
 from .errors import FrameError, VersionMismatch
 
 __all__ = ["HostCodec", "Outgoing", "Received", "RunnerCodec"]
@@ -82,6 +84,8 @@ class Outgoing(msgspec.Struct, gc=False):
     parts: list[Any]
     segment: Segment | None = None
     pool: SegmentPool | None = None
+    #: Every part is under `COPY_BELOW` bytes: `send_copied` may send them, without `send_message`'s look at each.
+    copied: bool = False
 
     def done(self) -> None:
         segment, self.segment = self.segment, None
@@ -99,14 +103,21 @@ class _Codec:
         self.limits = limits
         self._copy_shared = copy_shared
         self._templates = Templates(limits=limits, sends=self._infer)
+        #: `match` of the header frame's bytes (``frame.bytes``), bound to the templates: one Python call fewer on the
+        #: path every message takes.
+        self.match_bytes: Callable[[bytes], tuple[int, Plan] | None] = self._templates.match
         self._channel: FdChannel | None = None
         self._pool: SegmentPool | None = None
         self._peer: PeerSegments | None = None
         self._threshold = _NEVER
+        # A header template's tensors are all under the threshold: when it is no larger than `COPY_BELOW`, every part
+        # of its message is copied on send (`Outgoing.copied`; a header is far smaller).
+        self._inline_copied = False
 
     def _use_shared_memory(self, channel: FdChannel, threshold: int, *, prefix: str, writable: bool) -> None:
         self._channel = channel
         self._threshold = threshold
+        self._inline_copied = threshold <= COPY_BELOW
         self._pool = SegmentPool(prefix, channel)
         self._peer = PeerSegments(channel, writable=writable, max_segments=self.limits.max_segments)
 
@@ -153,7 +164,7 @@ class _Codec:
         if pool is None or not pool.dropped:
             parts = self._templates.encode(request_id, tensors, self._threshold, layout_key)
             if parts is not None:
-                return Outgoing(request_id, parts)
+                return Outgoing(request_id, parts, None, None, self._inline_copied)
         return None
 
     # --- receiving -------------------------------------------------------------------------------------------
@@ -213,9 +224,6 @@ class HostCodec(_Codec):
 
     def __init__(self, *, limits: WireLimits = DEFAULT_LIMITS, shm_threshold: int | None) -> None:
         super().__init__(limits, copy_shared=True)
-        #: `match` of the header frame's bytes (``frame.bytes``), bound to the templates: one Python call fewer on the
-        #: path every reply takes.
-        self.match_bytes: Callable[[bytes], tuple[int, Plan] | None] = self._templates.match
         self._runner_end: socket.socket | None = None
         self.shm_threshold: int | None = None
         if shm_threshold is not None and SHM_AVAILABLE:
@@ -314,8 +322,13 @@ class RunnerCodec(_Codec):
 
     def reply(self, request_id: int, tensors: Mapping[str, Tensor]) -> list[Any]:
         """The parts of the infer reply carrying `tensors` (`encode_tensors`'s, without the `Outgoing`: the host
-        releases a reply's segment, not this side). Pool threads call it concurrently: the last layout is one tuple,
-        read and replaced whole."""
+        releases a reply's segment, not this side)."""
+        return self.encode_reply(request_id, tensors)[0]
+
+    def encode_reply(self, request_id: int, tensors: Mapping[str, Tensor]) -> tuple[list[Any], bool]:
+        """`reply`'s parts, and whether every part is to be copied on send (`send_copied`, as `Outgoing.copied`
+        says): the runner loop's every reply. Pool threads call it concurrently: the last layout is one tuple, read
+        and replaced whole."""
         pool = self._pool
         if pool is None or not pool.dropped:
             last = self._last_reply
@@ -333,7 +346,11 @@ class RunnerCodec(_Codec):
                         and name == known_name
                         and value.flags.c_contiguous
                     ):
-                        return [REPLY_PREFIX + pack_id(request_id) + tail, value]
+                        # `pack_id`'s usual case written out, as in `Templates.encode`.
+                        packed = (
+                            _PACK_U32.pack(0xCE, request_id) if 1 << 16 <= request_id < 1 << 32 else pack_id(request_id)
+                        )
+                        return [REPLY_PREFIX + packed + tail, value], self._inline_copied
                 else:
                     for (name, value), (known_name, known_dtype, known_shape) in zip(tensors.items(), layout):  # noqa: B905
                         if (
@@ -345,14 +362,14 @@ class RunnerCodec(_Codec):
                         ):
                             break
                     else:
-                        return [REPLY_PREFIX + pack_id(request_id) + tail, *tensors.values()]
+                        return [REPLY_PREFIX + pack_id(request_id) + tail, *tensors.values()], self._inline_copied
             parts = self._templates.encode(request_id, tensors, self._threshold)
             if parts is not None:
                 # The template took every tensor as an array: its parts after the header are those arrays.
                 layout = tuple((name, array.dtype, array.shape) for name, array in zip(tensors, parts[1:]))  # noqa: B905
                 self._last_reply = (layout, parts[0][len(REPLY_PREFIX) + len(pack_id(request_id)) :])
-                return parts
-        return self.encode_full(request_id, tensors).parts
+                return parts, self._inline_copied
+        return self.encode_full(request_id, tensors).parts, False
 
     def release(self, segment_ids: tuple[str, ...]) -> None:
         """The host has read these reply segments: they may be reused (ids this side never lent are ignored)."""

@@ -186,6 +186,7 @@ class _Server:
             self.router.setsockopt(zmq.USE_FD, listen_fd)
         self.router.bind(endpoint)
         self.codec = RunnerCodec(limits=limits, channel=fd_channel)
+        self.match = self.codec.match_bytes
         self.runner_class: type[Runner] | None = None
         self.import_error: BaseException | None = None
         self.runner: Runner | None = None
@@ -263,9 +264,10 @@ class _Server:
         inline = self.executor is None or (self.last_infer_seconds < self.inline_max_seconds and self.pooled == 0)
         # Every call's path, written out here: a plain infer in a layout seen before, run on this thread. Its header
         # is matched as bytes and its tensors read by the template's plan, without making the message or a `Received`.
-        matched = self.codec.match(frames[1])
+        matched = self.match(frames[1].bytes)
         if matched is not None and runner is not None and inline:
-            send_routed(self.router, ident, self._infer(matched[0], matched[1], frames[2:]))
+            parts, copied = self._infer(matched[0], matched[1], frames[2:])
+            send_routed(self.router, ident, parts, copied)
             return
         try:
             received = self.codec.decode(frames, 1)
@@ -276,7 +278,8 @@ class _Server:
         match request:
             case Infer() if runner is not None:
                 if inline:
-                    send_routed(self.router, ident, self._infer(request.id, None, received))
+                    parts, copied = self._infer(request.id, None, received)
+                    send_routed(self.router, ident, parts, copied)
                 else:
                     self._to_pool(ident, received)
             case Infer():
@@ -387,16 +390,17 @@ class _Server:
     # --- any thread ------------------------------------------------------------------------------------------
     def _pooled_infer(self, ident: Any, received: Received) -> None:
         """`_infer` on a pool thread: the reply goes back to the socket thread over this thread's own PUSH socket."""
-        parts = self._infer(received.message.id, None, received)
+        parts, _ = self._infer(received.message.id, None, received)
         sender = getattr(self.local, "sender", None)
         if sender is None:
             sender = self.local.sender = self.context.socket(zmq.PUSH)
             sender.connect("inproc://results")
         send_message(sender, [ident, *parts])
 
-    def _infer(self, request_id: int, plan: Plan | None, data: Any) -> list[Any]:
-        """The parts of the reply to an infer request: its outputs, or the error. `data` is the request's data
-        frames when `plan` reads them (`RunnerCodec.match`), else its `Received`."""
+    def _infer(self, request_id: int, plan: Plan | None, data: Any) -> tuple[list[Any], bool]:
+        """The parts of the reply to an infer request (its outputs, or the error) and whether they are all to be
+        copied on send (`RunnerCodec.encode_reply`). `data` is the request's data frames when `plan` reads them
+        (`RunnerCodec.match_bytes`), else its `Received`."""
         try:
             inputs = plan.decode(data) if plan is not None else self.codec.tensors(data)
             runner = self.runner
@@ -410,11 +414,11 @@ class _Server:
                     raise InvalidOutput(f"infer returned a {type(outputs).__name__}, expected a mapping")
                 outputs = dict(outputs)
             try:
-                return self.codec.reply(request_id, outputs)
+                return self.codec.encode_reply(request_id, outputs)
             except FrameError as exc:
                 raise InvalidOutput(f"infer returned an output the wire cannot carry: {exc}") from exc
         except Exception as exc:
-            return [self.codec.encode(error_reply(request_id, exc))]
+            return [self.codec.encode(error_reply(request_id, exc))], False
 
     def shutdown(self) -> None:
         if self.runner is not None:

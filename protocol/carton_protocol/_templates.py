@@ -30,7 +30,7 @@ from ._messages import Infer, InferReply, TensorEntry, encode
 from ._runner import Tensor
 from .errors import FrameError
 
-__all__ = ["REPLY_PREFIX", "REQUEST_PREFIX", "Layout", "Plan", "Templates", "pack_id"]
+__all__ = ["PACK_U32", "REPLY_PREFIX", "REQUEST_PREFIX", "Layout", "Plan", "Templates", "pack_id"]
 
 #: ``{"op": "infer", "id": `` as msgpack (a map of 3): the start of every plain infer request.
 REQUEST_PREFIX = b"\x83\xa2op\xa5infer\xa2id"
@@ -53,9 +53,18 @@ _U32 = struct.Struct(">I")
 _U64 = struct.Struct(">Q")
 _PACK_U8 = struct.Struct(">BB")
 _PACK_U16 = struct.Struct(">BH")
-_PACK_U32 = struct.Struct(">BI")
+#: A msgpack uint32: its marker (0xCE) and the value, packed in one call (an id past 65535, `pack_id`'s usual case).
+PACK_U32 = struct.Struct(">BI")
+_PACK_U32 = PACK_U32
 _PACK_U64 = struct.Struct(">BQ")
 _SMALL_IDS = [bytes([value]) for value in range(128)]
+# A wider msgpack uint's marker -> (its width with the marker, what reads the value after the marker).
+_ID_READERS = {
+    0xCC: (2, _U8.unpack_from),
+    0xCD: (3, _U16.unpack_from),
+    0xCE: (5, _U32.unpack_from),
+    0xCF: (9, _U64.unpack_from),
+}
 
 
 def pack_id(value: int) -> bytes:
@@ -152,7 +161,8 @@ class Templates:
         # The last header matched, as its bytes after the id and their plan: one peer sends one layout again and
         # again, and comparing with the last one costs less than slicing the header and hashing it for the lookup.
         # One tuple, read and replaced whole (the host's calling threads match concurrently).
-        self._last: tuple[bytes, Plan] | None = None
+        # With the length of the prefix and tail together: the id's width is what the header has beyond them.
+        self._last: tuple[bytes, Plan, int] | None = None
 
     # --- sending ---------------------------------------------------------------------------------------------
     def encode(
@@ -183,7 +193,9 @@ class Templates:
             cached = self._learn_encoding(layout_key, layout)
         if cached is None or cached[1] >= threshold:
             return None
-        return [self._prefix + pack_id(request_id) + cached[0], *tensors.values()]
+        # Past the first 65535 calls ids take four bytes for four billion more: that case of `pack_id` written out.
+        packed = _PACK_U32.pack(0xCE, request_id) if 1 << 16 <= request_id < 1 << 32 else pack_id(request_id)
+        return [self._prefix + packed + cached[0], *tensors.values()]
 
     def _learn_encoding(self, key: Hashable, layout: Layout) -> tuple[bytes, int] | None:
         entries = []
@@ -213,6 +225,21 @@ class Templates:
         prefix = self._peer_prefix
         if not data.startswith(prefix):
             return None
+        last = self._last
+        if last is not None and data.endswith(last[0]):
+            # The last layout again (one peer sends one layout again and again): what lies between the prefix and
+            # its tail must be the id, one msgpack uint of exactly that width. Ids soon pass 127, so the wider
+            # encodings are read here too, without `_unpack_id`'s call and its marker tests one by one.
+            position = len(prefix)
+            width = len(data) - last[2]
+            marker = data[position] if width > 0 else 0
+            if width == 1:
+                if marker < 0x80:
+                    return marker, last[1]
+            elif width > 1:
+                reader = _ID_READERS.get(marker)
+                if reader is not None and reader[0] == width:
+                    return reader[1](data, position + 1)[0], last[1]
         position = len(prefix)
         if len(data) > position and data[position] < 0x80:  # ids up to 127 are one byte: the common case, inline
             request_id = data[position]
@@ -221,14 +248,11 @@ class Templates:
             request_id, position = _unpack_id(data, position)
             if position < 0:
                 return None
-        last = self._last
-        if last is not None and len(data) - position == len(last[0]) and data.endswith(last[0]):
-            return request_id, last[1]
         tail = data[position:]
         plan = self._decode.get(tail)
         if plan is None:
             return None
-        self._last = (tail, plan)
+        self._last = (tail, plan, len(prefix) + len(tail))
         return request_id, plan
 
     def learn(self, data: bytes, message: Infer | InferReply) -> None:

@@ -24,13 +24,15 @@ from typing import Any
 import numpy as np
 import zmq
 
-__all__ = ["new_context", "recv_message", "recv_routed", "send_message", "send_routed"]
+__all__ = ["COPY_BELOW", "new_context", "recv_message", "recv_routed", "send_copied", "send_message", "send_routed"]
 
 _SNDMORE = int(zmq.SNDMORE)
 _send = zmq.backend.Socket.send
 _recv = zmq.backend.Socket.recv
 _SCHED_BATCH = 3  # Linux's SCHED_BATCH (os.SCHED_BATCH where Python exposes it)
-_COPY_BELOW = 1 << 16
+#: Parts smaller than this many bytes are copied into ZeroMQ's message; larger ones are sent from their own buffer.
+COPY_BELOW = 1 << 16
+_COPY_BELOW = COPY_BELOW
 
 
 def send_message(sock: zmq.Socket[Any], parts: Sequence[Any]) -> None:
@@ -48,11 +50,29 @@ def send_message(sock: zmq.Socket[Any], parts: Sequence[Any]) -> None:
         _send(sock, part, _SNDMORE if index < last else 0, copy)
 
 
-def send_routed(sock: zmq.Socket[Any], ident: bytes, parts: Sequence[Any]) -> None:
+def send_copied(sock: zmq.Socket[Any], parts: Sequence[Any]) -> None:
+    """`send_message` of `parts` that are all to be copied (buffers under `COPY_BELOW` bytes, as a header template's
+    tensors are when its codec's threshold is no larger; `Outgoing.copied`), without looking at each part's type and
+    size. Copying a larger part would cost more, never go wrong."""
+    last = len(parts) - 1
+    if last == 1:  # a header and one tensor: most messages
+        _send(sock, parts[0], _SNDMORE, True)
+        _send(sock, parts[1], 0, True)
+        return
+    for index in range(last):
+        _send(sock, parts[index], _SNDMORE, True)
+    _send(sock, parts[last], 0, True)
+
+
+def send_routed(sock: zmq.Socket[Any], ident: bytes, parts: Sequence[Any], copied: bool = False) -> None:
     """`send_message` of ``[ident, *parts]`` on a ROUTER `sock` (`ident` a routing id as `recv_routed` gives it),
-    without building that list: the runner loop's every reply."""
+    without building that list: the runner loop's every reply. `copied`: `parts` are all to be copied, as for
+    `send_copied`."""
     _send(sock, ident, _SNDMORE, True)
-    send_message(sock, parts)
+    if copied:
+        send_copied(sock, parts)
+    else:
+        send_message(sock, parts)
 
 
 def recv_message(sock: zmq.Socket[Any], flags: int = 0) -> list[zmq.Frame]:

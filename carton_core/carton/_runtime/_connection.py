@@ -40,6 +40,7 @@ from carton_protocol import (
     Tensor,
     new_context,
     recv_message,
+    send_copied,
     send_message,
 )
 from zmq.backend import zmq_poll
@@ -177,11 +178,12 @@ class Connection:
             raise
 
     def infer(
-        self, parts: Sequence[Any], request_id: int, *, timeout: float | None
+        self, parts: Sequence[Any], request_id: int, timeout: float | None, copied: bool = False
     ) -> tuple[dict[str, Tensor], Hashable] | Received:
         """`exchange` for an infer request: the reply's tensors and the plan that read them when it came in a header
         template (the usual reply; the same plan always reads the same layout), else its `Received` (an error, or
-        tensors the full decoder reads: `outputs`)."""
+        tensors the full decoder reads: `outputs`). `copied`: every part is to be copied, as `AsyncChannel.send`
+        says."""
         if timeout is not None or self._pidfd is None or self._exited:
             return self.exchange(parts, request_id, timeout=timeout)
         # Every call's path: a send and a blocking receive (as in `exchange`), and a reply in a header template read
@@ -193,7 +195,10 @@ class Connection:
             if state is None:
                 state = self._thread_socket()
             sock = state.socket
-            send_message(sock, parts)
+            if copied:
+                send_copied(sock, parts)
+            else:
+                send_message(sock, parts)
             while True:
                 try:
                     frames = recv_message(sock)
@@ -390,7 +395,8 @@ class AsyncChannel:
     def __init__(self, connection: Connection, loop: asyncio.AbstractEventLoop) -> None:
         assert connection.pidfd is not None
         self.closed = False
-        self._connection = connection
+        #: The connection this channel's socket talks to the runner of (its codec is the channel's).
+        self.connection = connection
         self._codec = connection.codec
         self._pending: dict[int, asyncio.Future[Answer]] = {}
         # Requests given up (cancelled) whose shared-memory input the runner may still read: released on their reply.
@@ -428,10 +434,11 @@ class AsyncChannel:
         self._finalizer = weakref.finalize(loop, _close_quietly, sock, self._pidfd)
 
     def send(
-        self, parts: Sequence[Any], request_id: int, *, timeout: float | None
+        self, parts: Sequence[Any], request_id: int, timeout: float | None, copied: bool = False
     ) -> tuple[asyncio.Future[Answer], asyncio.TimerHandle | None]:
         """Send a ready request; its reply comes in the future (PeerGone, CallTimeout or ProtocolError instead): the
-        plan and data frames of a reply in a learnt header template, else the `Received`. `NotSent` when the runner
+        plan and data frames of a reply in a learnt header template, else the `Received`. `copied`: every part is
+        to be copied (`carton_protocol.Outgoing.copied`), so `send_copied` sends them. `NotSent` when the runner
         had exited before the request left (or the channel is closed, which it is once the runner exited).
         The caller awaits the future; if that raises, it calls `forget` with both, else it cancels the timer (the
         reply took the future out of the channel): no coroutine of the channel's own stands between the caller and
@@ -450,7 +457,10 @@ class AsyncChannel:
                 if ready[-1][0] is not self._sock:  # the pidfd, listed last
                     raise NotSent
                 self._drain(True)  # the poll found a message waiting
-            send_message(self._sock, parts)
+            if copied:
+                send_copied(self._sock, parts)
+            else:
+                send_message(self._sock, parts)
             self._unanswered += 1
             if self._unanswered > 1:
                 # Another reply may have arrived while this request was sent, its signal taken by the send.
@@ -559,7 +569,7 @@ class AsyncChannel:
             release()
         elif cancelled:
             self._answered.add(received.message.id)
-        self._connection.release(received, self._sock)
+        self.connection.release(received, self._sock)
 
     def _fail_all(self, error: BaseException) -> None:
         for future in self._pending.values():

@@ -356,10 +356,12 @@ class Model:
     async def _infer_async(
         self,
         inputs: Mapping[str, object] | Sequence[object],
-        timeout: float | None,
-        lent: list[Callable[[], None]] | None,
+        timeout: float | None = None,
+        lent: list[Callable[[], None]] | None = None,
     ) -> dict[str, Tensor]:
-        """`infer_async`, and with `lent` `infer_async_lent` (what it lends is given back here if the call fails)."""
+        """`infer_async`, and with `lent` `infer_async_lent` (what it lends is given back here if the call fails).
+        Called as ``_infer_async(inputs)`` it is `infer_async` without the coroutine in front of it: the server's
+        model handle calls it so (`carton.server._handle`)."""
         tensors, checked = self._signature.prepare_inputs(inputs)
         worker = self._only
         if worker is None or self._closed:
@@ -371,15 +373,27 @@ class Model:
             limit = self._settings.request_timeout if timeout is None else timeout
             try:
                 # The liveness check is the send's own: it reads the runner's pidfd in the poll it makes anyway.
-                outputs, reply_layout = await process.infer_async_with_layouts(
-                    tensors, timeout=limit, layout_key=checked.layout_key, unsent=True, lent=lent
-                )
+                # The process's call in its steps (`RunnerProcess.infer_async_with_layouts` says what each does),
+                # awaited here: no coroutine of the process's between this one and the reply's future.
+                started = process.start_infer_async(tensors, limit, checked.layout_key, True)
+                if started is None:
+                    outputs, reply_layout = await process.infer_async_with_layouts(
+                        tensors, timeout=limit, layout_key=checked.layout_key, unsent=True, lent=lent
+                    )
             except NotSent:
                 # The runner had exited (or was closed) before the request left: restart it and send it once more.
                 process = await asyncio.to_thread(self._process_for, worker)
+                started = None
                 outputs, reply_layout = await process.infer_async_with_layouts(
                     tensors, timeout=limit, layout_key=checked.layout_key, lent=lent
                 )
+            if started is not None:
+                try:
+                    answer = await started[2]
+                except BaseException as exc:
+                    await process.fail_infer_async(started, exc, limit)
+                    raise  # (`fail_infer_async` always raises)
+                outputs, reply_layout = process.finish_infer_async(started, answer, lent, limit)
             return self._signature.check_outputs(outputs, checked, reply_layout)
         except BaseException:
             if lent is not None:

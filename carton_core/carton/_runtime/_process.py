@@ -22,6 +22,7 @@ import weakref
 from collections.abc import Callable, Hashable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NoReturn
 
 import zmq
 from carton_protocol import (
@@ -60,13 +61,13 @@ from ..errors import (
     RunnerWarning,
 )
 from ._cgroups import runner_cgroup
-from ._connection import AsyncChannel, CallTimeout, Connection, NotSent, PeerGone
+from ._connection import Answer, AsyncChannel, CallTimeout, Connection, NotSent, PeerGone
 from ._exits import Resources as _Resources
 from ._failures import Operation
 from ._launch import LaunchPlan, build_launch_plan, make_runtime_dir, spawn
 from ._process_failures import RunnerFailures
 
-__all__ = ["DEFAULT_SHM_THRESHOLD", "LaunchPlan", "RunnerProcess", "release_lent"]
+__all__ = ["DEFAULT_SHM_THRESHOLD", "LaunchPlan", "RunnerProcess", "Started", "release_lent"]
 
 #: Tensors of at least this many bytes travel in shared memory, smaller ones in the message: shared memory wins
 #: from 64 KiB up (bench/bench_protocol.py, threshold section; docs/protocol.md).
@@ -77,6 +78,10 @@ _ASYNC_THREADS = 64
 # infer_async requests moving at least this many bytes run on the thread pool: their copies to and from shared
 # memory would stall the event loop, and next to them a thread hand-off costs nothing.
 _ASYNC_COPY_BYTES = 1 << 20
+
+#: A call `RunnerProcess.start_infer_async` sent: its channel, its message, the future its answer comes in, and the
+#: timer of its timeout.
+Started = tuple[AsyncChannel, Outgoing, asyncio.Future[Answer], asyncio.TimerHandle | None]
 
 #: What the layers below raise while a call waits; `RunnerProcess._failure` turns each into a `carton` exception.
 _FOREIGN = (PeerGone, CallTimeout, ProtocolError, zmq.ZMQError, OSError)
@@ -312,7 +317,7 @@ class RunnerProcess(RunnerFailures):
             if outgoing is None:
                 outgoing = self._encode(connection, request_id, tensors)
             try:
-                reply = connection.infer(outgoing.parts, outgoing.id, timeout=timeout)
+                reply = connection.infer(outgoing.parts, outgoing.id, timeout, outgoing.copied)
             finally:
                 if outgoing.segment is not None:
                     outgoing.done()
@@ -373,6 +378,24 @@ class RunnerProcess(RunnerFailures):
         closed) before the request left raises `NotSent` instead of failing: nothing reached the runner, and the
         caller may send the request to another one (`Model` restarts it). Once the request is sent, the runner's exit
         is `RunnerCrashed` whatever `unsent` says."""
+        started = self.start_infer_async(tensors, timeout, layout_key, unsent)
+        if started is None:
+            return await self._infer_in_pool(tensors, timeout, layout_key, unsent, lent)
+        try:
+            answer = await started[2]
+        except BaseException as exc:
+            await self.fail_infer_async(started, exc, timeout)
+            raise  # (`fail_infer_async` always raises)
+        return self.finish_infer_async(started, answer, lent, timeout)
+
+    def start_infer_async(
+        self, tensors: Mapping[str, Tensor], timeout: float | None, layout_key: Hashable | None, unsent: bool
+    ) -> Started | None:
+        """The first half of `infer_async_with_layouts` (its arguments, positional), on the calling loop's channel:
+        the request encoded and sent, or None when it goes to the thread pool instead (`infer_async_with_layouts`
+        then). The caller awaits the future (``[2]``), then passes the answer to `finish_infer_async`, or what that
+        await raised to `fail_infer_async`: the call in three steps, without a coroutine of this class between the
+        caller's and the future (`Model` calls it so)."""
         # Not counted in flight: the loop's channel owns its socket, which `close` does not tear down under it.
         connection = self._resources.connection
         if connection is None or self._closed:
@@ -385,64 +408,87 @@ class RunnerProcess(RunnerFailures):
         channel = last[1] if last is not None and last[0]() is loop and not last[1].closed else None
         if channel is None:
             channel = self._new_async_channel(loop)
-        outgoing = None
-        if channel is not None:
-            # A small request in a layout sent before copies nothing: no need to count what it would copy.
-            request_id = connection.next_id()
-            outgoing = connection.codec.encode_inline(request_id, tensors, layout_key)
-            if outgoing is None and connection.codec.copied_bytes(tensors) < _ASYNC_COPY_BYTES:
-                outgoing = self._encode(connection, request_id, tensors)
-        if channel is None or outgoing is None:
-            if unsent and not self.alive:  # the thread pool's call sends at once: the liveness check comes first
-                raise NotSent
-            call = functools.partial(
-                self.infer_with_layouts, tensors, timeout=timeout, layout_key=layout_key, lent=lent
-            )
-            if lent is None:
-                return await loop.run_in_executor(self._async_pool(), call)
-            work = self._async_pool().submit(call)
-            try:
-                return await asyncio.wrap_future(work, loop=loop)
-            except asyncio.CancelledError:
-                # The call goes on without its caller: what it lends is given back once it is done.
-                work.add_done_callback(lambda _: release_lent(lent))
-                raise
+            if channel is None:
+                return None
+        # A small request in a layout sent before copies nothing: no need to count what it would copy.
+        request_id = connection.next_id()
+        outgoing = connection.codec.encode_inline(request_id, tensors, layout_key)
+        if outgoing is None:
+            if connection.codec.copied_bytes(tensors) >= _ASYNC_COPY_BYTES:
+                return None
+            outgoing = self._encode(connection, request_id, tensors)
         try:
-            try:
-                # `send` reads the runner's pidfd just before sending: `NotSent` if it had exited.
-                future, timer = channel.send(outgoing.parts, outgoing.id, timeout=timeout)
-                try:
-                    answer = await future
-                except BaseException:
-                    channel.forget(outgoing.id, timer)
-                    raise
-                if timer is not None:
-                    timer.cancel()
-            except asyncio.CancelledError:
-                # The runner may still be reading the input: what it lies in is freed only once its reply is in (at
-                # once if it already is: read for the call just before the cancel came).
-                if future.done() and not future.cancelled():
-                    outgoing.done()
-                else:
-                    channel.orphan(outgoing.id, outgoing.done)
-                raise
-            except BaseException:
-                outgoing.done()
-                raise
-            if outgoing.segment is not None:
-                outgoing.done()
+            # `send` reads the runner's pidfd just before sending: `NotSent` if it had exited.
+            future, timer = channel.send(outgoing.parts, request_id, timeout, outgoing.copied)
+        except BaseException as exc:
+            outgoing.done()
+            if isinstance(exc, _FOREIGN) and not (unsent and type(exc) is NotSent):
+                raise self._failure(exc, Operation.INFER, timeout, "infer timeout") from _cause(exc)
+            raise
+        return channel, outgoing, future, timer
+
+    def finish_infer_async(
+        self, started: Started, answer: Answer, lent: list[Callable[[], None]] | None, timeout: float | None
+    ) -> tuple[dict[str, Tensor], Hashable | None]:
+        """The outputs of a call `start_infer_async` started, from what its future gave."""
+        outgoing = started[1]
+        timer = started[3]
+        if timer is not None:
+            timer.cancel()
+        if outgoing.segment is not None:
+            outgoing.done()
+        try:
             if type(answer) is tuple:
                 plan = answer[0]
                 return plan.decode(answer[1]), plan
-            return self._outputs(connection, answer, lent)  # type: ignore[arg-type]  # a Received
-        except CallTimeout as exc:
+            return self._outputs(started[0].connection, answer, lent)  # type: ignore[arg-type]  # a Received
+        except _FOREIGN as exc:
+            raise self._failure(exc, Operation.INFER, timeout, "infer timeout") from _cause(exc)
+
+    async def fail_infer_async(self, started: Started, exc: BaseException, timeout: float | None) -> NoReturn:
+        """Raise what a call `start_infer_async` started fails with, given what awaiting its future raised."""
+        channel, outgoing, _, timer = started
+        channel.forget(outgoing.id, timer)
+        if isinstance(exc, asyncio.CancelledError):
+            # The runner may still be reading the input: what it lies in is freed only once its reply is in (at
+            # once if it already is: read for the call just before the cancel came).
+            future = started[2]
+            if future.done() and not future.cancelled():
+                outgoing.done()
+            else:
+                channel.orphan(outgoing.id, outgoing.done)
+            raise exc
+        outgoing.done()
+        if isinstance(exc, CallTimeout):
             # Killing the runner's tree waits for it to go: not on the loop.
             failure = await asyncio.to_thread(self._failure, exc, Operation.INFER, timeout, "infer timeout")
             raise failure from None
-        except _FOREIGN as exc:
-            if unsent and type(exc) is NotSent:
-                raise
+        if isinstance(exc, _FOREIGN):
             raise self._failure(exc, Operation.INFER, timeout, "infer timeout") from _cause(exc)
+        raise exc
+
+    async def _infer_in_pool(
+        self,
+        tensors: Mapping[str, Tensor],
+        timeout: float | None,
+        layout_key: Hashable | None,
+        unsent: bool,
+        lent: list[Callable[[], None]] | None,
+    ) -> tuple[dict[str, Tensor], Hashable | None]:
+        """`infer_with_layouts` on this runner's thread pool: large requests, and hosts without a channel."""
+        if unsent and not self.alive:  # the thread pool's call sends at once: the liveness check comes first
+            raise NotSent
+        call = functools.partial(self.infer_with_layouts, tensors, timeout=timeout, layout_key=layout_key, lent=lent)
+        loop = asyncio.get_running_loop()
+        if lent is None:
+            return await loop.run_in_executor(self._async_pool(), call)
+        work = self._async_pool().submit(call)
+        try:
+            return await asyncio.wrap_future(work, loop=loop)
+        except asyncio.CancelledError:
+            # The call goes on without its caller: what it lends is given back once it is done.
+            work.add_done_callback(lambda _: release_lent(lent))
+            raise
 
     def _new_async_channel(self, loop: asyncio.AbstractEventLoop) -> AsyncChannel | None:
         connection = self._resources.connection

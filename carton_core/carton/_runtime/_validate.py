@@ -190,15 +190,15 @@ _MAX_LAYOUTS = 256
 
 
 class _Known:
-    """An input layout that passed: the symbol bindings it made, and the reply layouts whose outputs passed after it.
+    """An input layout that passed: the reply layouts whose outputs passed after it (its symbol bindings are its
+    `Checked`'s).
 
     Hashed by identity, it is the one key a call's layout is looked up by: the codec's request template is found by
     it too (`Checked.layout_key`), and a reply read by a learnt plan is checked by that plan's identity."""
 
-    __slots__ = ("bindings", "replies")
+    __slots__ = ("replies",)
 
-    def __init__(self, bindings: dict[str, _Binding]) -> None:
-        self.bindings = bindings
+    def __init__(self) -> None:
         self.replies: set[object] = set()
 
 
@@ -206,9 +206,15 @@ class _Known:
 class Checked(msgspec.Struct, gc=False):
     """What `Signature.prepare_inputs` learnt of a call's inputs, for `Signature.check_outputs`."""
 
-    bindings: dict[str, _Binding]
+    bindings: dict[str, _Binding]  # what `check_outputs` continues (in a copy when `shared`)
     layout: _Layout | None  # None when some input was not a plain numpy array
     layout_key: _Known | None = None  # the inputs' layout as one hashable object (None with `layout`)
+    shared: bool = False  # given to every call in the layout: `bindings` are never changed
+
+
+def _continued(checked: Checked) -> dict[str, _Binding]:
+    """The bindings `Signature.check_outputs` adds the outputs' to: a copy of a shared `Checked`'s."""
+    return dict(checked.bindings) if checked.shared else checked.bindings
 
 
 def _layout(tensors: Mapping[str, object]) -> _Layout | None:
@@ -236,21 +242,30 @@ class Signature:
         self._outputs = {spec.name: _Checker(spec, "output", InvalidOutput) for spec in outputs}
         self.input_names = tuple(self._inputs)
         self.output_names = tuple(self._outputs)
-        self._input_layouts: dict[_Layout, _Known] = {}
+        self._input_layouts: dict[_Layout, Checked] = {}
         self._output_layouts: set[tuple[_Layout, _Layout]] = set()
 
     def prepare_inputs(self, inputs: Mapping[str, object] | Sequence[object]) -> tuple[dict[str, Tensor], Checked]:
         """Name positional inputs, check every input; returns the tensors and what `check_outputs` needs."""
         if type(inputs) is dict:
-            layout = _layout(inputs)
+            layout: _Layout | None
+            if len(inputs) == 1:
+                # One input (most models): `_layout` written out, without its loop and list.
+                ((name, value),) = inputs.items()
+                layout = ((name, value.dtype, value.shape),) if type(value) is np.ndarray else None
+            else:
+                layout = _layout(inputs)
             if layout is not None:
-                known = self._input_layouts.get(layout)
-                if known is not None:
-                    return dict(inputs), Checked(dict(known.bindings), layout, known)
+                checked = self._input_layouts.get(layout)
+                if checked is not None:
+                    return dict(inputs), checked
                 tensors, bindings = self._check_inputs(inputs)
                 if len(self._input_layouts) >= _MAX_LAYOUTS:
                     self._input_layouts.clear()
-                known = self._input_layouts[layout] = _Known(dict(bindings))
+                known = _Known()
+                # One shared `Checked` per layout, given to every later call in it: `check_outputs` adds the outputs'
+                # bindings to a copy of its bindings, never to them. This first call's are its own.
+                self._input_layouts[layout] = Checked(dict(bindings), layout, known, shared=True)
                 return tensors, Checked(bindings, layout, known)
         tensors, bindings = self._check_inputs(inputs)
         return tensors, Checked(bindings, None)
@@ -294,12 +309,12 @@ class Signature:
         inputs = checked.layout
         layout = _layout(outputs) if inputs is not None and type(outputs) is dict else None
         if inputs is None or layout is None:
-            return self._check_outputs(outputs, checked.bindings)
+            return self._check_outputs(outputs, _continued(checked))
         key = (inputs, layout)
         if key in self._output_layouts:
             tensors = outputs  # a dict of arrays (`_layout` checked it)
         else:
-            tensors = self._check_outputs(outputs, checked.bindings)
+            tensors = self._check_outputs(outputs, _continued(checked))
             if len(self._output_layouts) >= _MAX_LAYOUTS:
                 self._output_layouts.clear()
             self._output_layouts.add(key)

@@ -70,8 +70,9 @@ class _CartonHandle:
         # Off the event loop (the runtime's worker thread waits on the runner): calling the blocking `Model.infer`
         # on the loop measured about 70 us less CPU per request, but one slow or hung model would then stall every
         # connection, health probes included. See docs/server.md, "Where the time goes".
-        # `Model.infer_async` itself, bound: a call of the handle's `infer` is a call of it, with no frame between.
-        self.infer: Callable[[dict[str, np.ndarray]], Coroutine[Any, Any, Mapping[str, Tensor]]] = model.infer_async
+        # `Model.infer_async`'s body itself, bound: a call of the handle's `infer` is a call of it, with no frame (nor
+        # the coroutine `infer_async` awaits it in) between.
+        self.infer: Callable[[dict[str, np.ndarray]], Coroutine[Any, Any, Mapping[str, Tensor]]] = model._infer_async
         self.infer_lent: LendingInfer = model.infer_async_lent
 
     @property
