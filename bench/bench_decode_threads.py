@@ -51,7 +51,7 @@ def _cpu_seconds() -> float:
 def _child(args: argparse.Namespace) -> dict[str, Any]:
     import numpy as np
     from carton_protocol import DType, LoadContext, TensorSpec
-    from carton_runner_mcf._llama import positions_from_mask
+    from carton_runner_mcf._decoder import positions_from_mask
     from carton_runner_mcf.runner import MCFRunner
 
     runner = MCFRunner()
@@ -121,7 +121,7 @@ def _bound_child(args: argparse.Namespace) -> dict[str, Any]:
     import numba
     import numpy as np
     from carton_protocol import DType, LoadContext, TensorSpec
-    from carton_runner_mcf._llama import positions_from_mask
+    from carton_runner_mcf._decoder import positions_from_mask
     from carton_runner_mcf._region import DecodeRegion
     from carton_runner_mcf.runner import MCFRunner
     from numba.typed import List
