@@ -351,22 +351,24 @@ class LlamaModel:
         """`forward` for one token per row as one `_step.decode_step` run by the model's threads, which also
         computes the step's logits (kept for `logits`); None (and the region dropped, with a warning) when the team
         failed."""
-        from ._team import TeamFailed
-
-        batch = input_ids.shape[0]
+        # The caller's Python between two steps is serial at every thread count and runs on caches the step has
+        # just evicted: this path touches as little as it can (`DecodeRegion.step` checks the arrays' types).
         try:
             out, logits = region.step(
-                input_ids.astype(np.int64, copy=False), positions.astype(np.int64, copy=False), cache.key_store,
-                cache.value_store, cache.key_mask, cache.length, self._scale,
-            )  # fmt: skip
-        except TeamFailed as exc:
+                input_ids, positions, cache.key_store, cache.value_store, cache.key_mask, cache.length, self._scale
+            )
+        except Exception as exc:
+            from ._team import TeamFailed
+
+            if not isinstance(exc, TeamFailed):
+                raise
             warnings.warn(f"mcf runner: decode falls back to one call per operation: {exc}", RuntimeWarning, 2)
             self._region = None
             return None
         # Read-only, so that the logits kept for it cannot go stale.
         out.flags.writeable = False
         self._stepped = (out, logits) if logits is not None else None
-        return out.reshape(batch, 1, -1)
+        return out.reshape(input_ids.shape[0], 1, -1)
 
     def _step_one(self, input_ids: I64, positions: I64, cache: KVCache, fused: ModuleType) -> F32:
         """`forward` for one token per row with the compiled small operations (`_fused`): the same computation,
@@ -425,12 +427,14 @@ class LlamaModel:
             out, logits = stepped
             # ``hidden`` is what the last single-token step returned (or a view of all of it): its logits were
             # computed in the same run of the threads.
+            # (``out`` owns its memory, so every view of it has it as ``base``; a contiguous view as large as ``out``
+            # starts where it does.)
             if (
-                hidden.size == out.size
+                (hidden is out or hidden.base is out)
+                and hidden.size == out.size
                 and hidden.shape[-1] == out.shape[-1]
                 and hidden.dtype == out.dtype
                 and hidden.flags.c_contiguous
-                and hidden.__array_interface__["data"][0] == out.__array_interface__["data"][0]
             ):
                 return logits.reshape(*hidden.shape[:-1], logits.shape[-1])
         return self.lm_head(hidden)
