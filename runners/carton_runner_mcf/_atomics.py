@@ -63,7 +63,6 @@ __all__ = [
     "claim",
     "compare_exchange",
     "control_size",
-    "cut",
     "depart",
     "leave",
     "monotonic_ns",
@@ -334,31 +333,11 @@ _FRONT = _BACK - 1
 
 
 @numba.njit(**JIT)
-def cut(size, most, chunk):  # type: ignore[no-untyped-def]
-    """How `take_share` cuts a share of ``size`` units for ``most``: ``(chunks, first, last)``, the share's number
-    of chunks and chunk ``chunk``'s units ``first .. last - 1`` (counted from the share's start; ``-1, -1`` past
-    the last). With ``most`` 1 the share is one chunk; otherwise chunks of ``ceil(size / most)`` units from the
-    front, then, once at most two of those are left, each chunk half of what is left (rounded up): the chunks at
-    the back, where the threads meet, are small, so the threads reach the phase's end close together."""
-    if most <= 1:
-        whole = size > 0 and chunk == 0
-        return (1 if size > 0 else 0), (0 if whole else -1), (size if whole else -1)
-    largest = (size + most - 1) // most
-    chunks, start, first, last = 0, 0, -1, -1
-    while start < size:
-        length = min(largest, (size - start + 1) // 2)
-        if chunks == chunk:
-            first, last = start, start + length
-        chunks += 1
-        start += length
-    return chunks, first, last
-
-
-@numba.njit(**JIT)
 def take_share(control, counter, units, most, team, worker, share):  # type: ignore[no-untyped-def]
     """The next chunk of a phase's ``units`` units of work (0 .. ``units - 1``), cut into ``team`` contiguous shares
-    of as equal sizes as can be, each cut by `cut` (``most`` bounds the front chunks' count). Share ``s`` is counted
-    by counter ``counter + s``: ``worker`` takes its own share (``share`` 0) from the front, then those of the
+    of as equal sizes as can be, each cut into at most ``most`` chunks of as equal sizes as can be, none smaller
+    than ``most`` allows (a share of fewer units than ``most`` is one unit a chunk). Share ``s`` is counted by
+    counter ``counter + s``: ``worker`` takes its own share (``share`` 0) from the front, then those of the
     following workers (``share`` 1, 2, ...) from their back. Returns ``(first, last, share)``, the chunk's units
     ``first .. last - 1``: pass ``share`` back in the next call (start at 0); first is -1 when every share is
     spent."""
@@ -366,12 +345,12 @@ def take_share(control, counter, units, most, team, worker, share):  # type: ign
         owner = (worker + share) % team
         begin = units * owner // team
         size = units * (owner + 1) // team - begin
-        chunks = cut(size, most, -1)[0]
+        chunks = min(most, size)
         taken = atomic_add(control, COUNTERS + SLOT * (counter + owner), 1 if share == 0 else _BACK)
         front, back = taken & _FRONT, taken >> 32
         if front + back < chunks:
-            _, first, last = cut(size, most, front if share == 0 else chunks - 1 - back)
-            return begin + first, begin + last, share
+            chunk = front if share == 0 else chunks - 1 - back
+            return begin + size * chunk // chunks, begin + size * (chunk + 1) // chunks, share
         share += 1
     return -1, -1, share
 
