@@ -113,7 +113,7 @@ def _breakdown() -> dict[str, float]:
 def _child_mcf(args: argparse.Namespace) -> dict[str, Any]:
     import numpy as np
     from carton_protocol import DType, LoadContext, TensorSpec
-    from carton_runner_mcf._llama import positions_from_mask
+    from carton_runner_mcf._decoder import positions_from_mask
     from carton_runner_mcf.runner import MCFRunner
 
     started = time.perf_counter()

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import NDArray
 
-from ._llama import Decoder, positions_from_mask
+from ._decoder import Decoder, positions_from_mask
 
 __all__ = ["F32", "I64", "SamplingParams", "generate", "sample_next"]
 

@@ -9,128 +9,19 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from types import ModuleType
-from typing import Protocol
 
 import numpy as np
 from numpy.typing import NDArray
 
 from ._config import DecoderConfig
+from ._decoder import F32, I64, DecoderLayer, KVCache, chunked_prefill, pick_rows
 from ._kernels import QuantizedLinear
 from ._packed import CompiledPayload, compiled_kernels, without_threads
 from ._region import DecodeRegion
 from ._weights import Embedding, Linear
 
-__all__ = [
-    "F32",
-    "I64",
-    "Decoder",
-    "DecoderLayer",
-    "KVCache",
-    "LlamaModel",
-    "chunked_prefill",
-    "pick_rows",
-    "positions_from_mask",
-]
-
-F32 = NDArray[np.float32]
-I64 = NDArray[np.int64]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class DecoderLayer:
-    """One transformer block's weights (of one shard when the model is split across processes).
-
-    ``o_bias`` and ``down_bias`` are added after the shards' partial sums are added up; a single process may as well
-    fold them into its `Linear` (``BiasedLinear``).
-    """
-
-    input_norm: F32
-    q_proj: Linear
-    k_proj: Linear
-    v_proj: Linear
-    o_proj: Linear
-    post_attention_norm: F32
-    gate_proj: Linear
-    up_proj: Linear
-    down_proj: Linear
-    o_bias: F32 | None = None
-    down_bias: F32 | None = None
-
-
-class KVCache:
-    """Keys and values of every layer, ``[batch, kv_heads, capacity, head_dim]``, plus which slots are real.
-
-    ``key_mask[b, s]`` is False for padding slots, so a padded prompt and its continuation attend only to real
-    tokens. Capacity grows geometrically when a step would overflow it.
-    """
-
-    def __init__(self, config: DecoderConfig, batch: int, capacity: int, *, kv_heads: int | None = None) -> None:
-        self._config = config
-        self.batch = batch
-        self.length = 0
-        heads = config.num_kv_heads if kv_heads is None else kv_heads
-        shape = (config.num_layers, batch, heads, max(capacity, 1), config.head_dim)
-        #: every layer's keys and values in one array each, ``[layers, batch, kv_heads, capacity, head_dim]``
-        #: (the compiled decode step reads them whole); ``keys[i]`` / ``values[i]`` are layer ``i``'s views.
-        self.key_store = np.zeros(shape, np.float32)
-        self.value_store = np.zeros(shape, np.float32)
-        self.keys = list(self.key_store)
-        self.values = list(self.value_store)
-        self.key_mask = np.zeros((batch, shape[3]), dtype=bool)
-
-    @property
-    def capacity(self) -> int:
-        return int(self.key_mask.shape[1])
-
-    def reserve(self, extra: int) -> None:
-        needed = self.length + extra
-        if needed <= self.capacity:
-            return
-        new_capacity = max(needed, 2 * self.capacity)
-        stores = []
-        for old in (self.key_store, self.value_store):
-            grown = np.zeros((*old.shape[:3], new_capacity, old.shape[4]), np.float32)
-            grown[:, :, :, : self.length] = old[:, :, :, : self.length]
-            stores.append(grown)
-        self.key_store, self.value_store = stores
-        self.keys, self.values = list(self.key_store), list(self.value_store)
-        mask = np.zeros((self.batch, new_capacity), dtype=bool)
-        mask[:, : self.length] = self.key_mask[:, : self.length]
-        self.key_mask = mask
-
-
-def positions_from_mask(attention_mask: NDArray[np.bool_], start: I64 | None = None) -> I64:
-    """Rotary positions: each real token's index among the real tokens of its row (padding does not count)."""
-    counts = np.cumsum(attention_mask, axis=1, dtype=np.int64) - 1
-    if start is not None:
-        counts += start[:, None]
-    return np.maximum(counts, 0)
-
-
-class Decoder(Protocol):
-    """What generation and the runner use of a model: one process's `LlamaModel` or the split `ShardedModel`."""
-
-    @property
-    def config(self) -> DecoderConfig: ...
-
-    def new_cache(self, batch: int, capacity: int) -> KVCache: ...
-
-    def forward(self, input_ids: I64, positions: I64, token_mask: NDArray[np.bool_], cache: KVCache) -> F32: ...
-
-    def prefill(
-        self,
-        input_ids: I64,
-        positions: I64,
-        token_mask: NDArray[np.bool_],
-        cache: KVCache,
-        *,
-        chunk: int = 256,
-        outputs: I64 | None = None,
-    ) -> F32: ...
-
-    def logits(self, hidden: F32) -> F32: ...
+__all__ = ["LlamaModel"]
 
 
 def _unchanged(partial: F32) -> F32:
@@ -460,22 +351,24 @@ class LlamaModel:
         """`forward` for one token per row as one `_step.decode_step` run by the model's threads, which also
         computes the step's logits (kept for `logits`); None (and the region dropped, with a warning) when the team
         failed."""
-        from ._team import TeamFailed
-
-        batch = input_ids.shape[0]
+        # The caller's Python between two steps is serial at every thread count and runs on caches the step has
+        # just evicted: this path touches as little as it can (`DecodeRegion.step` checks the arrays' types).
         try:
             out, logits = region.step(
-                input_ids.astype(np.int64, copy=False), positions.astype(np.int64, copy=False), cache.key_store,
-                cache.value_store, cache.key_mask, cache.length, self._scale,
-            )  # fmt: skip
-        except TeamFailed as exc:
+                input_ids, positions, cache.key_store, cache.value_store, cache.key_mask, cache.length, self._scale
+            )
+        except Exception as exc:
+            from ._team import TeamFailed
+
+            if not isinstance(exc, TeamFailed):
+                raise
             warnings.warn(f"mcf runner: decode falls back to one call per operation: {exc}", RuntimeWarning, 2)
             self._region = None
             return None
         # Read-only, so that the logits kept for it cannot go stale.
         out.flags.writeable = False
         self._stepped = (out, logits) if logits is not None else None
-        return out.reshape(batch, 1, -1)
+        return out.reshape(input_ids.shape[0], 1, -1)
 
     def _step_one(self, input_ids: I64, positions: I64, cache: KVCache, fused: ModuleType) -> F32:
         """`forward` for one token per row with the compiled small operations (`_fused`): the same computation,
@@ -534,12 +427,14 @@ class LlamaModel:
             out, logits = stepped
             # ``hidden`` is what the last single-token step returned (or a view of all of it): its logits were
             # computed in the same run of the threads.
+            # (``out`` owns its memory, so every view of it has it as ``base``; a contiguous view as large as ``out``
+            # starts where it does.)
             if (
-                hidden.size == out.size
+                (hidden is out or hidden.base is out)
+                and hidden.size == out.size
                 and hidden.shape[-1] == out.shape[-1]
                 and hidden.dtype == out.dtype
                 and hidden.flags.c_contiguous
-                and hidden.__array_interface__["data"][0] == out.__array_interface__["data"][0]
             ):
                 return logits.reshape(*hidden.shape[:-1], logits.shape[-1])
         return self.lm_head(hidden)
@@ -588,26 +483,3 @@ def _prefill_threads(layers: Sequence[DecoderLayer]) -> int:
 
 def _layer_linears(layer: DecoderLayer) -> tuple[Linear, ...]:
     return (layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj, layer.gate_proj, layer.up_proj, layer.down_proj)
-
-
-def pick_rows(hidden: F32, outputs: I64) -> F32:
-    """``hidden [batch, seq, h]`` at one position per row, ``[batch, 1, h]``."""
-    picked: F32 = hidden[np.arange(hidden.shape[0]), outputs][:, None]
-    return picked
-
-
-def chunked_prefill(
-    model: Decoder, input_ids: I64, positions: I64, token_mask: NDArray[np.bool_], cache: KVCache, *, chunk: int = 256
-) -> F32:
-    """`forward` over a long prompt in chunks of ``chunk`` tokens: the attention scores of one chunk are
-    ``[batch, heads, chunk, length]`` instead of ``[batch, heads, seq, seq]``, so memory stays linear in the prompt
-    length. The result equals one `forward` call."""
-    seq = input_ids.shape[1]
-    if seq <= chunk:
-        return model.forward(input_ids, positions, token_mask, cache)
-    cache.reserve(seq)
-    parts = [
-        model.forward(input_ids[:, i : i + chunk], positions[:, i : i + chunk], token_mask[:, i : i + chunk], cache)
-        for i in range(0, seq, chunk)
-    ]
-    return np.concatenate(parts, axis=1)

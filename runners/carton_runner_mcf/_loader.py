@@ -28,8 +28,9 @@ from numpy.typing import NDArray
 
 from ._arena import HugePageArena
 from ._config import DecoderConfig, parse_config
+from ._decoder import Decoder, DecoderLayer
 from ._kernels import CacheMode, QuantizedLinear
-from ._llama import Decoder, DecoderLayer, LlamaModel
+from ._llama import LlamaModel
 from ._rows import row_copies
 from ._shards import ShardPlan
 from ._weights import BiasedLinear, Embedding, FloatEmbedding, FloatLinear, Linear, QuantizedEmbedding

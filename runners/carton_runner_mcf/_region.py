@@ -25,6 +25,8 @@ __all__ = ["F32", "DecodeRegion", "build_region"]
 
 F32 = npt.NDArray[np.float32]
 _Scalar = TypeVar("_Scalar", bound=np.generic)
+#: A step's `_serve.Generation`, the helpers' loop's arguments and the caller's compiled entry (`_generation`).
+_Found = tuple[Any, tuple[Any, ...], Callable[..., int]]
 
 
 def _payload(linear: object) -> CompiledPayload | None:
@@ -105,7 +107,10 @@ class DecodeRegion:
         self._no_ids = np.zeros(0, np.int64)
         self._buffers: dict[tuple[int, int, int], _Work] = {}
         #: `_generation`'s last key and what it gave.
-        self._serving: tuple[tuple[Any, ...], tuple[Any, tuple[Any, ...], Callable[..., int]]] | None = None
+        self._serving: tuple[tuple[Any, ...], _Found] | None = None
+        #: The cache arrays, scale and rows of the last step that decoded its embeddings itself, and its generation
+        #: (`step`'s fast path; cleared when the work arrays are).
+        self._hot: tuple[F32, F32, npt.NDArray[np.bool_], np.float32, int, _Found] | None = None
         #: `_serve.run_step`'s compiled entry by the numba type of its generation (`_compiled`).
         self._entries: dict[Any, Callable[..., int]] = {}
 
@@ -147,7 +152,7 @@ class DecodeRegion:
             return found
         if len(self._buffers) > 8:
             self._buffers.clear()
-            self._serving = None
+            self._serving = self._hot = None
         team, h, d = self.team.size, self.hidden, self.head_dim
         q_width, kv_width = self.heads * d, self.kv_heads * d
         blocks = max(-(-width // 32) for width in (h, q_width, self.inter))
@@ -251,16 +256,35 @@ class DecodeRegion:
         logits = np.empty((m, self.vocab), dtype=np.float32)
         serve = self._serve.serve_steps
         with self._lock:  # the work arrays serve one step at a time
+            # The steps of a generation pass the same cache arrays: their generation is looked up by identity alone
+            # (the caller's Python between steps is serial at every thread count, on caches the step evicted).
+            hot = self._hot
+            if (
+                hot is not None
+                and hot[0] is keys
+                and hot[1] is values
+                and hot[2] is key_mask
+                and hot[3] is scale
+                and hot[4] == m
+            ):
+                generation, serves, entry = hot[5]
+                args = (generation, input_ids, positions, slot, out, logits)
+                if self.team.run_posting(entry, args, serve=serve, serves=serves) != self._serve.NEEDS_EMBEDDINGS:
+                    return out, (logits if self.vocab else None)
+            self._hot = None
             work = self._work(m, keys.shape[3], self._inv_freq.size)
             embeds = self._rows > 0
             while True:
                 if not embeds:
                     work.hidden[:] = self._lookup(input_ids).reshape(m, -1)
-                generation, serves, entry = self._generation(work, embeds, keys, values, key_mask, scale)
+                found = self._generation(work, embeds, keys, values, key_mask, scale)
+                generation, serves, entry = found
                 args = (generation, input_ids, positions, slot, out, logits)
                 if self.team.run_posting(entry, args, serve=serve, serves=serves) != self._serve.NEEDS_EMBEDDINGS:
                     break
                 embeds = False
+            if embeds:
+                self._hot = (keys, values, key_mask, scale, m, found)
         return out, (logits if self.vocab else None)
 
 

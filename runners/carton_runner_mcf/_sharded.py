@@ -26,7 +26,8 @@ from carton_protocol import InvalidOption
 from numpy.typing import NDArray
 
 from ._config import DecoderConfig
-from ._llama import KVCache, LlamaModel, chunked_prefill, pick_rows
+from ._decoder import KVCache, chunked_prefill, pick_rows
+from ._llama import LlamaModel
 from ._shards import (
     Exchange,
     ShardFailed,

@@ -150,9 +150,10 @@ class Team:
             raise TeamFailed("the mcf runner's thread team failed earlier")
         if len(self._threads) != self.size - 1:
             self._start()
-        if not all(thread.is_alive() for thread in self._threads):
-            self._broken = True
-            raise TeamFailed("a thread of the mcf runner's team has stopped")
+        for thread in self._threads:
+            if not thread.is_alive():
+                self._broken = True
+                raise TeamFailed("a thread of the mcf runner's team has stopped")
 
     def _post(
         self, function: Callable[..., int], args: tuple[Any, ...], serve: Callable[..., int] | None, serves: Any

@@ -21,6 +21,7 @@ from carton_protocol import (
 )
 
 from ._blas import limit_blas_threads
+from ._decoder import positions_from_mask
 from ._generate import SamplingParams, generate
 from ._interface import (
     INPUT_DTYPES,
@@ -37,7 +38,7 @@ from ._interface import (
     scalar_int,
 )
 from ._kernels import default_cache
-from ._llama import LlamaModel, positions_from_mask
+from ._llama import LlamaModel
 from ._loader import LoadedDecoder, WeightSettings, build_decoder, load_decoder, read_config
 from ._sharded import ShardedModel, start_sharded
 from ._shards import ShardPlan, check_processes_supported, plan_shards

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 from carton.mcf import dequantize, quantize
 from carton_runner_mcf._config import DecoderConfig
+from carton_runner_mcf._decoder import DecoderLayer, positions_from_mask
 from carton_runner_mcf._kernels import QuantizedLinear
-from carton_runner_mcf._llama import DecoderLayer, LlamaModel, positions_from_mask
+from carton_runner_mcf._llama import LlamaModel
 from carton_runner_mcf._weights import Embedding, FloatEmbedding, FloatLinear, Linear, QuantizedEmbedding
 
 numba = pytest.importorskip("numba", reason="numba is not installed (pip install 'carton-runtime[mcf]')")

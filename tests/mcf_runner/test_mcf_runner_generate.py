@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from carton.errors import MCFError
+from carton_runner_mcf._decoder import KVCache, positions_from_mask
 from carton_runner_mcf._generate import SamplingParams, generate, sample_next
-from carton_runner_mcf._llama import KVCache, positions_from_mask
 from mcf_runner_models import build_llama, load_runner, to_mcf, word_tokenizer_json
 
 PROMPT = np.random.default_rng(11).integers(3, 512, size=(1, 12), dtype=np.int64)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from carton_runner_mcf._llama import KVCache, pick_rows, positions_from_mask
+from carton_runner_mcf._decoder import KVCache, pick_rows, positions_from_mask
 from carton_runner_mcf._packed import compiled_kernels
 from mcf_runner_models import (
     infer_logits,
