@@ -35,6 +35,13 @@ from ._launch import LaunchPlan, read_log_tail
 
 __all__ = ["RunnerFailures"]
 
+# The share of `cpu_seconds` a runner killed by SIGXCPU or SIGKILL must have used for the limit to be named.
+# `RLIMIT_CPU` is enforced on the kernel's per-tick sample of the process's CPU time, but the usage reaped with
+# `wait4` is the scheduler's exact runtime; with the CPU contended (threads that run for part of a tick are charged
+# all of it) the sample runs ahead of the exact time, so a runner killed at its limit can be reaped short of it.
+# Half still tells the limit apart from a runner that signalled itself early.
+_CPU_LIMIT_SHARE = 0.5
+
 
 class RunnerFailures:
     """The failure side of `RunnerProcess` (``_process.py``), which sets these attributes and inherits the methods."""
@@ -107,7 +114,8 @@ class RunnerFailures:
         signum = exit_signal(returncode, self.plan.exit_signal_base)
         cpu = self.plan.limits.get("cpu_seconds")
         used = None if ended is None else ended.cpu_seconds
-        if cpu is not None and signum in (signal.SIGXCPU, signal.SIGKILL) and used is not None and used >= cpu:
+        limited = cpu is not None and signum in (signal.SIGXCPU, signal.SIGKILL)
+        if limited and cpu is not None and used is not None and used >= cpu * _CPU_LIMIT_SHARE:
             # SIGXCPU at the soft limit; SIGKILL at the hard one (a second later) if the runner caught SIGXCPU. The
             # signal alone proves nothing (a runner can send either to itself): its CPU time must show the limit.
             return RunnerCPULimit(
@@ -115,7 +123,7 @@ class RunnerFailures:
                 + self._log_text(),
                 limit_seconds=cpu,
             )
-        if cpu is not None and signum in (signal.SIGXCPU, signal.SIGKILL):
+        if limited:
             # A reader of the signal would blame the limit: say what the accounting showed instead.
             shown = "its CPU time is not known" if used is None else f"it used {used:.2f} s"
             text += f" (not its CPU-time limit cpu_seconds={cpu:g}: {shown})"
