@@ -46,8 +46,7 @@ from ._messages import (
 )
 from ._runner import Tensor
 from ._shm import SHM_AVAILABLE, FdChannel, PeerSegments, Segment, SegmentPool
-from ._templates import PACK_U32 as _PACK_U32
-from ._templates import REPLY_PREFIX, Layout, Plan, Templates, pack_id
+from ._templates import PACK_U32, REPLY_PREFIX, Layout, Plan, Templates, pack_id
 from ._zmqio import COPY_BELOW
 from .errors import FrameError, VersionMismatch
 
@@ -348,7 +347,7 @@ class RunnerCodec(_Codec):
                     ):
                         # `pack_id`'s usual case written out, as in `Templates.encode`.
                         packed = (
-                            _PACK_U32.pack(0xCE, request_id) if 1 << 16 <= request_id < 1 << 32 else pack_id(request_id)
+                            PACK_U32.pack(0xCE, request_id) if 1 << 16 <= request_id < 1 << 32 else pack_id(request_id)
                         )
                         return [REPLY_PREFIX + packed + tail, value], self._inline_copied
                 else:

@@ -55,7 +55,6 @@ _PACK_U8 = struct.Struct(">BB")
 _PACK_U16 = struct.Struct(">BH")
 #: A msgpack uint32: its marker (0xCE) and the value, packed in one call (an id past 65535, `pack_id`'s usual case).
 PACK_U32 = struct.Struct(">BI")
-_PACK_U32 = PACK_U32
 _PACK_U64 = struct.Struct(">BQ")
 _SMALL_IDS = [bytes([value]) for value in range(128)]
 # A wider msgpack uint's marker -> (its width with the marker, what reads the value after the marker).
@@ -77,7 +76,7 @@ def pack_id(value: int) -> bytes:
     if value < 1 << 16:
         return _PACK_U16.pack(0xCD, value)
     if value < 1 << 32:
-        return _PACK_U32.pack(0xCE, value)
+        return PACK_U32.pack(0xCE, value)
     return _PACK_U64.pack(0xCF, value)
 
 
@@ -194,7 +193,7 @@ class Templates:
         if cached is None or cached[1] >= threshold:
             return None
         # Past the first 65535 calls ids take four bytes for four billion more: that case of `pack_id` written out.
-        packed = _PACK_U32.pack(0xCE, request_id) if 1 << 16 <= request_id < 1 << 32 else pack_id(request_id)
+        packed = PACK_U32.pack(0xCE, request_id) if 1 << 16 <= request_id < 1 << 32 else pack_id(request_id)
         return [self._prefix + packed + cached[0], *tensors.values()]
 
     def _learn_encoding(self, key: Hashable, layout: Layout) -> tuple[bytes, int] | None:

@@ -32,7 +32,6 @@ _recv = zmq.backend.Socket.recv
 _SCHED_BATCH = 3  # Linux's SCHED_BATCH (os.SCHED_BATCH where Python exposes it)
 #: Parts smaller than this many bytes are copied into ZeroMQ's message; larger ones are sent from their own buffer.
 COPY_BELOW = 1 << 16
-_COPY_BELOW = COPY_BELOW
 
 
 def send_message(sock: zmq.Socket[Any], parts: Sequence[Any]) -> None:
@@ -42,9 +41,9 @@ def send_message(sock: zmq.Socket[Any], parts: Sequence[Any]) -> None:
     for index, part in enumerate(parts):
         kind = type(part)
         if kind is bytes:
-            copy = len(part) < _COPY_BELOW
+            copy = len(part) < COPY_BELOW
         elif kind is np.ndarray:
-            copy = part.nbytes < _COPY_BELOW
+            copy = part.nbytes < COPY_BELOW
         else:
             copy = False
         _send(sock, part, _SNDMORE if index < last else 0, copy)
