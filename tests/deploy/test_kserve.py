@@ -9,14 +9,13 @@ import json
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from serving_process import wait_answering
+from serving_process import start_serving, wait_answering
 
 yaml = pytest.importorskip("yaml")
 onnx = pytest.importorskip("onnx")
@@ -73,12 +72,6 @@ def test_runtime_flags_exist_in_carton_serve_help_and_match_the_container_recipe
     assert command and json.loads(command.group(1)) == args
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _carton(folder: Path, target: Path, constant: float) -> None:
     graph = helper.make_graph(
         [helper.make_node("Mul", ["x", "c"], ["y"])], "g",
@@ -101,18 +94,18 @@ def test_the_entrypoint_serves_the_storage_initializers_layout(tmp_path: Path) -
     # A storageUri of a repository folder (mlp/1/model.carton) and one of a single file (single.carton).
     _carton(tmp_path / "src-mlp", models / "mlp" / "1" / "model.carton", 2.0)
     _carton(tmp_path / "src-single", models / "single.carton", 3.0)
-    port = _free_port()
     args = [str(arg) for arg in _runtime_container()["args"]]  # type: ignore[union-attr]
     # The same command with the repository at this test's /mnt/models, listening on loopback only.
     args[0] = str(models)
     args[args.index("--host") + 1] = "127.0.0.1"
-    args[args.index("--http-port") + 1] = str(port)
+    args[args.index("--http-port") + 1] = "0"
     carton_command = shutil.which("carton", path=str(Path(sys.executable).parent)) or "carton"
-    process = subprocess.Popen([carton_command, "serve", *args], stderr=subprocess.PIPE)
+    serving = start_serving([carton_command, "serve", *args])
+    process = serving.process
     try:
-        client = httpclient.InferenceServerClient(f"127.0.0.1:{port}")
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{serving.http_port}")
         wait_answering(
-            process,
+            serving,
             lambda: client.is_server_ready() and client.is_model_ready("mlp") and client.is_model_ready("single"),
             timeout=120,
         )

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import urllib.error
@@ -12,31 +11,24 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from serving_process import wait_answering
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from serving_process import start_serving, wait_answering
 
 
 def test_serve_subprocess_stops_on_sigint(repository: Path) -> None:
-    port = _free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "carton", "serve", str(repository), "--http-port", str(port), "--no-grpc",
+    serving = start_serving(
+        [sys.executable, "-m", "carton", "serve", str(repository), "--http-port", "0", "--no-grpc",
          "--model-control-mode", "explicit", "--load-model", "sum"],
-        stderr=subprocess.PIPE,
     )  # fmt: skip
+    process, port = serving.process, serving.http_port
     try:
         wait_answering(
-            process, lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/models/sum/ready").status == 200,
+            serving, lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/models/sum/ready").status == 200,
             timeout=60,
         )  # fmt: skip
         process.send_signal(signal.SIGINT)
         assert process.wait(30) == 0
         # Where it listens reaches the user as a plain line on stderr, not as a warning in the log.
-        lines = process.stderr.read().decode().splitlines() if process.stderr else []
+        lines = serving.stderr_lines()
         assert f"carton server: HTTP on 127.0.0.1:{port}" in lines, lines
         assert not any("WARNING" in line for line in lines), lines
     finally:
@@ -87,15 +79,14 @@ def _states(port: int) -> dict[str, str]:
 @pytest.mark.parametrize("strict, ready", [(True, 400), (False, 200)])
 def test_serve_strict_readiness(repository: Path, strict: bool, ready: int) -> None:
     """The repository's `broken` model fails to load at start: with --strict-readiness the server is not ready."""
-    port = _free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "carton", "serve", str(repository), "--http-port", str(port), "--no-grpc",
+    serving = start_serving(
+        [sys.executable, "-m", "carton", "serve", str(repository), "--http-port", "0", "--no-grpc",
          *(["--strict-readiness"] if strict else [])],
-        stderr=subprocess.DEVNULL,
     )  # fmt: skip
+    process, port = serving.process, serving.http_port
     try:
         # Every model of the repository loads at start; `broken` fails.
-        wait_answering(process, lambda: set(_states(port).values()) == {"READY", "UNAVAILABLE"}, timeout=120)
+        wait_answering(serving, lambda: set(_states(port).values()) == {"READY", "UNAVAILABLE"}, timeout=120)
         assert _status(f"http://127.0.0.1:{port}/v2/health/ready") == ready
         process.send_signal(signal.SIGINT)
         assert process.wait(30) == 0

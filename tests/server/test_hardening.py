@@ -12,7 +12,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -201,20 +200,13 @@ def test_upload_under_the_default_best_effort_sandbox(repository: Path, cartons:
 
 
 # ---- 4: upload folders of killed servers are swept at start --------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def test_upload_folder_of_a_killed_server_is_swept(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, repository: Path
 ) -> None:
     temp = tmp_path / "tmp"
     temp.mkdir()
-    port = _free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "carton", "serve", str(repository), "--http-port", str(port), "--no-grpc",
+        [sys.executable, "-m", "carton", "serve", str(repository), "--http-port", "0", "--no-grpc",
          "--model-control-mode", "explicit"],
         env={**os.environ, "TMPDIR": str(temp)}, stderr=subprocess.DEVNULL,
     )  # fmt: skip

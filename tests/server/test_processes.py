@@ -43,7 +43,7 @@ from carton.server._process_wire import (
 )
 from carton.server._processes import ProcessGroup
 from carton.server.errors import ServerError
-from serving_process import alive, descendants, wait_answering
+from serving_process import Serving, alive, descendants, start_serving, wait_answering
 
 from .conftest import arange
 
@@ -368,26 +368,19 @@ def test_statistics_and_counters_add_up() -> None:
 
 
 # ---- the command: signals, a dead process, bad values ---------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _alive(pids: set[int]) -> set[int]:
     return {pid for pid in pids if alive(pid)}
 
 
-def _serve(repository: Path, *extra: str) -> tuple[subprocess.Popen[bytes], int, set[int]]:
+def _serve(repository: Path, *extra: str) -> tuple[Serving, set[int]]:
     """``carton serve --processes 2`` answering, and its processes (the child, the runners of both)."""
-    port = _free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "carton", "serve", str(repository), "--http-port", str(port), "--no-grpc",
+    serving = start_serving(
+        [sys.executable, "-m", "carton", "serve", str(repository), "--http-port", "0", "--no-grpc",
          "--processes", "2", "--model-control-mode", "explicit", "--load-model", "sum", *extra],
-        stderr=subprocess.PIPE,
     )  # fmt: skip
+    process, port = serving.process, serving.http_port
     try:
-        wait_answering(process, lambda: _fresh_status(port, "/v2/health/ready") == 200, timeout=90)
+        wait_answering(serving, lambda: _fresh_status(port, "/v2/health/ready") == 200, timeout=90)
         tree = descendants(process.pid)
         (child,) = [pid for pid in tree if b"carton.server._child" in _command(pid)]
         # Ready means every process has loaded the model: the coordinator and the child each have a runner.
@@ -398,7 +391,7 @@ def _serve(repository: Path, *extra: str) -> tuple[subprocess.Popen[bytes], int,
         process.kill()
         process.wait(30)
         raise
-    return process, port, tree
+    return serving, tree
 
 
 def _command(pid: int) -> bytes:
@@ -425,33 +418,36 @@ def _wait_gone(pids: set[int], timeout: float = 30.0) -> None:
 
 
 def test_sigterm_stops_every_process(repository: Path) -> None:
-    process, port, tree = _serve(repository)
+    serving, tree = _serve(repository)
+    process = serving.process
     try:
         process.send_signal(signal.SIGTERM)
         assert process.wait(60) == 0
         _wait_gone(tree)
-        lines = process.stderr.read().decode().splitlines() if process.stderr else []
-        assert f"carton server: HTTP on 127.0.0.1:{port} (2 server processes)" in lines, lines
+        lines = serving.stderr_lines()
+        assert f"carton server: HTTP on 127.0.0.1:{serving.http_port} (2 server processes)" in lines, lines
     finally:
         if process.poll() is None:
             process.kill()
 
 
 def test_sigkill_of_the_coordinator_leaves_no_process(repository: Path) -> None:
-    process, _, tree = _serve(repository)
+    serving, tree = _serve(repository)
+    process = serving.process
     process.kill()
     process.wait(30)
     _wait_gone(tree)
 
 
 def test_a_dead_child_stops_the_server_with_an_error(repository: Path) -> None:
-    process, _, tree = _serve(repository)
+    serving, tree = _serve(repository)
+    process = serving.process
     try:
         (child,) = [pid for pid in tree if b"carton.server._child" in _command(pid)]
         os.kill(child, signal.SIGKILL)
         assert process.wait(60) == 1
         _wait_gone(tree)
-        error = process.stderr.read().decode() if process.stderr else ""
+        error = serving.stderr_text()
         assert re.search(rf"server process 2 \(pid {child}\) was killed by SIGKILL; the server stops", error), error
     finally:
         if process.poll() is None:
