@@ -54,8 +54,9 @@ class InferBody(msgspec.Struct, kw_only=True):
 
     id: str | None
     inputs: dict[str, np.ndarray]
-    #: Requested outputs with their binary flag, or ``None`` for all outputs.
-    outputs: list[tuple[str, bool]] | None
+    #: Requested outputs with their binary flag, or ``None`` for all outputs (a planned request's are its plan's
+    #: own tuple: never changed in place).
+    outputs: Sequence[tuple[str, bool]] | None
     binary_default: bool
     #: Known from a plan: every output the response carries is binary, and the requested outputs' names (None: all).
     binary_only: bool = False
@@ -319,7 +320,7 @@ def planned_request(served: ServedVersion, body: bytes | bytearray, header_lengt
         json_end = read_digits(header_length)
         if json_end is None:
             return None
-    if 0 < json_end <= min(len(body), _PLAN_HEADER_BYTES):
+    if 0 < json_end <= _PLAN_HEADER_BYTES and json_end <= len(body):  # (not `min`: it parses keywords per call)
         # The header the version's last planned request had, compared in place, before a look-up that would slice
         # and hash it.
         last = served.last_plan
@@ -337,9 +338,8 @@ def planned_request(served: ServedVersion, body: bytes | bytearray, header_lengt
                 # (The plan's sizes add up to the body's length: each array lies inside it.)
                 inputs[name] = np.ndarray(shape, numpy_dtype, body, offset)
                 offset += size
-            outputs = list(plan.outputs) if plan.outputs is not None else None
             return InferBody(
-                id=plan.request_id, inputs=inputs, outputs=outputs, binary_default=plan.binary_default,
+                id=plan.request_id, inputs=inputs, outputs=plan.outputs, binary_default=plan.binary_default,
                 binary_only=plan.binary_only, names=plan.names,
             )  # fmt: skip
     return None
