@@ -469,7 +469,10 @@ class HttpApp:
                     infer_ns=inferred_at - decoded_at, now_ns=now,
                 )  # fmt: skip
             finally:
-                served.exit()
+                served.in_flight -= 1  # (`ServedVersion.exit`, inline)
+                served.stats.series.in_flight -= 1
+                if served.in_flight == 0:
+                    served.drained()
         else:
             request_succeeded(served, started_ns=started, decoded_ns=decoded_at, inferred_ns=inferred_at)
         if parts:
