@@ -482,9 +482,11 @@ class HttpApp:
                 fixed = self._fixed_heads.get(header)
                 if fixed is None:
                     fixed = remember(self._fixed_heads, header, _binary_head(header, parts), _FIXED_HEADS_KEPT)
-                return HttpResponse(200, fixed.headers, [header, *parts], fixed, release)
+                parts.insert(0, header)  # (the list is this request's own: no copy of it)
+                return HttpResponse(200, fixed.headers, parts, fixed, release)
             length = (b"inference-header-content-length", b"%d" % len(header))
-            return HttpResponse(200, [_BINARY_CONTENT_TYPE, length], [header, *parts], done=release)
+            parts.insert(0, header)
+            return HttpResponse(200, [_BINARY_CONTENT_TYPE, length], parts, done=release)
         return HttpResponse(200, _EMPTY_JSON, [header], done=release)
 
     # ---- bodies --------------------------------------------------------------------------------------------------
