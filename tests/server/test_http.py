@@ -86,6 +86,9 @@ def test_infer_specific_version_and_selected_outputs(client: httpclient.Inferenc
         x = arange((2, 3))
         one = client.infer("identity", [_input("INPUT0", x, "FP32")], model_version="1")
         np.testing.assert_array_equal(one.as_numpy("OUTPUT0"), x)
+        latest = client.infer("identity", [_input("INPUT0", x, "FP32")])  # no version: the highest one serving
+        assert latest.get_response()["model_version"] == "2"
+        np.testing.assert_array_equal(latest.as_numpy("OUTPUT0"), x * 2)
     finally:
         client.load_model("identity")
     assert client.get_model_metadata("identity")["versions"] == ["2"]

@@ -22,6 +22,7 @@ from ._bounded import remember
 from ._datatypes import DATATYPE_OF, NUMPY_OF, counted
 from ._http_messages import DIGITS, read_digits
 from ._inference import (
+    SENT_AS,
     check_complete,
     check_requested,
     element_count,
@@ -54,8 +55,9 @@ class InferBody(msgspec.Struct, kw_only=True):
 
     id: str | None
     inputs: dict[str, np.ndarray]
-    #: Requested outputs with their binary flag, or ``None`` for all outputs.
-    outputs: list[tuple[str, bool]] | None
+    #: Requested outputs with their binary flag, or ``None`` for all outputs (a planned request's are its plan's
+    #: own tuple: never changed in place).
+    outputs: Sequence[tuple[str, bool]] | None
     binary_default: bool
     #: Known from a plan: every output the response carries is binary, and the requested outputs' names (None: all).
     binary_only: bool = False
@@ -319,7 +321,7 @@ def planned_request(served: ServedVersion, body: bytes | bytearray, header_lengt
         json_end = read_digits(header_length)
         if json_end is None:
             return None
-    if 0 < json_end <= min(len(body), _PLAN_HEADER_BYTES):
+    if 0 < json_end <= _PLAN_HEADER_BYTES and json_end <= len(body):  # (not `min`: it parses keywords per call)
         # The header the version's last planned request had, compared in place, before a look-up that would slice
         # and hash it.
         last = served.last_plan
@@ -337,9 +339,8 @@ def planned_request(served: ServedVersion, body: bytes | bytearray, header_lengt
                 # (The plan's sizes add up to the body's length: each array lies inside it.)
                 inputs[name] = np.ndarray(shape, numpy_dtype, body, offset)
                 offset += size
-            outputs = list(plan.outputs) if plan.outputs is not None else None
             return InferBody(
-                id=plan.request_id, inputs=inputs, outputs=outputs, binary_default=plan.binary_default,
+                id=plan.request_id, inputs=inputs, outputs=plan.outputs, binary_default=plan.binary_default,
                 binary_only=plan.binary_only, names=plan.names,
             )  # fmt: skip
     return None
@@ -496,7 +497,19 @@ def encode_binary_response(
     for name in names:
         if name not in outputs:
             select_outputs(served, outputs, names)  # raises its refusal of the output the model did not give
-        datatype, array, data = output_tensor(name, outputs[name])
+        tensor = outputs[name]
+        # `output_tensor`'s usual case written out (an array of a dtype met before, sent as it is, C-contiguous, not
+        # a scalar); anything else, or a failed cast (not C-contiguous), goes through it.
+        array: np.ndarray
+        data: bytes | memoryview
+        if type(tensor) is np.ndarray and tensor.ndim and (sent := SENT_AS.get(tensor.dtype)) is not None and sent[2]:
+            datatype, array = sent[0], tensor
+            try:
+                data = array.data.cast("B")
+            except TypeError:
+                datatype, array, data = output_tensor(name, tensor)
+        else:
+            datatype, array, data = output_tensor(name, tensor)
         laid_out.append((name, datatype, array, data))
         parts.append(data)
         described.append((name, datatype, array.shape, len(data)))

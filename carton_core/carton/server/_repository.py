@@ -134,9 +134,13 @@ class ServedVersion:
         self.in_flight -= 1
         self.stats.series.in_flight -= 1
         if self.in_flight == 0:
-            drained = self._drained
-            if drained is not None and not drained.done():
-                drained.set_result(None)
+            self.drained()
+
+    def drained(self) -> None:
+        """No request uses this version any more: wake an unload waiting for that."""
+        drained = self._drained
+        if drained is not None and not drained.done():
+            drained.set_result(None)
 
     def _batch_size(self, inputs: Mapping[str, np.ndarray]) -> int:
         sizes = set()
@@ -196,7 +200,7 @@ def _close_quietly(handle: ModelHandle) -> None:
 
 
 class _Model:
-    __slots__ = ("failure", "lock", "name", "serving", "statuses", "upload_dir", "users")
+    __slots__ = ("failure", "latest", "lock", "name", "serving", "statuses", "upload_dir", "users")
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -204,12 +208,20 @@ class _Model:
         # Loads, unloads and retirements holding or waiting for `lock`; the entry is not forgotten while any runs.
         self.users = 0
         self.serving: dict[int, ServedVersion] = {}
+        #: The highest version of `serving` (None when it is empty), kept by `serve` so that a request for the latest
+        #: version finds it without a `max` of the versions (a builtin that parses its keywords on every call).
+        self.latest: ServedVersion | None = None
         # What the index reports per version, including versions that are not serving (failed, unloaded).
         self.statuses: dict[int, tuple[ModelState, str]] = {}
         # Why the last load failed before any version was chosen (a bad config.json, no version folder), or
         # `_UNLOADED` once an unload has cleared that; None when the model's versions say it all.
         self.failure: str | None = None
         self.upload_dir: Path | None = None
+
+    def serve(self, versions: dict[int, ServedVersion]) -> None:
+        """Serve `versions` from now on (never changed in place afterwards: the next change is another `serve`)."""
+        self.serving = versions
+        self.latest = versions[max(versions)] if versions else None
 
     def failed(self) -> bool:
         """Whether a load of this model failed and no later load or unload settled it (strict readiness)."""
@@ -270,9 +282,10 @@ class ModelRepository:
         """The ready version serving `name` (the given one, else the latest), entered for one request: the caller
         must `ServedVersion.exit` it. `ModelNotFound` if there is none."""
         model = self._models.get(name)
-        serving = model.serving if model is not None else None
         # The usual request, for the latest version, without a call of `get`.
-        served = serving[max(serving)] if serving and not version else self.get(name, version)
+        served = model.latest if model is not None and not version else None
+        if served is None:
+            served = self.get(name, version)
         served.in_flight += 1  # (`ServedVersion.enter`, inline)
         served.stats.series.in_flight += 1
         return served
@@ -411,7 +424,7 @@ class ModelRepository:
                 self._transitions -= 1
             model.failure = None
             previous, old_upload = model.serving, model.upload_dir
-            model.serving = loaded
+            model.serve(loaded)
             model.upload_dir = upload_dir
             for version in loaded:
                 model.statuses[version] = (ModelState.READY, "")
@@ -506,7 +519,7 @@ class ModelRepository:
         async with model.lock:
             retiring = list(model.serving.values())
             old_upload = model.upload_dir
-            model.serving = {}
+            model.serve({})
             model.upload_dir = None
             # Failed loads are settled too: the model is no longer asked for (Triton keeps their reasons, so its
             # strict readiness stays false until the server restarts).
@@ -572,7 +585,7 @@ class ModelRepository:
         for name in list(self._models):
             model = self._models[name]
             retiring = list(model.serving.values())
-            model.serving = {}
+            model.serve({})
             self._spawn_retire(model, retiring, model.upload_dir, keep=set())
             model.upload_dir = None
         await self.settle()
