@@ -71,6 +71,8 @@ _EXIT_VERSION_MISMATCH = 3
 _recv = zmq.backend.Socket.recv
 _send = zmq.backend.Socket.send
 _SNDMORE = int(zmq.SNDMORE)
+# `_Server._serve_inline`'s requests per call.
+_BATCH = range(64)
 
 
 def _no_id(data: bytes, offset: int) -> tuple[int]:
@@ -78,7 +80,7 @@ def _no_id(data: bytes, offset: int) -> tuple[int]:
     return (-1,)
 
 
-# No header is -1 bytes long: `_Server.serve` before it has learnt a request layout.
+# No header is -1 bytes long: `_Server._serve_inline` before it has learnt a request layout.
 _NOT_LEARNT: LearntRequest = (-1, b"", b"", _no_id, 0, "", np.dtype(np.uint8), (), 0)
 #: A concurrent runner's call runs on the socket thread (no pool hand-off) only while calls take less than this: the
 #: hand-off costs much of a small call's round trip, and an inline call delays requests that arrive meanwhile by its
@@ -210,6 +212,10 @@ class _Server:
         # How long the runner's last `infer` took (any thread; set before its reply is sent).
         self.last_infer_seconds = 0.0
         self.inline_max_seconds = _inline_max_seconds()
+        # A call runs on the socket thread while the last one took less than this: always, without a pool.
+        self.inline_bound = float("inf")
+        # The last request layout the codec matched (`_serve_inline`).
+        self.learnt: LearntRequest = _NOT_LEARNT
         self.local = threading.local()
         self.running = True
         self.exit_code = 0
@@ -220,96 +226,116 @@ class _Server:
 
     # --- socket thread ---------------------------------------------------------------------------------------
     def serve(self) -> int:
-        concurrent = self.runner_class is not None and self.runner_class.concurrent
         router = self.router
         items: list[tuple[Any, int]] = []
-        # A call runs on this thread while the last one took less than this (`_handle`): always, without a pool.
-        inline_max = float("inf")
-        if concurrent:
+        if self.runner_class is not None and self.runner_class.concurrent:
             self.results = results = self.context.socket(zmq.PULL)
             results.bind("inproc://results")
             self.executor = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="carton-infer")
             # zmq_poll on a prepared list: zmq.Poller.poll rebuilds its list on every call.
             items = [(router, zmq.POLLIN), (results, zmq.POLLIN)]
-            inline_max = self.inline_max_seconds
+            self.inline_bound = self.inline_max_seconds
+        while self.running:
+            if not self.pooled:
+                self._serve_inline()
+                continue
+            for sock, _ in zmq_poll(items, -1):
+                if sock is router:
+                    self._handle(recv_routed(router))
+                else:
+                    # Counted down before the reply leaves: the host's next request then finds the pool idle.
+                    self.pooled -= 1
+                    send_message(router, recv_message(results))
+        return self.exit_code
+
+    def _serve_inline(self) -> None:
+        """Serve requests while nothing runs on the pool (a call may go there: then return), at most `_BATCH`.
+
+        Nothing can come back from the pool: this waits on the router alone (a poll over both sockets costs a
+        wake-up's worth of extra system calls per request). A request in the last layout the codec matched, when
+        `RunnerCodec.learnt_request` gives one, is served here: every step of `_handle`, `_infer` and the codec's
+        match and encode written out (the path of every call). It is matched by its length, head and tail, its
+        tensor is an array over its one data frame, and its reply is made from `RunnerCodec.learnt_reply` when the
+        outputs are one array in that layout. Anything else takes `_handle`, with every check.
+
+        It returns after `_BATCH` requests to be called again: CPython 3.11 specializes a function's bytecode when
+        the function is called, never during a call, so a loop that never returned would run unspecialized.
+        """
+        router = self.router
         codec = self.codec
-        # The last request layout the codec matched, when `RunnerCodec.learnt_request` gives one (`_NOT_LEARNT` else):
-        # a request of that layout is served here, every step of `_handle`, `_infer` and the codec's match and encode
-        # written out (the path of every call): it is matched by its length, head and tail, its tensor is an array
-        # over its one data frame, and its reply is made from `RunnerCodec.learnt_reply` when the outputs are one
-        # array in that layout. Anything else takes `_handle`, with every check.
-        length, head, tail, read_id, id_offset, name, dtype, shape, size = _NOT_LEARNT
+        inline_max = self.inline_bound
+        length, head, tail, read_id, id_offset, name, dtype, shape, size = self.learnt
         # What only `_handle` changes (the runner loads and closes, shared memory starts with `hello`).
         runner, pool, copied_reply = self.runner, codec.pool, codec.inline_copied
-        while self.running:
-            if self.pooled:
-                for sock, _ in zmq_poll(items, -1):
-                    if sock is router:
-                        self._handle(recv_routed(router))
-                    else:
-                        # Counted down before the reply leaves: the host's next request then finds the pool idle.
-                        self.pooled -= 1
-                        send_message(router, recv_message(results))
-                continue
-            # Nothing can come back from the pool: wait on the router alone (a poll over both sockets costs a
-            # wake-up's worth of extra system calls per request). A ROUTER delivers a routing id then a message.
+        for _ in _BATCH:
+            # A ROUTER delivers a routing id, then a message.
             ident = _recv(router, 0, True)
             header: zmq.Frame = _recv(router, 0, False)
-            if not header.more:
-                self._handle([ident, header])
-                continue
-            frame: Any = _recv(router, 0, False)
-            if frame.more:
-                self._handle(recv_frames(router, [ident, header, frame]))
-                continue
-            data = header.bytes
-            if (
-                len(data) != length
-                or not data.endswith(tail)
-                or not data.startswith(head)
-                or len(frame) != size
-                or runner is None
-                or not self.last_infer_seconds < inline_max
-            ):
-                self._handle([ident, header, frame])
-                runner, pool, copied_reply = self.runner, codec.pool, codec.inline_copied
-                learnt = codec.learnt_request(data)
-                if learnt is not None:
-                    length, head, tail, read_id, id_offset, name, dtype, shape, size = learnt
-                continue
-            request_id: int = read_id(data, id_offset)[0]
-            try:
-                start = _perf_counter()
-                outputs = runner.infer({name: np.ndarray(shape, dtype, frame)})
-                self.last_infer_seconds = _perf_counter() - start
-                reply = codec.learnt_reply
-                if type(outputs) is dict and len(outputs) == 1 and reply is not None and not (pool and pool.dropped):
-                    ((output_name, value),) = outputs.items()
+            frame: Any = None
+            if header.more:
+                frame = _recv(router, 0, False)
+                if not frame.more:
+                    data = header.bytes
                     if (
-                        type(value) is np.ndarray
-                        and value.dtype is reply[1]
-                        and value.shape == reply[2]
-                        and output_name == reply[0]
-                        and value.flags.c_contiguous
+                        len(data) == length
+                        and data.endswith(tail)
+                        and data.startswith(head)
+                        and len(frame) == size
+                        and runner is not None
+                        and self.last_infer_seconds < inline_max
                     ):
-                        packed = (
-                            PACK_U32.pack(0xCE, request_id) if 1 << 16 <= request_id < 1 << 32 else pack_id(request_id)
-                        )
-                        parts: list[Any] = [REPLY_PREFIX + packed + reply[3], value]
-                        copied = copied_reply
-                    else:
-                        parts, copied = self._reply(request_id, outputs)
+                        request_id: int = read_id(data, id_offset)[0]
+                        try:
+                            start = _perf_counter()
+                            outputs = runner.infer({name: np.ndarray(shape, dtype, frame)})
+                            self.last_infer_seconds = _perf_counter() - start
+                            reply = codec.learnt_reply
+                            if (
+                                type(outputs) is dict
+                                and len(outputs) == 1
+                                and reply is not None
+                                and not (pool and pool.dropped)
+                            ):
+                                ((output_name, value),) = outputs.items()
+                                if (
+                                    type(value) is np.ndarray
+                                    and value.dtype is reply[1]
+                                    and value.shape == reply[2]
+                                    and output_name == reply[0]
+                                    and value.flags.c_contiguous
+                                ):
+                                    packed = (
+                                        PACK_U32.pack(0xCE, request_id)
+                                        if 1 << 16 <= request_id < 1 << 32
+                                        else pack_id(request_id)
+                                    )
+                                    parts: list[Any] = [REPLY_PREFIX + packed + reply[3], value]
+                                    copied = copied_reply
+                                else:
+                                    parts, copied = self._reply(request_id, outputs)
+                            else:
+                                parts, copied = self._reply(request_id, outputs)
+                        except Exception as exc:
+                            parts, copied = [codec.encode(error_reply(request_id, exc))], False
+                        if copied and len(parts) == 2:  # `send_routed`'s usual case, written out
+                            _send(router, ident, _SNDMORE, True)
+                            _send(router, parts[0], _SNDMORE, True)
+                            _send(router, parts[1], 0, True)
+                        else:
+                            send_routed(router, ident, parts, copied)
+                        continue
+                    self._handle([ident, header, frame])
+                    learnt = codec.learnt_request(data)
+                    if learnt is not None:
+                        self.learnt = learnt
+                        length, head, tail, read_id, id_offset, name, dtype, shape, size = learnt
                 else:
-                    parts, copied = self._reply(request_id, outputs)
-            except Exception as exc:
-                parts, copied = [codec.encode(error_reply(request_id, exc))], False
-            if copied and len(parts) == 2:  # `send_routed`'s usual case, written out
-                _send(router, ident, _SNDMORE, True)
-                _send(router, parts[0], _SNDMORE, True)
-                _send(router, parts[1], 0, True)
+                    self._handle(recv_frames(router, [ident, header, frame]))
             else:
-                send_routed(router, ident, parts, copied)
-        return self.exit_code
+                self._handle([ident, header])
+            if self.pooled or not self.running:
+                return
+            runner, pool, copied_reply = self.runner, codec.pool, codec.inline_copied
 
     def _to_pool(self, ident: Any, received: Received) -> None:
         """Run one infer on the pool; its reply comes back to this thread over the inproc socket.
