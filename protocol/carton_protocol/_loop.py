@@ -258,8 +258,11 @@ class _Server:
         tensor is an array over its one data frame, and its reply is made from `RunnerCodec.learnt_reply` when the
         outputs are one array in that layout. Anything else takes `_handle`, with every check.
 
-        It returns after `_BATCH` requests to be called again: CPython 3.11 specializes a function's bytecode when
-        the function is called, never during a call, so a loop that never returned would run unspecialized.
+        It returns after `_BATCH` requests to be called again: CPython 3.11 specializes a function's bytecode once
+        it has been entered (or a loop in it has jumped back) a few times, and the back edge of a ``while
+        <condition>:`` loop does not count, so a function entered once that looped that way would run its whole life
+        unspecialized (as `serve` would); entered again and again, this one is specialized however its loop is
+        written.
         """
         router = self.router
         codec = self.codec
