@@ -33,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import zmq
 from zmq.backend import zmq_poll
 
@@ -57,8 +58,8 @@ from ._messages import (
 from ._reaper import kill_tree, reap_children, set_child_subreaper, set_parent_death_signal
 from ._runner import LoadContext, PackContext, PackResult, Runner
 from ._shm import SHM_AVAILABLE, FdChannel
-from ._templates import Plan
-from ._zmqio import new_context, recv_message, recv_routed, send_message, send_routed
+from ._templates import PACK_U32, REPLY_PREFIX, LearntRequest, Plan, pack_id
+from ._zmqio import new_context, recv_frames, recv_message, recv_routed, send_message, send_routed
 from .errors import ErrorCode, FrameError, InvalidOutput, ProtocolError, RunnerFault, VersionMismatch
 
 __all__ = ["DEFAULT_INLINE_MAX_SECONDS", "INLINE_MAX_ENV", "error_code", "error_reply", "import_entry", "main"]
@@ -67,6 +68,20 @@ _TRACEBACK_CHARS = 8000
 _perf_counter = time.perf_counter
 _EXIT_IMPORT_FAILED = 2
 _EXIT_VERSION_MISMATCH = 3
+_recv = zmq.backend.Socket.recv
+_send = zmq.backend.Socket.send
+_SNDMORE = int(zmq.SNDMORE)
+# `_Server._serve_inline`'s requests per call.
+_BATCH = range(64)
+
+
+def _no_id(data: bytes, offset: int) -> tuple[int]:
+    del data, offset
+    return (-1,)
+
+
+# No header is -1 bytes long: `_Server._serve_inline` before it has learnt a request layout.
+_NOT_LEARNT: LearntRequest = (-1, b"", b"", _no_id, 0, "", np.dtype(np.uint8), (), 0)
 #: A concurrent runner's call runs on the socket thread (no pool hand-off) only while calls take less than this: the
 #: hand-off costs much of a small call's round trip, and an inline call delays requests that arrive meanwhile by its
 #: own length, which matters to a long one (docs/protocol.md, "Concurrent runners", has the measurements).
@@ -197,6 +212,10 @@ class _Server:
         # How long the runner's last `infer` took (any thread; set before its reply is sent).
         self.last_infer_seconds = 0.0
         self.inline_max_seconds = _inline_max_seconds()
+        # A call runs on the socket thread while the last one took less than this: always, without a pool.
+        self.inline_bound = float("inf")
+        # The last request layout the codec matched (`_serve_inline`).
+        self.learnt: LearntRequest = _NOT_LEARNT
         self.local = threading.local()
         self.running = True
         self.exit_code = 0
@@ -207,25 +226,18 @@ class _Server:
 
     # --- socket thread ---------------------------------------------------------------------------------------
     def serve(self) -> int:
-        if self.runner_class is not None and self.runner_class.concurrent:
-            return self._serve_concurrent()
         router = self.router
+        items: list[tuple[Any, int]] = []
+        if self.runner_class is not None and self.runner_class.concurrent:
+            self.results = results = self.context.socket(zmq.PULL)
+            results.bind("inproc://results")
+            self.executor = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="carton-infer")
+            # zmq_poll on a prepared list: zmq.Poller.poll rebuilds its list on every call.
+            items = [(router, zmq.POLLIN), (results, zmq.POLLIN)]
+            self.inline_bound = self.inline_max_seconds
         while self.running:
-            self._handle(recv_routed(router))
-        return self.exit_code
-
-    def _serve_concurrent(self) -> int:
-        self.results = self.context.socket(zmq.PULL)
-        self.results.bind("inproc://results")
-        self.executor = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="carton-infer")
-        router, results = self.router, self.results
-        # zmq_poll on a prepared list: zmq.Poller.poll rebuilds its list on every call.
-        items: list[tuple[Any, int]] = [(router, zmq.POLLIN), (results, zmq.POLLIN)]
-        while self.running:
-            if self.pooled == 0:
-                # Nothing can come back from the pool: wait on the router alone, as a plain runner does (a poll over
-                # both sockets costs a wake-up's worth of extra system calls per request).
-                self._handle(recv_routed(router))
+            if not self.pooled:
+                self._serve_inline()
                 continue
             for sock, _ in zmq_poll(items, -1):
                 if sock is router:
@@ -235,6 +247,98 @@ class _Server:
                     self.pooled -= 1
                     send_message(router, recv_message(results))
         return self.exit_code
+
+    def _serve_inline(self) -> None:
+        """Serve requests while nothing runs on the pool (a call may go there: then return), at most `_BATCH`.
+
+        Nothing can come back from the pool: this waits on the router alone (a poll over both sockets costs a
+        wake-up's worth of extra system calls per request). A request in the last layout the codec matched, when
+        `RunnerCodec.learnt_request` gives one, is served here: every step of `_handle`, `_infer` and the codec's
+        match and encode written out (the path of every call). It is matched by its length, head and tail, its
+        tensor is an array over its one data frame, and its reply is made from `RunnerCodec.learnt_reply` when the
+        outputs are one array in that layout. Anything else takes `_handle`, with every check.
+
+        It returns after `_BATCH` requests to be called again: CPython 3.11 specializes a function's bytecode once
+        it has been entered (or a loop in it has jumped back) a few times, and the back edge of a ``while
+        <condition>:`` loop does not count, so a function entered once that looped that way would run its whole life
+        unspecialized (as `serve` would); entered again and again, this one is specialized however its loop is
+        written.
+        """
+        router = self.router
+        codec = self.codec
+        inline_max = self.inline_bound
+        length, head, tail, read_id, id_offset, name, dtype, shape, size = self.learnt
+        # What only `_handle` changes (the runner loads and closes, shared memory starts with `hello`).
+        runner, pool, copied_reply = self.runner, codec.pool, codec.inline_copied
+        for _ in _BATCH:
+            # A ROUTER delivers a routing id, then a message.
+            ident = _recv(router, 0, True)
+            header: zmq.Frame = _recv(router, 0, False)
+            frame: Any = None
+            if header.more:
+                frame = _recv(router, 0, False)
+                if not frame.more:
+                    data = header.bytes
+                    if (
+                        len(data) == length
+                        and data.endswith(tail)
+                        and data.startswith(head)
+                        and len(frame) == size
+                        and runner is not None
+                        and self.last_infer_seconds < inline_max
+                    ):
+                        request_id: int = read_id(data, id_offset)[0]
+                        try:
+                            start = _perf_counter()
+                            outputs = runner.infer({name: np.ndarray(shape, dtype, frame)})
+                            self.last_infer_seconds = _perf_counter() - start
+                            reply = codec.learnt_reply
+                            if (
+                                type(outputs) is dict
+                                and len(outputs) == 1
+                                and reply is not None
+                                and not (pool and pool.dropped)
+                            ):
+                                ((output_name, value),) = outputs.items()
+                                if (
+                                    type(value) is np.ndarray
+                                    and value.dtype is reply[1]
+                                    and value.shape == reply[2]
+                                    and output_name == reply[0]
+                                    and value.flags.c_contiguous
+                                ):
+                                    packed = (
+                                        PACK_U32.pack(0xCE, request_id)
+                                        if 1 << 16 <= request_id < 1 << 32
+                                        else pack_id(request_id)
+                                    )
+                                    parts: list[Any] = [REPLY_PREFIX + packed + reply[3], value]
+                                    copied = copied_reply
+                                else:
+                                    parts, copied = self._reply(request_id, outputs)
+                            else:
+                                parts, copied = self._reply(request_id, outputs)
+                        except Exception as exc:
+                            parts, copied = [codec.encode(error_reply(request_id, exc))], False
+                        if copied and len(parts) == 2:  # `send_routed`'s usual case, written out
+                            _send(router, ident, _SNDMORE, True)
+                            _send(router, parts[0], _SNDMORE, True)
+                            _send(router, parts[1], 0, True)
+                        else:
+                            send_routed(router, ident, parts, copied)
+                        continue
+                    self._handle([ident, header, frame])
+                    learnt = codec.learnt_request(data)
+                    if learnt is not None:
+                        self.learnt = learnt
+                        length, head, tail, read_id, id_offset, name, dtype, shape, size = learnt
+                else:
+                    self._handle(recv_frames(router, [ident, header, frame]))
+            else:
+                self._handle([ident, header])
+            if self.pooled or not self.running:
+                return
+            runner, pool, copied_reply = self.runner, codec.pool, codec.inline_copied
 
     def _to_pool(self, ident: Any, received: Received) -> None:
         """Run one infer on the pool; its reply comes back to this thread over the inproc socket.
@@ -409,16 +513,21 @@ class _Server:
             start = _perf_counter()
             outputs = runner.infer(inputs)
             self.last_infer_seconds = _perf_counter() - start
-            if type(outputs) is not dict:
-                if not isinstance(outputs, Mapping):
-                    raise InvalidOutput(f"infer returned a {type(outputs).__name__}, expected a mapping")
-                outputs = dict(outputs)
-            try:
-                return self.codec.encode_reply(request_id, outputs)
-            except FrameError as exc:
-                raise InvalidOutput(f"infer returned an output the wire cannot carry: {exc}") from exc
+            return self._reply(request_id, outputs)
         except Exception as exc:
             return [self.codec.encode(error_reply(request_id, exc))], False
+
+    def _reply(self, request_id: int, outputs: object) -> tuple[list[Any], bool]:
+        """`_infer`'s reply parts for what `Runner.infer` returned: `InvalidOutput` for what is not a mapping or
+        what the wire cannot carry."""
+        if type(outputs) is not dict:
+            if not isinstance(outputs, Mapping):
+                raise InvalidOutput(f"infer returned a {type(outputs).__name__}, expected a mapping")
+            outputs = dict(outputs)
+        try:
+            return self.codec.encode_reply(request_id, outputs)
+        except FrameError as exc:
+            raise InvalidOutput(f"infer returned an output the wire cannot carry: {exc}") from exc
 
     def shutdown(self) -> None:
         if self.runner is not None:

@@ -19,7 +19,7 @@ Only the codec (`carton_protocol._codec`) uses these caches: its callers never s
 from __future__ import annotations
 
 import struct
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -30,7 +30,7 @@ from ._messages import Infer, InferReply, TensorEntry, encode
 from ._runner import Tensor
 from .errors import FrameError
 
-__all__ = ["PACK_U32", "REPLY_PREFIX", "REQUEST_PREFIX", "Layout", "Plan", "Templates", "pack_id"]
+__all__ = ["PACK_U32", "REPLY_PREFIX", "REQUEST_PREFIX", "Layout", "LearntRequest", "Plan", "Templates", "pack_id"]
 
 #: ``{"op": "infer", "id": `` as msgpack (a map of 3): the start of every plain infer request.
 REQUEST_PREFIX = b"\x83\xa2op\xa5infer\xa2id"
@@ -46,6 +46,11 @@ _MAX_ID_BYTES = 9
 # (name, dtype, shape) of each tensor of a message.
 Layout = tuple[tuple[str, np.dtype[Any], tuple[int, ...]], ...]
 _UNKNOWN: Any = object()
+#: `Templates.learnt`: a header's length, its bytes up to and with the id's marker, its bytes after the id, what reads
+#: the id (at the offset that follows), and its one tensor's name, dtype, shape and byte size.
+LearntRequest = tuple[
+    int, bytes, bytes, Callable[[bytes, int], tuple[int]], int, str, np.dtype[Any], tuple[int, ...], int
+]
 
 _U8 = struct.Struct(">B")
 _U16 = struct.Struct(">H")
@@ -253,6 +258,26 @@ class Templates:
             return None
         self._last = (tail, plan, len(prefix) + len(tail))
         return request_id, plan
+
+    def learnt(self, data: bytes) -> LearntRequest | None:
+        """What matching headers like `data` takes, when `match` reads `data` in the last layout it matched, that
+        layout is one tensor in one data frame (neither empty nor BOOL) and the id is wider than one byte; else None.
+
+        A header of exactly the length, with the head and the tail this gives is that layout with another id of the
+        same width, one `match` reads as (``read(header, offset)[0]``, the layout's plan), the plan's tensor being an
+        array of that name, dtype and shape over a data frame of exactly that size: what a caller that reads one
+        layout again and again (the runner loop) checks itself, without `match`'s call and its general tests."""
+        last = self._last
+        prefix = self._peer_prefix
+        if last is None or last[1].single is None or not data.startswith(prefix) or not data.endswith(last[0]):
+            return None
+        position = len(prefix)
+        width = len(data) - last[2]
+        reader = _ID_READERS.get(data[position]) if width > 1 else None
+        if reader is None or reader[0] != width:
+            return None
+        name, dtype, shape, size = last[1].single
+        return len(data), data[: position + 1], last[0], reader[1], position + 1, name, dtype, shape, size
 
     def learn(self, data: bytes, message: Infer | InferReply) -> None:
         """Remember the plan of `data`, a header the full decoder just accepted (with its data frames) as

@@ -24,7 +24,16 @@ from typing import Any
 import numpy as np
 import zmq
 
-__all__ = ["COPY_BELOW", "new_context", "recv_message", "recv_routed", "send_copied", "send_message", "send_routed"]
+__all__ = [
+    "COPY_BELOW",
+    "new_context",
+    "recv_frames",
+    "recv_message",
+    "recv_routed",
+    "send_copied",
+    "send_message",
+    "send_routed",
+]
 
 _SNDMORE = int(zmq.SNDMORE)
 _send = zmq.backend.Socket.send
@@ -78,7 +87,7 @@ def recv_message(sock: zmq.Socket[Any], flags: int = 0) -> list[zmq.Frame]:
     """Receive one message from `sock` (a plain `zmq.Socket`, as for `send_message`) as frames, without copies.
     `flags` apply to its first frame (``zmq.NOBLOCK``: `zmq.Again` when none is waiting); a message's other frames
     arrive with its first."""
-    # `_recv_frames`'s loop, written out: the host's every reply, one Python call fewer.
+    # `recv_frames`'s loop, written out: the host's every reply, one Python call fewer.
     frame: zmq.Frame = _recv(sock, flags, False)
     frames = [frame]
     while frame.more:
@@ -91,10 +100,10 @@ def recv_routed(sock: zmq.Socket[Any]) -> list[Any]:
     """Receive one message from a ROUTER `sock`: the sender's routing id as ``bytes``, then the message's frames as
     `recv_message` gives them. A ROUTER always delivers a routing id followed by at least one part, so the id needs
     no ``more`` check, and a copied receive of a few bytes costs less than making the `zmq.Frame` it would be."""
-    return _recv_frames(sock, [_recv(sock, 0, True)])
+    return recv_frames(sock, [_recv(sock, 0, True)])
 
 
-def _recv_frames(sock: zmq.Socket[Any], frames: list[Any]) -> list[Any]:
+def recv_frames(sock: zmq.Socket[Any], frames: list[Any]) -> list[Any]:
     """`frames` with the message's frames (the rest of it, after what `frames` holds) appended, without copies."""
     frame: zmq.Frame = _recv(sock, 0, False)
     frames.append(frame)

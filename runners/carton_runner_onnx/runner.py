@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import onnxruntime as ort
@@ -66,8 +66,26 @@ class OnnxRunner(Runner):
         binding_run = getattr(getattr(self._session, "_sess", None), "run", None)
         cpu_only = self._session.get_providers() == ["CPUExecutionProvider"]
         self._checked_run = binding_run if callable(binding_run) and cpu_only and self._graph_outputs else None
+        # A model of one input under its graph name and one array output (most models), on that `run`: its input's
+        # name, and what `infer` passes and returns, for a call checked in a few tests (`infer`).
+        self._one: tuple[str, Callable[..., Any], list[str], Any, str] | None = None
+        output = self._single_output
+        run = self._checked_run
+        if run is not None and self._feeds_as_given and len(self._graph_inputs) == 1 and self._arrays_out and output:
+            ((input_name, _),) = self._binding.inputs
+            self._one = (input_name, run, self._graph_outputs, self._run_options, output)
 
     def infer(self, inputs: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
+        one = self._one
+        if one is not None and len(inputs) == 1 and type(inputs) is dict:
+            # One array, the model's one input: the feeds are `inputs` themselves (the loop below, written out).
+            input_name, one_run, graph_outputs, run_options, output = one
+            if type(inputs.get(input_name)) is np.ndarray:
+                try:
+                    arrays = one_run(graph_outputs, inputs, run_options)
+                except Exception as exc:
+                    arrays = self._failed_run(exc, inputs)
+                return {output: arrays[0]}
         # The usual call, written out here (every request's path): exactly the model's inputs, checked in one pass.
         graph_inputs = self._graph_inputs
         feeds: Mapping[str, Any]
@@ -90,17 +108,9 @@ class OnnxRunner(Runner):
                     break
                 built[graph_name] = value
         try:
-            if run is None:
-                results = self._session.run(self._graph_outputs, feeds, self._run_options)
-            else:
-                try:
-                    results = run(self._graph_outputs, feeds, self._run_options)
-                except EPFail:  # the public `run` retries once on its fallback providers: let it
-                    results = self._session.run(self._graph_outputs, feeds, self._run_options)
-        except InvalidArgument as exc:  # a dtype, rank or dimension the graph does not take: the caller's inputs
-            raise InvalidInput(f"onnxruntime refused the inputs: {exc}") from exc
-        except Exception as exc:  # onnxruntime's other pybind errors (Fail, ...) share no public base
-            raise OnnxRunnerError(f"onnxruntime failed to run the model: {exc}") from exc
+            results = (run or self._session.run)(self._graph_outputs, feeds, self._run_options)
+        except Exception as exc:
+            results = self._failed_run(exc, feeds) if run is not None else _raise_run_error(exc)
         if self._arrays_out:
             single = self._single_output
             if single is not None:
@@ -111,6 +121,17 @@ class OnnxRunner(Runner):
             # What onnxruntime returns for every numeric tensor goes out as it is.
             outputs[name] = value if type(value) is np.ndarray and value.dtype.kind != "O" else _from_ort(value)
         return outputs
+
+    def _failed_run(self, exc: Exception, feeds: Mapping[str, Any]) -> list[Any]:
+        """What a failed call of the binding's `run` comes to: an `EPFail` is retried once by the public `run` (which
+        falls back to its other providers), any other error (or the retry's) is raised as `_raise_run_error` says."""
+        if not isinstance(exc, EPFail):
+            _raise_run_error(exc)
+        try:
+            results: list[Any] = self._session.run(self._graph_outputs, feeds, self._run_options)
+        except Exception as again:
+            _raise_run_error(again)
+        return results
 
     def _feeds(self, inputs: Mapping[str, Tensor]) -> dict[str, Any]:
         """onnxruntime's feeds (graph name -> array) for `inputs` other than exactly the model's inputs as arrays;
@@ -190,6 +211,14 @@ def _providers(requested: tuple[str, ...], warn: Callable[[str], None]) -> list[
         )
     chosen = [name for name in requested if name in available and name != "CPUExecutionProvider"]
     return [*chosen, "CPUExecutionProvider"]
+
+
+def _raise_run_error(exc: Exception) -> NoReturn:
+    """`InvalidInput` for a dtype, rank or dimension the graph does not take (onnxruntime's `InvalidArgument`: the
+    caller's inputs), `OnnxRunnerError` for its other errors (pybind errors such as Fail share no public base)."""
+    if isinstance(exc, InvalidArgument):
+        raise InvalidInput(f"onnxruntime refused the inputs: {exc}") from exc
+    raise OnnxRunnerError(f"onnxruntime failed to run the model: {exc}") from exc
 
 
 def _from_ort(value: Any) -> np.ndarray:

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -214,3 +215,39 @@ class Environment(Runner):
             "cwd": np.array([os.getcwd()], dtype=str),
             "sid": np.array([os.getsid(0), os.getpid()], dtype=np.int64),
         }
+
+
+class Shifty(Runner):
+    """Answers ``{"y": x}``, or misbehaves as ``x[0]`` says while its inputs keep one layout (the loop's learnt
+    request path): 1 raises, 2 reshapes ``y``, 3 returns a list, 4 a complex ``y``, 5 a strided ``y``, 6 two outputs,
+    7 a mapping that is not a dict, 8 ``y`` renamed, 9 ``y`` as float64; a negative ``x[0]`` sleeps that many seconds.
+    Concurrent: the runner loop decides per call whether it runs inline (the ``inline`` output of case 6)."""
+
+    concurrent = True
+
+    def infer(self, inputs: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
+        x = inputs["x"]
+        assert isinstance(x, np.ndarray)
+        how = float(x.reshape(-1)[0])
+        if how < 0:
+            time.sleep(-how)
+        match how:
+            case 1:
+                raise ValueError("shifty refuses")
+            case 2:
+                return {"y": x.reshape(-1, 1)}
+            case 3:
+                return [x]  # type: ignore[return-value]
+            case 4:
+                return {"y": x.astype(np.complex64)}
+            case 5:
+                return {"y": np.repeat(x, 2)[::2]}
+            case 6:
+                return {"y": x, "inline": np.array([threading.current_thread() is threading.main_thread()])}
+            case 7:
+                return types.MappingProxyType({"y": x})
+            case 8:
+                return {"z": x}
+            case 9:
+                return {"y": x.astype(np.float64)}
+        return {"y": x}

@@ -11,7 +11,7 @@ from carton_protocol import Infer, InferReply
 from carton_protocol._codec import HostCodec, RunnerCodec
 from carton_protocol._framing import encode_tensors
 from carton_protocol._messages import encode
-from carton_protocol._templates import REQUEST_PREFIX
+from carton_protocol._templates import REQUEST_PREFIX, pack_id
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -109,3 +109,38 @@ def test_a_reply_in_another_layout_is_encoded_as_the_full_encoder_encodes_it(
     encoded = encode_tensors(changed, pool=None, threshold=1 << 62)
     assert parts[0] == encode(InferReply(id=300, tensors=encoded.entries))
     assert len(parts) == 1 + len(encoded.frames)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    request_id=st.sampled_from(IDS),
+    other=st.sampled_from(IDS),
+    position=st.integers(min_value=0),
+    value=st.integers(0, 255),
+    mutate=st.booleans(),
+)
+def test_what_the_learnt_request_accepts_the_templates_read_alike(
+    request_id: int, other: int, position: int, value: int, mutate: bool
+) -> None:
+    # The runner loop's own match (`RunnerCodec.learnt_request`): a header of the learnt length, head and tail must
+    # be one the templates match, with the same id; a header of the same layout and id width must be accepted.
+    codec = _learned_codec({"x": X})
+    data = _request(request_id, {"x": X})
+    assert codec.match(zmq.Frame(data)) is not None
+    learnt = codec.learnt_request(data)
+    if request_id < 128:
+        assert learnt is None  # one-byte ids take the general path
+        return
+    assert learnt is not None
+    length, head, tail, read_id, offset, name, dtype, shape, size = learnt
+    assert (name, dtype, shape, size) == ("x", X.dtype, X.shape, X.nbytes)
+    candidate = bytearray(_request(other, {"x": X}))
+    if mutate:
+        candidate[position % len(candidate)] = value
+    header = bytes(candidate)
+    accepted = len(header) == length and header.startswith(head) and header.endswith(tail)
+    expected = _learned_codec({"x": X})._templates.match(header)
+    if accepted:
+        assert expected is not None and expected[0] == read_id(header, offset)[0]
+    if not mutate:
+        assert accepted == (len(pack_id(other)) == len(pack_id(request_id)))

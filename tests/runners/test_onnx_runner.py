@@ -42,8 +42,11 @@ from runner_models import (
 def _load(model_dir: Path, *, opts: dict | None = None, inputs=(), outputs=(), warnings: list[str] | None = None):
     runner = OnnxRunner()
     sink = warnings if warnings is not None else []
-    runner.load(LoadContext(model_dir=model_dir, opts=opts or {}, inputs=tuple(inputs), outputs=tuple(outputs),
-                            warn=sink.append))
+    runner.load(
+        LoadContext(
+            model_dir=model_dir, opts=opts or {}, inputs=tuple(inputs), outputs=tuple(outputs), warn=sink.append
+        )
+    )
     return runner
 
 
@@ -61,6 +64,7 @@ def _reference(path: Path, feeds: dict) -> list:
 
 
 # --- results -----------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("batch", [1, 7, 256])
 def test_mlp_matches_inference_session_bit_for_bit(tmp_path: Path, batch: int) -> None:
@@ -152,14 +156,20 @@ def test_declared_dtype_that_disagrees_with_the_graph_is_refused(tmp_path: Path)
 def test_graph_input_left_undeclared_is_refused(tmp_path: Path) -> None:
     write_identity_all_dtypes(tmp_path)
     with pytest.raises(OnnxRunnerError, match=r"the graph needs input\(s\) 'in_float64'"):
-        _load(tmp_path, inputs=[TensorSpec(name="in_float32", dtype=DType.FLOAT32)]
-              + [TensorSpec(name=f"in_{n}", dtype=DType(n)) for n in DTYPES if n not in ("float32", "float64")])
+        _load(
+            tmp_path,
+            inputs=[TensorSpec(name="in_float32", dtype=DType.FLOAT32)]
+            + [TensorSpec(name=f"in_{n}", dtype=DType(n)) for n in DTYPES if n not in ("float32", "float64")],
+        )
 
 
 def test_declared_outputs_select_and_order_what_is_returned(tmp_path: Path) -> None:
     write_string_ops(tmp_path)
-    runner = _load(tmp_path, inputs=[TensorSpec(name="words", dtype=DType.STRING)],
-                   outputs=[TensorSpec(name="is_b", dtype=DType.UINT8)])
+    runner = _load(
+        tmp_path,
+        inputs=[TensorSpec(name="words", dtype=DType.STRING)],
+        outputs=[TensorSpec(name="is_b", dtype=DType.UINT8)],
+    )
     assert list(runner.infer({"words": np.array(["b"])})) == ["is_b"]
 
 
@@ -185,6 +195,7 @@ def test_concurrent_infer_from_threads(tmp_path: Path) -> None:
 
 # --- pack --------------------------------------------------------------------------------------------------------
 
+
 def test_pack_fills_specs_from_the_graph(tmp_path: Path) -> None:
     write_mlp(tmp_path)
     result = OnnxRunner.pack(PackContext(model_dir=tmp_path, opts={"intra_op_threads": 1}))
@@ -209,19 +220,28 @@ def test_pack_keeps_caller_specs_and_checks_them(tmp_path: Path) -> None:
     result = OnnxRunner.pack(PackContext(model_dir=tmp_path, opts={}, inputs=inputs, outputs=outputs))
     assert (result.inputs, result.outputs) == (inputs, outputs)
     with pytest.raises(OnnxRunnerError, match="the graph has no output 'y'"):
-        OnnxRunner.pack(PackContext(model_dir=tmp_path, opts={}, inputs=inputs,
-                                    outputs=(TensorSpec(name="y", dtype=DType.FLOAT32),)))
+        OnnxRunner.pack(
+            PackContext(
+                model_dir=tmp_path, opts={}, inputs=inputs, outputs=(TensorSpec(name="y", dtype=DType.FLOAT32),)
+            )
+        )
 
 
 def test_pack_output_without_any_shape_is_any_shape_not_scalar(tmp_path: Path) -> None:
     graph = helper.make_graph(
-        [helper.make_node("Reshape", ["x", "shape"], ["y"]), helper.make_node("ReduceSum", ["x"], ["total"],
-                                                                             keepdims=0)],
+        [
+            helper.make_node("Reshape", ["x", "shape"], ["y"]),
+            helper.make_node("ReduceSum", ["x"], ["total"], keepdims=0),
+        ],
         "reshape",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n"]),
-         helper.make_tensor_value_info("shape", TensorProto.INT64, [None])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None),
-         helper.make_tensor_value_info("total", TensorProto.FLOAT, [])],
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n"]),
+            helper.make_tensor_value_info("shape", TensorProto.INT64, [None]),
+        ],
+        [
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, None),
+            helper.make_tensor_value_info("total", TensorProto.FLOAT, []),
+        ],
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
@@ -233,7 +253,8 @@ def test_pack_output_without_any_shape_is_any_shape_not_scalar(tmp_path: Path) -
 
 def test_pack_refuses_tensor_types_carton_cannot_declare(tmp_path: Path) -> None:
     graph = helper.make_graph(
-        [helper.make_node("Greater", ["x", "x"], ["mask"])], "bool_out",
+        [helper.make_node("Greater", ["x", "x"], ["mask"])],
+        "bool_out",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n"])],
         [helper.make_tensor_value_info("mask", TensorProto.BOOL, ["n"])],
     )
@@ -245,6 +266,7 @@ def test_pack_refuses_tensor_types_carton_cannot_declare(tmp_path: Path) -> None
 
 
 # --- external data -----------------------------------------------------------------------------------------------
+
 
 def test_external_data_inside_the_folder_loads(tmp_path: Path) -> None:
     weights = write_external_data(tmp_path, "weights/w.bin")
@@ -294,8 +316,9 @@ def test_missing_external_data_file_is_refused(tmp_path: Path) -> None:
         _load(tmp_path)
 
 
-def _model_with_big_initializer(model_dir: Path, *, extra_initializer: TensorProto | None = None,
-                                doc: str = "") -> tuple[Path, np.ndarray]:
+def _model_with_big_initializer(
+    model_dir: Path, *, extra_initializer: TensorProto | None = None, doc: str = ""
+) -> tuple[Path, np.ndarray]:
     """``y = x @ big`` where ``big`` is a 128x128 float32 initializer whose raw bytes contain ``location``."""
     big = np.zeros((128, 128), dtype=np.float32)
     big.view(np.uint8).reshape(-1)[100:108] = np.frombuffer(b"location", dtype=np.uint8)
@@ -303,7 +326,8 @@ def _model_with_big_initializer(model_dir: Path, *, extra_initializer: TensorPro
     if extra_initializer is not None:
         initializers.append(extra_initializer)
     graph = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "big"], ["y"], doc_string=doc)], "big",
+        [helper.make_node("MatMul", ["x", "big"], ["y"], doc_string=doc)],
+        "big",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 128])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 128])],
         initializer=initializers,
@@ -349,11 +373,14 @@ def _external_tensor(location: str) -> TensorProto:
     return tensor
 
 
-@pytest.mark.parametrize("content", [
-    b"\x3a\xff\xff\xff\xff\x0f location",  # graph field longer than the file
-    b"\x3b\x00 location",  # a group (wire type 3): not walked
-    b"\x3a\x0c\x2a\x0a\x4a\x08location",  # raw_data (too short to skip) holding the bytes
-])
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"\x3a\xff\xff\xff\xff\x0f location",  # graph field longer than the file
+        b"\x3b\x00 location",  # a group (wire type 3): not walked
+        b"\x3a\x0c\x2a\x0a\x4a\x08location",  # raw_data (too short to skip) holding the bytes
+    ],
+)
 def test_unwalkable_or_small_structures_are_searched_whole(tmp_path: Path, content: bytes) -> None:
     from carton_runner_onnx import _files
 
@@ -362,6 +389,7 @@ def test_unwalkable_or_small_structures_are_searched_whole(tmp_path: Path, conte
 
 
 # --- model file --------------------------------------------------------------------------------------------------
+
 
 def test_model_file_opt_chooses_among_several(tmp_path: Path) -> None:
     write_mlp(tmp_path, file_name="a.onnx", classes=3)
@@ -374,16 +402,20 @@ def test_model_file_opt_chooses_among_several(tmp_path: Path) -> None:
 
 def test_model_file_in_a_subfolder(tmp_path: Path) -> None:
     write_mlp(tmp_path / "nested", file_name="net.onnx")
-    assert _load(tmp_path, opts={"model_file": "nested/net.onnx"}).infer(
-        {"x": np.zeros((2, 16), dtype=np.float32)})["probs"].shape == (2, 4)
+    assert _load(tmp_path, opts={"model_file": "nested/net.onnx"}).infer({"x": np.zeros((2, 16), dtype=np.float32)})[
+        "probs"
+    ].shape == (2, 4)
 
 
-@pytest.mark.parametrize("model_file, message", [
-    ("../other.onnx", "'..' is not allowed"),
-    ("/etc/passwd", "absolute paths are not allowed"),
-    ("missing.onnx", "does not exist in the model folder"),
-    ("", "must be a non-empty string"),
-])
+@pytest.mark.parametrize(
+    "model_file, message",
+    [
+        ("../other.onnx", "'..' is not allowed"),
+        ("/etc/passwd", "absolute paths are not allowed"),
+        ("missing.onnx", "does not exist in the model folder"),
+        ("", "must be a non-empty string"),
+    ],
+)
 def test_bad_model_file_opt(tmp_path: Path, model_file: str, message: str) -> None:
     write_mlp(tmp_path / "model")
     write_mlp(tmp_path, file_name="other.onnx")
@@ -405,10 +437,13 @@ def test_folder_without_onnx_file(tmp_path: Path) -> None:
         _load(tmp_path)
 
 
-@pytest.mark.parametrize("content, message", [
-    (b"", "model file 'model.onnx' is empty"),
-    (b"\x08\x07garbage that is not a protobuf" * 10, "could not load 'model.onnx'"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b"", "model file 'model.onnx' is empty"),
+        (b"\x08\x07garbage that is not a protobuf" * 10, "could not load 'model.onnx'"),
+    ],
+)
 def test_corrupt_model_file(tmp_path: Path, content: bytes, message: str) -> None:
     (tmp_path / "model.onnx").write_bytes(content)
     with pytest.raises(OnnxRunnerError, match=message):
@@ -423,6 +458,7 @@ def test_corrupt_model_mentioning_external_data(tmp_path: Path) -> None:
 
 # --- options -----------------------------------------------------------------------------------------------------
 
+
 def test_unknown_opts_warn_naming_them(tmp_path: Path) -> None:
     write_mlp(tmp_path)
     warnings: list[str] = []
@@ -435,18 +471,28 @@ def test_unknown_opts_warn_naming_them(tmp_path: Path) -> None:
 def test_graph_optimization_levels_give_the_same_result(tmp_path: Path, level: str) -> None:
     path = write_mlp(tmp_path)
     x = np.random.default_rng(3).standard_normal((5, 16)).astype(np.float32)
-    got = _load(tmp_path, opts={"graph_optimization_level": level, "intra_op_threads": 1,
-                                "inter_op_threads": 1}).infer({"x": x})["probs"]
+    got = _load(tmp_path, opts={"graph_optimization_level": level, "intra_op_threads": 1, "inter_op_threads": 1}).infer(
+        {"x": x}
+    )["probs"]
     assert np.allclose(got, _reference(path, {"x": x})[0], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("opts, entries", [
-    ({}, {"session.force_spinning_stop": "", "session.intra_op.allow_spinning": ""}),
-    ({"intra_op_spinning": "run"}, {"session.force_spinning_stop": "1", "session.intra_op.allow_spinning": ""}),
-    ({"intra_op_spinning": "always"}, {"session.force_spinning_stop": "", "session.intra_op.allow_spinning": ""}),
-    ({"intra_op_spinning": "never"}, {"session.force_spinning_stop": "", "session.intra_op.allow_spinning": "0",
-                                      "session.inter_op.allow_spinning": "0"}),
-])
+@pytest.mark.parametrize(
+    "opts, entries",
+    [
+        ({}, {"session.force_spinning_stop": "", "session.intra_op.allow_spinning": ""}),
+        ({"intra_op_spinning": "run"}, {"session.force_spinning_stop": "1", "session.intra_op.allow_spinning": ""}),
+        ({"intra_op_spinning": "always"}, {"session.force_spinning_stop": "", "session.intra_op.allow_spinning": ""}),
+        (
+            {"intra_op_spinning": "never"},
+            {
+                "session.force_spinning_stop": "",
+                "session.intra_op.allow_spinning": "0",
+                "session.inter_op.allow_spinning": "0",
+            },
+        ),
+    ],
+)
 def test_intra_op_spinning_reaches_the_session(tmp_path: Path, opts: dict, entries: dict[str, str]) -> None:
     path = write_mlp(tmp_path)
     runner = _load(tmp_path, opts=opts)
@@ -456,17 +502,20 @@ def test_intra_op_spinning_reaches_the_session(tmp_path: Path, opts: dict, entri
     assert np.array_equal(runner.infer({"x": x})["probs"], _reference(path, {"x": x})[0])
 
 
-@pytest.mark.parametrize("opts, message", [
-    ({"intra_op_threads": "2"}, "runner opt 'intra_op_threads' must be an integer >= 0"),
-    ({"inter_op_threads": True}, "runner opt 'inter_op_threads' must be an integer >= 0"),
-    ({"intra_op_threads": -1}, "runner opt 'intra_op_threads' must be an integer >= 0"),
-    ({"graph_optimization_level": "fast"}, "runner opt 'graph_optimization_level' must be one of"),
-    ({"graph_optimization_level": ["all"]}, "runner opt 'graph_optimization_level' must be one of"),
-    ({"intra_op_spinning": "sometimes"}, "runner opt 'intra_op_spinning' must be one of 'run', 'always', 'never'"),
-    ({"intra_op_spinning": True}, "runner opt 'intra_op_spinning' must be one of"),
-    ({"execution_providers": [1, 2]}, "runner opt 'execution_providers' must be a list of provider names"),
-    ({"model_file": 3}, "runner opt 'model_file' must be a non-empty string"),
-])
+@pytest.mark.parametrize(
+    "opts, message",
+    [
+        ({"intra_op_threads": "2"}, "runner opt 'intra_op_threads' must be an integer >= 0"),
+        ({"inter_op_threads": True}, "runner opt 'inter_op_threads' must be an integer >= 0"),
+        ({"intra_op_threads": -1}, "runner opt 'intra_op_threads' must be an integer >= 0"),
+        ({"graph_optimization_level": "fast"}, "runner opt 'graph_optimization_level' must be one of"),
+        ({"graph_optimization_level": ["all"]}, "runner opt 'graph_optimization_level' must be one of"),
+        ({"intra_op_spinning": "sometimes"}, "runner opt 'intra_op_spinning' must be one of 'run', 'always', 'never'"),
+        ({"intra_op_spinning": True}, "runner opt 'intra_op_spinning' must be one of"),
+        ({"execution_providers": [1, 2]}, "runner opt 'execution_providers' must be a list of provider names"),
+        ({"model_file": 3}, "runner opt 'model_file' must be a non-empty string"),
+    ],
+)
 def test_invalid_opts_are_refused_naming_the_opt(tmp_path: Path, opts: dict, message: str) -> None:
     write_mlp(tmp_path)
     with pytest.raises(InvalidRunnerOption, match=message):
@@ -478,8 +527,9 @@ def test_invalid_opts_are_refused_naming_the_opt(tmp_path: Path, opts: dict, mes
 def test_unavailable_execution_providers_fall_back_to_cpu_with_a_warning(tmp_path: Path) -> None:
     path = write_mlp(tmp_path)
     warnings: list[str] = []
-    runner = _load(tmp_path, opts={"execution_providers": ["NoSuchExecutionProvider", "CPUExecutionProvider"]},
-                   warnings=warnings)
+    runner = _load(
+        tmp_path, opts={"execution_providers": ["NoSuchExecutionProvider", "CPUExecutionProvider"]}, warnings=warnings
+    )
     assert warnings == [
         "onnxruntime runner: execution providers 'NoSuchExecutionProvider' are not available in this onnxruntime "
         f"build (available: {', '.join(sorted(ort.get_available_providers()))}); skipping them"
@@ -490,6 +540,7 @@ def test_unavailable_execution_providers_fall_back_to_cpu_with_a_warning(tmp_pat
 
 
 # --- infer refusals ----------------------------------------------------------------------------------------------
+
 
 def test_infer_refuses_unknown_and_missing_inputs(tmp_path: Path) -> None:
     write_mlp(tmp_path)
@@ -567,6 +618,34 @@ def test_the_binding_run_gives_what_the_public_run_gives(tmp_path: Path) -> None
     kinds = [_outcome(_load(model_dir), inputs)[0] for model_dir, inputs in cases[-5:]]
     assert kinds[:2] == [InvalidInput, InvalidInput] and kinds[3:] == [OnnxRunnerError, InvalidInput]
     assert kinds[2] == ("y", np.dtype(np.float32), (2, 3), np.arange(6, dtype=np.float32).tobytes())
+
+
+def test_the_one_input_call_gives_what_the_general_call_gives(tmp_path: Path) -> None:
+    # A model of one input and one output takes `infer`'s first few lines; every result and every error must be the
+    # general path's (and the public `run`'s).
+    write_mlp(tmp_path)
+    x = np.random.default_rng(0).standard_normal((3, 16)).astype(np.float32)
+    cases = [
+        {"x": x},
+        {"x": x[:, ::2]},  # refused by onnxruntime: a dimension
+        {"x": np.asfortranarray(x)},
+        {"x": x.astype(np.float64)},  # refused by onnxruntime: a dtype
+        {"x": x[:1]},
+        {"y": x},  # unknown
+        {"x": [x]},  # nested
+        {"x": x, "y": x},
+        {},
+    ]
+    for inputs in [*cases, types.MappingProxyType({"x": x})]:
+        runner = _load(tmp_path)
+        assert runner._one is not None
+        through_one = _outcome(runner, inputs)  # type: ignore[arg-type]
+        runner._one = None
+        assert through_one == _outcome(runner, inputs)  # type: ignore[arg-type]
+        runner._checked_run = None
+        assert through_one == _outcome(runner, inputs), list(inputs)  # type: ignore[arg-type]
+    assert _outcome(_load(tmp_path), cases[0])[0][:3] == ("probs", np.dtype(np.float32), (3, 4))
+    assert [_outcome(_load(tmp_path), cases[i])[0] for i in (1, 3, 5, 6)] == [InvalidInput] * 4
 
 
 def test_the_runners_errors_carry_their_kind() -> None:
