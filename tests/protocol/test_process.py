@@ -157,14 +157,19 @@ def test_concurrent_runner_overlaps_calls_after_a_short_one(start_runner: Start)
     # whose calls were short, may run inline; the three that arrive meanwhile then run together on the pool.
     runner = start_runner("ConcurrentEcho", threads=4)
     runner.infer({"x": np.ones(2)})
+    assert_four_calls_overlap(lambda: runner.infer({"sleep": np.array([0.4]), "x": np.ones(2)}))
+
+
+def assert_four_calls_overlap(call: Callable[[], object]) -> None:
+    """Make four `call`s of 0.4 s at once, from four threads: they must not have run one after another."""
     results: list[float] = []
 
-    def call() -> None:
-        runner.infer({"sleep": np.array([0.4]), "x": np.ones(2)})
+    def timed() -> None:
+        call()
         results.append(time.monotonic())
 
     begin = time.monotonic()
-    threads = [threading.Thread(target=call) for _ in range(4)]
+    threads = [threading.Thread(target=timed) for _ in range(4)]
     for thread in threads:
         thread.start()
     for thread in threads:

@@ -4,8 +4,6 @@ as the general path gives it, whatever the id's width, and whichever way the out
 from __future__ import annotations
 
 import itertools
-import threading
-import time
 from typing import Any
 
 import carton
@@ -16,7 +14,7 @@ from carton_protocol import ErrorReply, InferReply
 from carton_protocol._loop import INLINE_MAX_ENV
 
 from .conftest import TEST_ENV
-from .test_process import Start
+from .test_process import Start, assert_four_calls_overlap
 
 # Ids of one byte (the general path), of two and three, and of four (a long-running host's).
 FIRST_IDS = [1, 200, 70_000]
@@ -136,18 +134,8 @@ def test_a_concurrent_runner_overlaps_learnt_calls_after_a_short_one(start_runne
     runner = _start(start_runner, 70_000, threads=4)
     for _ in range(3):
         _echo(runner)
-    results: list[float] = []
 
     def call() -> None:
         assert runner.infer({"x": _x(-0.4)})["y"][0] == np.float32(-0.4)
-        results.append(time.monotonic())
 
-    begin = time.monotonic()
-    threads = [threading.Thread(target=call) for _ in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert len(results) == 4
-    # Serial would be 1.6 s; one inline call and then the rest together is about 0.8 s.
-    assert max(results) - begin < 1.3
+    assert_four_calls_overlap(call)
