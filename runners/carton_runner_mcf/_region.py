@@ -169,13 +169,12 @@ class DecodeRegion:
             np.zeros((team, d), np.float32),
             np.zeros((team, capacity), np.float32),
             np.zeros((team, 1, row), np.float32),
-            np.zeros((team, m, q_width), np.float32),
         )
         shared = (
             np.zeros((m, q_width), np.float32),
             np.zeros((m, kv_width), np.float32),
             np.zeros((m, kv_width), np.float32),
-            np.zeros((m, q_width + d + 4), np.float32),  # the heads, and `_step.split_head`'s second part
+            np.zeros((m, q_width), np.float32),
             np.zeros((m, h), np.float32),
             np.zeros((m, self.inter), np.float32),
             np.zeros((m, self.inter), np.float32),

@@ -35,20 +35,10 @@ import numpy as np
 from ._atomics import barrier, depart, take_share, wait_departures
 from ._blocks import JIT
 from ._compiled import _decode_rows, _matmul_rows, quantize
-from ._fused import _rotate, rms_norm
+from ._fused import _rotate, rms_norm, softmax_weights
 from ._nibble import nibble_rows
 
-__all__ = [
-    "ABORTED",
-    "CHUNKS",
-    "CHUNK_ROWS",
-    "MATRICES",
-    "ROWS",
-    "decode_step",
-    "rows_of",
-    "split_head",
-    "step_counters",
-]
+__all__ = ["ABORTED", "CHUNKS", "CHUNK_ROWS", "MATRICES", "ROWS", "decode_step", "rows_of", "step_counters"]
 
 #: A chunk of a product is a whole number of groups of ``ROWS`` rows.
 ROWS = 32
@@ -92,107 +82,33 @@ def _dot(a, b):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(**_FAST)
-def _attend(layer, b, head, groups, q, k, v, cos, sin, keys, values, key_mask, slot, scale, query, key, scores, first,  # type: ignore[no-untyped-def]
-            last, new, dest):  # fmt: skip
-    """Attention of query ``head`` of batch row ``b`` over the cache's real slots ``first .. last - 1`` and, with
-    ``new``, the new slot (see the module), its weights normalized over those slots alone, into ``dest [d]``;
-    returns the largest score and the softmax's denominator (``-inf`` and 0, ``dest`` zero, when there is no slot)."""
+def _attend(layer, b, head, groups, q, k, v, cos, sin, keys, values, key_mask, slot, scale, query, key, scores, out):  # type: ignore[no-untyped-def]
+    """Attention of query ``head`` of batch row ``b`` over the cache and the new slot (see the module)."""
     d = query.size
     g = head // groups
+    _rotate(k[b, g * d : (g + 1) * d], cos[b], sin[b], key, np.float32(1.0))
     new_value = v[b, g * d : (g + 1) * d]
-    if new:
-        _rotate(k[b, g * d : (g + 1) * d], cos[b], sin[b], key, np.float32(1.0))
-        if head % groups == 0:
-            keys[layer, b, g, slot, :] = key
-            values[layer, b, g, slot, :] = new_value
+    if head % groups == 0:
+        keys[layer, b, g, slot, :] = key
+        values[layer, b, g, slot, :] = new_value
     _rotate(q[b, head * d : (head + 1) * d], cos[b], sin[b], query, scale)
-    largest = np.float32(-np.inf)
-    if new:
-        largest = _dot(query, key)
-        scores[slot] = largest
-    for s in range(first, last):
+    largest = _dot(query, key)
+    scores[slot] = largest
+    for s in range(slot):
         if key_mask[b, s]:
             total = _dot(query, keys[layer, b, g, s])
             scores[s] = total
             largest = max(largest, total)
-    denominator = np.float32(0.0)
-    for s in range(first, last):
-        if key_mask[b, s]:
-            scores[s] = np.float32(math.exp(scores[s] - largest))
-            denominator += scores[s]
-    if new:
-        scores[slot] = np.float32(math.exp(scores[slot] - largest))
-        denominator += scores[slot]
-    if denominator == 0:
-        dest[:] = 0.0
-        return np.float32(largest), denominator
-    if new:
-        weight = scores[slot] / denominator
-        for i in range(d):
-            dest[i] = weight * new_value[i]
-    else:
-        dest[:] = 0.0
-    for s in range(first, last):
+    denominator = softmax_weights(scores, key_mask[b], slot, largest)
+    dest = out[b, head * d : (head + 1) * d]
+    weight = scores[slot] / denominator
+    for i in range(d):
+        dest[i] = weight * new_value[i]
+    for s in range(slot):
         if key_mask[b, s]:
             weight = scores[s] / denominator
             for i in range(d):
                 dest[i] += weight * values[layer, b, g, s, i]
-    return np.float32(largest), denominator
-
-
-@numba.njit(**JIT)
-def split_head(heads):  # type: ignore[no-untyped-def]
-    """The query head whose cached slots a layer's attention splits into two units (the middle one of an odd
-    count, so that two threads' contiguous shares of the units are equal), or -1."""
-    return heads // 2 if heads % 2 else -1
-
-
-@numba.njit(**JIT)
-def _attend_unit(unit, layer, heads, groups, q, k, v, cos, sin, keys, values, key_mask, slot, scale, query, key,  # type: ignore[no-untyped-def]
-                 scores, attended):  # fmt: skip
-    """Attention unit ``unit`` of a layer (module docstring): a whole query head of a batch row, or one of the two
-    parts of `split_head`'s slots (the first half of the cache; the rest and the new slot), whose weighted values
-    and (largest score, denominator) go to ``attended``'s columns past the heads' (`_merge_heads`)."""
-    d = query.size
-    split = split_head(heads)
-    per_row = heads + (split >= 0)
-    b, part = unit // per_row, unit % per_row
-    if split < 0 or part < split or part > split + 1:
-        head = part if split < 0 or part < split else part - 1
-        _attend(layer, b, head, groups, q, k, v, cos, sin, keys, values, key_mask, slot, scale, query, key, scores,
-                0, slot, True, attended[b, head * d : (head + 1) * d])  # fmt: skip
-        return
-    second = part - split
-    half = slot // 2
-    stats = heads * d + d + 2 * second
-    into = attended[b, heads * d : (heads + 1) * d] if second else attended[b, split * d : (split + 1) * d]
-    largest, denominator = _attend(layer, b, split, groups, q, k, v, cos, sin, keys, values, key_mask, slot, scale,
-                                   query, key, scores, half if second else 0, slot if second else half, second == 1,
-                                   into)  # fmt: skip
-    attended[b, stats] = largest
-    attended[b, stats + 1] = denominator
-
-
-@numba.njit(**_FAST)
-def _merge_heads(attended, heads, d, mixed):  # type: ignore[no-untyped-def]
-    """``mixed [m, heads * d]``: the heads of ``attended`` (`_attend_unit`), `split_head`'s two parts merged by
-    their largest scores and denominators."""
-    split = split_head(heads)
-    width = heads * d
-    for b in range(mixed.shape[0]):
-        for c in range(width):
-            mixed[b, c] = attended[b, c]
-        if split < 0:
-            continue
-        first, first_sum = attended[b, width + d], attended[b, width + d + 1]
-        second, second_sum = attended[b, width + d + 2], attended[b, width + d + 3]
-        top = max(first, second)
-        first_weight = np.float32(math.exp(first - top)) * first_sum if first_sum > 0 else np.float32(0.0)
-        second_weight = np.float32(math.exp(second - top)) * second_sum
-        inverse = np.float32(1.0) / (first_weight + second_weight)
-        for i in range(d):
-            mixed[b, split * d + i] = (first_weight * attended[b, split * d + i]
-                                       + second_weight * attended[b, width + i]) * inverse  # fmt: skip
 
 
 @numba.njit(**JIT)
@@ -296,17 +212,15 @@ def decode_step(  # type: ignore[no-untyped-def]
     ``metas [n, 10]`` (`_packed.CompiledPayload.meta`), ``widths [n]`` (code bits). ``norms [layers, 2, h]``: input
     and post-attention RMSNorm weights. ``keys`` / ``values [layers, m, kv, capacity, d]``: the cache, ``key_mask [m,
     capacity]`` its real slots (``slot``, the new one, included). ``q k v attended projected gate up activated``:
-    shared work arrays (``attended [m, heads * d + d + 4]``: `_attend_unit`). ``own``: this thread's work arrays, a
-    tuple of ``[team, ...]`` arrays (hidden, normed, xq, xs, xe, xoff, query, key, scores, an embedding row, the
-    merged heads ``[m, heads * d]``)."""
-    hidden_all, normed_all, xq_all, xs_all, xe_all, xoff_all, query_all, key_all, scores_all, row_all, mixed_all = own
-    hidden, normed, mixed = hidden_all[worker], normed_all[worker], mixed_all[worker]
+    shared work arrays. ``own``: this thread's work arrays, a tuple of ``[team, ...]`` arrays (hidden, normed, xq, xs,
+    xe, xoff, query, key, scores, an embedding row)."""
+    hidden_all, normed_all, xq_all, xs_all, xe_all, xoff_all, query_all, key_all, scores_all, row_all = own
+    hidden, normed = hidden_all[worker], normed_all[worker]
     xq, xs, xe, xoff = xq_all[worker], xs_all[worker], xe_all[worker], xoff_all[worker]
     query, key, scores = query_all[worker], key_all[worker], scores_all[worker]
     m = hidden.shape[0]
     heads = q.shape[1] // query.size
     groups = heads // (k.shape[1] // query.size)
-    attention_units = m * (heads + (split_head(heads) >= 0))
     if ids.size:
         _embed(embedding, ids, row_all[worker], hidden)
     else:
@@ -322,17 +236,17 @@ def decode_step(  # type: ignore[no-untyped-def]
             return ABORTED
         share = 0
         while True:
-            # One unit a chunk, from contiguous shares (module docstring).
-            unit, _, share = take_share(control, counter + team, attention_units, attention_units, team, worker, share)
+            # One head a chunk, from contiguous shares (module docstring).
+            unit, _, share = take_share(control, counter + team, m * heads, m * heads, team, worker, share)
             if unit < 0:
                 break
-            _attend_unit(unit, layer, heads, groups, q, k, v, cos, sin, keys, values, key_mask, slot, scale, query, key,
-                         scores, attended)  # fmt: skip
+            b, head = unit // heads, unit % heads
+            _attend(layer, b, head, groups, q, k, v, cos, sin, keys, values, key_mask, slot, scale, query, key, scores,
+                    attended)  # fmt: skip
         passed = barrier(control, passed, team)
         if passed < 0:
             return ABORTED
-        _merge_heads(attended, heads, query.size, mixed)
-        _rows_by_share(control, counter + 2 * team, tables, base + 3, 1, mixed, xq, xs, xe, xoff, projected,
+        _rows_by_share(control, counter + 2 * team, tables, base + 3, 1, attended, xq, xs, xe, xoff, projected,
                        projected, projected, worker, team)  # fmt: skip
         passed = barrier(control, passed, team)
         if passed < 0:

@@ -206,50 +206,6 @@ def test_odd_sizes(method: str) -> None:
         assert model._region is region
 
 
-def test_an_odd_head_count_splits_the_middle_heads_cache_the_same_at_every_thread_count() -> None:
-    """Nine query heads on three kv heads (SmolLM2's): the middle head's cache is two units of work, merged after the
-    phase, so that two threads' shares are equal; one thread and two give the same bits."""
-    model = _model("q4", 1, hidden=64, inter=96, layers=2, heads=9, kv_heads=3, head_dim=16)
-    assert _step.split_head(9) == 4 and _step.split_head(4) == -1
-    reference = _decode(model, None, batch=2, steps=6)
-    by_one = _decode(model, _region.DecodeRegion.build(model, threads=1), batch=2, steps=6)
-    _close(by_one, reference)
-    np.testing.assert_array_equal(
-        _decode(model, _region.DecodeRegion.build(model, threads=2), batch=2, steps=6), by_one
-    )
-
-
-@pytest.mark.parametrize("slot", [0, 1, 2, 7, 12])
-@pytest.mark.parametrize("padded", [0, 3, 6])
-def test_the_split_heads_two_parts_merge_into_its_whole_attention(slot: int, padded: int) -> None:
-    """`_step._attend_unit` on the split head's two parts (the first half of the cache, possibly all padding or
-    empty; the rest and the new slot), merged by `_step._merge_heads`, against the head attended whole."""
-    rng = np.random.default_rng(slot * 7 + padded)
-    m, heads, kv, d, capacity = 2, 3, 1, 16, 16
-    q = rng.standard_normal((m, heads * d)).astype(np.float32)
-    k, v = (rng.standard_normal((m, kv * d)).astype(np.float32) for _ in range(2))
-    cos, sin = (rng.standard_normal((m, d // 2)).astype(np.float32) for _ in range(2))
-    keys, values = (rng.standard_normal((1, m, kv, capacity, d)).astype(np.float32) for _ in range(2))
-    mask = np.zeros((m, capacity), dtype=bool)
-    mask[:, : slot + 1] = True
-    mask[1, : min(padded, slot)] = False
-    scale = np.float32(0.25)
-    work = (np.zeros(d, np.float32), np.zeros(d, np.float32), np.zeros(capacity, np.float32))
-    split = np.zeros((m, heads * d + d + 4), np.float32)
-    for unit in range(m * (heads + 1)):
-        _step._attend_unit(unit, 0, heads, heads // kv, q, k, v, cos, sin, keys.copy(), values.copy(), mask, slot,
-                           scale, *work, split)  # fmt: skip
-    merged = np.zeros((m, heads * d), np.float32)
-    _step._merge_heads(split, heads, d, merged)
-    whole = np.zeros((m, heads * d + d + 4), np.float32)
-    for b in range(m):
-        for head in range(heads):
-            _step._attend(0, b, head, heads // kv, q, k, v, cos, sin, keys.copy(), values.copy(), mask, slot, scale,
-                          *work, 0, slot, True, whole[b, head * d : (head + 1) * d])  # fmt: skip
-    np.testing.assert_allclose(merged, whole[:, : heads * d], rtol=1e-5, atol=1e-6)
-    np.testing.assert_array_equal(merged[:, :d], whole[:, :d])  # a whole head is the same computation
-
-
 def test_more_threads_than_work_finish() -> None:
     """Four threads on two cores and products of one unit each: the idle threads pass every barrier."""
     model = _model("q4", 1, hidden=32, inter=32, layers=2, heads=2, kv_heads=1, head_dim=16)
