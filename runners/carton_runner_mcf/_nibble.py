@@ -23,6 +23,7 @@ import numba
 import numpy as np
 
 from ._blocks import JIT, grouped_scales, padded_blocks, row_scales, scale_group, whole_group
+from ._panel_ir import code_sum, round_block
 from ._simd import (
     fma,
     hsum,
@@ -37,6 +38,7 @@ from ._simd import (
     spread,
     store_f32x8,
     to_float,
+    to_nibble_order,
     zeros,
 )
 
@@ -62,27 +64,52 @@ def quantize_pairs(x, xq, xs, xe, xoff):  # type: ignore[no-untyped-def]
     for j in range(m):
         xs[j, :] = 0.0
         xoff[j, :] = 0.0
-        for b in range(2 * pairs):
-            base = b * 32
-            largest = np.float32(0.0)
-            for i in range(max(0, min(32, k - base))):
-                largest = max(largest, abs(x[j, base + i]))
-            scale = largest * _INV32767
-            inverse = np.float32(32767.0) / largest if largest > 0 else np.float32(0.0)
-            lanes = (b // 2) * 64
-            code0 = (b % 2) * 32
-            total = 0
-            for c in range(32):
-                column = base + c
-                value = x[j, column] * inverse if column < k else np.float32(0.0)
-                code = np.int16(np.rint(value))
-                total += int(code)
-                xq[j, lanes + _LANE_OF_CODE[code0 + c]] = code
-            for lane in range(4):
-                xe[j, (b // 2) * 8 + (b % 2) * 4 + lane] = scale
-            if b < blocks:
-                xs[j, b] = scale
-                xoff[j, b] = np.float32(8.0) * scale * np.float32(total)
+        row, codes = x[j], xq[j]
+        if row.strides[0] != 4 or codes.strides[0] != 2:
+            _pairs_by_value(x, j, xq, xs, xe, xoff)
+            continue
+        # A block rounded as vectors in column order (the prefill's rounding, the same bits as value by value),
+        # then each pair's codes moved into the nibble lanes in one shuffle.
+        for p in range(pairs):
+            for half in range(2):
+                b = 2 * p + half
+                base = b * 32
+                scale = round_block(row, base, max(0, min(32, k - base)), codes, base, _INV32767)
+                total = code_sum(codes, base)
+                for lane in range(4):
+                    xe[j, p * 8 + half * 4 + lane] = scale
+                if b < blocks:
+                    xs[j, b] = scale
+                    xoff[j, b] = np.float32(8.0) * scale * np.float32(total)
+            to_nibble_order(codes, p * 64)
+
+
+@numba.njit(**JIT)
+def _pairs_by_value(x, j, xq, xs, xe, xoff):  # type: ignore[no-untyped-def]
+    """`quantize_pairs` of row ``j`` value by value (rows not contiguous), ``xs`` and ``xoff`` already zero."""
+    k = x.shape[1]
+    blocks = (k + 31) // 32
+    for b in range(2 * ((blocks + 1) // 2)):
+        base = b * 32
+        largest = np.float32(0.0)
+        for i in range(max(0, min(32, k - base))):
+            largest = max(largest, abs(x[j, base + i]))
+        scale = largest * _INV32767
+        inverse = np.float32(32767.0) / largest if largest > 0 else np.float32(0.0)
+        lanes = (b // 2) * 64
+        code0 = (b % 2) * 32
+        total = 0
+        for c in range(32):
+            column = base + c
+            value = x[j, column] * inverse if column < k else np.float32(0.0)
+            code = np.int16(np.rint(value))
+            total += int(code)
+            xq[j, lanes + _LANE_OF_CODE[code0 + c]] = code
+        for lane in range(4):
+            xe[j, (b // 2) * 8 + (b % 2) * 4 + lane] = scale
+        if b < blocks:
+            xs[j, b] = scale
+            xoff[j, b] = np.float32(8.0) * scale * np.float32(total)
 
 
 @numba.njit(**JIT)

@@ -18,7 +18,7 @@ from numba.extending import intrinsic
 
 from ._simd import Codegen, lane_order
 
-__all__ = ["GROUP", "PAIRS", "panel_tile", "round_block", "store_codes", "transpose_block"]
+__all__ = ["GROUP", "PAIRS", "code_sum", "panel_tile", "round_block", "store_codes", "transpose_block"]
 
 #: Weight rows per group: the int32 lanes of one 512-bit vector.
 GROUP = 16
@@ -201,7 +201,8 @@ def round_block(
 ) -> tuple[Any, Codegen]:
     """Round the ``count`` (1..32) float32 at flat element ``at`` of ``x`` (the rest of the block counts as zero) to
     int16 at flat element ``into`` of ``xq`` (32 codes) by ``32767 / max|x|``, round-half-even, as
-    `_blocks.quantize_activations` does value by value; returns the block's scale ``max|x| * inverse_of``."""
+    `_blocks.quantize_activations` does value by value (the same bits for finite ``x``; a NaN makes every code 0 and
+    the scale NaN); returns the block's scale ``max|x| * inverse_of``."""
 
     def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: list[Any]) -> Any:
         f32 = _vec(_F32, _BLOCK)
@@ -214,8 +215,13 @@ def round_block(
         keep = builder.icmp_signed("<", _constant(_I64, list(range(_BLOCK))), _splat(builder, limit, _BLOCK))
         load = function("llvm.masked.load.v32f32.p0v32f32", f32, f32.as_pointer(), _I32, _vec(_I1, _BLOCK), f32)
         values = builder.call(load, [source, ir.Constant(_I32, 4), keep, ir.Constant(f32, [0.0] * _BLOCK)])
-        magnitudes = builder.call(function("llvm.fabs.v32f32", f32, f32), [values])
-        largest = builder.call(function("llvm.vector.reduce.fmax.v32f32", _F32, f32), [magnitudes])
+        # max |x| as the largest of the magnitudes' bits (a float's order and its bits' agree once the sign bit is
+        # cleared): an integer reduction is a tree of vector maxima, where a float maximum with NaN semantics is a
+        # chain of scalar ones.
+        i32 = _vec(_I32, _BLOCK)
+        magnitudes = builder.and_(builder.bitcast(values, i32), _constant(_I32, [0x7FFFFFFF] * _BLOCK))
+        largest_bits = builder.call(function("llvm.vector.reduce.umax.v32i32", _I32, i32), [magnitudes])
+        largest = builder.bitcast(largest_bits, _F32)
         positive = builder.fcmp_ordered(">", largest, ir.Constant(_F32, 0.0))
         inverse = builder.select(positive, builder.fdiv(ir.Constant(_F32, 32767.0), largest), ir.Constant(_F32, 0.0))
         scaled = builder.fmul(values, _splat(builder, inverse, _BLOCK))
@@ -225,3 +231,20 @@ def round_block(
         return builder.fmul(largest, args[5])
 
     return types.float32(x, at, count, xq, into, types.float32), codegen
+
+
+@intrinsic
+def code_sum(typingctx: Any, xq: Any, at: Any) -> tuple[Any, Codegen]:
+    """The sum of the 32 int16 at flat element ``at`` of the C-contiguous array ``xq`` (a block's codes)."""
+
+    def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: list[Any]) -> Any:
+        codes = builder.load(
+            _at(builder, _data(context, builder, sig.args[0], args[0], _I16), args[1], _vec(_I16, _BLOCK)), align=2
+        )
+        wide = builder.sext(codes, _vec(_I32, _BLOCK))
+        reduce = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(_I32, [_vec(_I32, _BLOCK)]), "llvm.vector.reduce.add.v32i32"
+        )
+        return builder.sext(builder.call(reduce, [wide]), _I64)
+
+    return types.int64(xq, at), codegen

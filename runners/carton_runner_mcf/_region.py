@@ -106,11 +106,9 @@ class DecodeRegion:
         self._inv_freq = np.ascontiguousarray(model._inv_freq, dtype=np.float32)
         self._no_ids = np.zeros(0, np.int64)
         self._buffers: dict[tuple[int, int, int], _Work] = {}
-        #: `_generation`'s last key and what it gave.
-        self._serving: tuple[tuple[Any, ...], _Found] | None = None
-        #: The cache arrays, scale and rows of the last step that decoded its embeddings itself, and its generation
-        #: (`step`'s fast path; cleared when the work arrays are).
-        self._hot: tuple[F32, F32, npt.NDArray[np.bool_], np.float32, int, _Found] | None = None
+        #: `_generation`'s last inputs (the cache arrays, the scale, the rows, whether the threads decode the
+        #: embeddings) and what it gave (cleared when the work arrays are).
+        self._last: tuple[F32, F32, npt.NDArray[np.bool_], np.float32, int, bool, _Work, _Found] | None = None
         #: `_serve.run_step`'s compiled entry by the numba type of its generation (`_compiled`).
         self._entries: dict[Any, Callable[..., int]] = {}
 
@@ -152,7 +150,7 @@ class DecodeRegion:
             return found
         if len(self._buffers) > 8:
             self._buffers.clear()
-            self._serving = self._hot = None
+            self._last = None
         team, h, d = self.team.size, self.hidden, self.head_dim
         q_width, kv_width = self.heads * d, self.kv_heads * d
         blocks = max(-(-width // 32) for width in (h, q_width, self.inter))
@@ -195,14 +193,26 @@ class DecodeRegion:
         return found
 
     def _generation(
-        self, work: _Work, embeds: bool, keys: F32, values: F32, key_mask: npt.NDArray[np.bool_], scale: np.float32
-    ) -> tuple[Any, tuple[Any, ...], Callable[..., int]]:
-        """The `_serve.Generation` of ``work`` and this cache, the helpers' loop's arguments (`_serve.serve_steps`)
-        and how the caller calls `_serve.run_step` on it (`_compiled`): the same objects while they do not change, so
-        that the helpers stay in their loop and the caller's call unboxes one object for all of them."""
-        key = (work, embeds, keys, values, key_mask, scale)
-        if self._serving is not None and all(a is b for a, b in zip(self._serving[0], key, strict=True)):
-            return self._serving[1]
+        self, m: int, embeds: bool, keys: F32, values: F32, key_mask: npt.NDArray[np.bool_], scale: np.float32
+    ) -> tuple[_Work, _Found]:
+        """The work arrays for ``m`` rows and this cache, their `_serve.Generation`, the helpers' loop's arguments
+        (`_serve.serve_steps`) and how the caller calls `_serve.run_step` on it (`_compiled`): the same objects while
+        the inputs do not change, so that the helpers stay in their loop and the caller's call unboxes one object for
+        all of them. The steps of a generation pass the same cache arrays, so the last inputs are recognised by
+        identity alone: the caller's Python between steps is serial at every thread count, and runs on caches the
+        step has just evicted."""
+        last = self._last
+        if (
+            last is not None
+            and last[0] is keys
+            and last[1] is values
+            and last[2] is key_mask
+            and last[3] is scale
+            and last[4] == m
+            and last[5] == embeds
+        ):
+            return last[6], last[7]
+        work = self._work(m, keys.shape[3], self._inv_freq.size)
         serves = (self.payloads, self.metas, self.widths, self.norms, self.final_norm, self.eps, self._table,
                   work.ids if embeds else self._no_ids, work.hidden, work.cos, work.sin, keys, values, key_mask,
                   work.steps, scale, *work.shared, work.hidden, self._head, work.logits, work.own)  # fmt: skip
@@ -214,8 +224,8 @@ class DecodeRegion:
         if entry is None:
             entry = self._entries[kind] = self._compiled(kind, serves)
         found = (generation, serves, entry)
-        self._serving = (key, found)
-        return found
+        self._last = (keys, values, key_mask, scale, m, embeds, work, found)
+        return work, found
 
     def _compiled(self, kind: Any, serves: tuple[Any, ...]) -> Callable[..., int]:
         """`_serve.run_step`'s compiled entry for a generation of numba type ``kind``: numba's dispatcher would type
@@ -256,35 +266,15 @@ class DecodeRegion:
         logits = np.empty((m, self.vocab), dtype=np.float32)
         serve = self._serve.serve_steps
         with self._lock:  # the work arrays serve one step at a time
-            # The steps of a generation pass the same cache arrays: their generation is looked up by identity alone
-            # (the caller's Python between steps is serial at every thread count, on caches the step evicted).
-            hot = self._hot
-            if (
-                hot is not None
-                and hot[0] is keys
-                and hot[1] is values
-                and hot[2] is key_mask
-                and hot[3] is scale
-                and hot[4] == m
-            ):
-                generation, serves, entry = hot[5]
-                args = (generation, input_ids, positions, slot, out, logits)
-                if self.team.run_posting(entry, args, serve=serve, serves=serves) != self._serve.NEEDS_EMBEDDINGS:
-                    return out, (logits if self.vocab else None)
-            self._hot = None
-            work = self._work(m, keys.shape[3], self._inv_freq.size)
             embeds = self._rows > 0
             while True:
+                work, (generation, serves, entry) = self._generation(m, embeds, keys, values, key_mask, scale)
                 if not embeds:
                     work.hidden[:] = self._lookup(input_ids).reshape(m, -1)
-                found = self._generation(work, embeds, keys, values, key_mask, scale)
-                generation, serves, entry = found
                 args = (generation, input_ids, positions, slot, out, logits)
                 if self.team.run_posting(entry, args, serve=serve, serves=serves) != self._serve.NEEDS_EMBEDDINGS:
                     break
                 embeds = False
-            if embeds:
-                self._hot = (keys, values, key_mask, scale, m, found)
         return out, (logits if self.vocab else None)
 
 

@@ -54,6 +54,7 @@ __all__ = [
     "store_natural",
     "store_scaled",
     "to_float",
+    "to_nibble_order",
     "unpack_codes",
     "zeros",
 ]
@@ -422,6 +423,23 @@ def nibble_order() -> tuple[int, ...]:
     holds: vector ``k`` (lanes ``16 k ..``) is nibble ``k`` of the sixteen words; words 0-7 are the first block's
     bytes, 8-15 the second's, and a word's nibbles are codes ``4 w .. 4 w + 3``."""
     return tuple((word // 8) * _BLOCK + 4 * (word % 8) + k for k in range(4) for word in range(16))
+
+
+@intrinsic
+def to_nibble_order(typingctx: Any, codes: Any, index: Any) -> tuple[Any, Codegen]:
+    """Reorder in place the 64 int16 at flat element ``index`` of the C-contiguous array ``codes`` (a pair of
+    blocks' activations, block ``b`` then ``b + 1`` in column order) into the lanes of `nibble_order`."""
+    order = list(nibble_order())
+
+    def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: list[Any]) -> Any:
+        vector = ir.VectorType(_I16, len(order))
+        start = builder.gep(_element_pointer(context, builder, sig.args[0], args[0], _I16), [args[1]])
+        pointer = builder.bitcast(start, vector.as_pointer())
+        natural = builder.load(pointer, align=2)
+        builder.store(builder.shuffle_vector(natural, natural, _constant(_I32, order)), pointer, align=2)
+        return context.get_dummy_value()
+
+    return types.none(codes, index), codegen
 
 
 @intrinsic

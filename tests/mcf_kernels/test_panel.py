@@ -88,6 +88,31 @@ def test_activation_rounding_matches_the_block_kernels() -> None:
         np.testing.assert_array_equal(got_s, want_s)
 
 
+def test_4_bit_activation_rounding_in_vectors_matches_value_by_value() -> None:
+    """`_nibble.quantize_pairs` rounds contiguous rows with `round_block` and one shuffle per pair, rows of another
+    stride value by value: the same bits, also at odd block counts, a partial last block, tiny and huge scales and
+    exact halves."""
+    from carton_runner_mcf._compiled import activation_shapes
+    from carton_runner_mcf._nibble import quantize_pairs
+
+    rng = np.random.default_rng(11)
+    for cols in (1, 31, 32, 33, 64, 65, 100, 576, 600, 1536):
+        m = 5
+        x = rng.standard_normal((m, 2 * cols)).astype(np.float32)
+        x *= rng.choice(np.array([1e-30, 1e-3, 1.0, 1e3, 1e30], np.float32), size=x.shape)
+        x[1] = 0.0
+        x[2, ::3] = np.float32(0.5 / 32767)
+        x[2, 0] = np.float32(1.0)
+        strided, contiguous = x[:, ::2], np.ascontiguousarray(x[:, ::2])
+        shapes = activation_shapes(m, -(-cols // 32))
+        got, want = ([np.full(shape, 7, dtype) for shape, dtype in zip((shapes[0], shapes[1], shapes[2], shapes[1]),
+                     (np.int16, np.float32, np.float32, np.float32), strict=True)] for _ in range(2))  # fmt: skip
+        quantize_pairs(contiguous, *got)
+        quantize_pairs(strided, *want)
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
 def test_large_batches_take_the_panel_kernels_where_the_cpu_has_512_bit_vnni() -> None:
     from carton_runner_mcf._compiled import PANEL_PRODUCTS
 
