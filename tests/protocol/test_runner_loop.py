@@ -32,16 +32,16 @@ def _x(how: float) -> np.ndarray:
     return np.array([how, 2, 3, 4], dtype=np.float32)
 
 
-def _echo(runner: RunnerProcess) -> None:
-    outputs = runner.infer({"x": _x(0)})
-    assert list(outputs) == ["y"] and outputs["y"].dtype == np.float32 and outputs["y"].tolist() == [0, 2, 3, 4]
+def _echo(runner: RunnerProcess, times: int = 1) -> None:
+    for _ in range(times):
+        outputs = runner.infer({"x": _x(0)})
+        assert list(outputs) == ["y"] and outputs["y"].dtype == np.float32 and outputs["y"].tolist() == [0, 2, 3, 4]
 
 
 @pytest.mark.parametrize("first_id", FIRST_IDS)
 def test_outputs_in_any_layout_come_back_as_returned(start_runner: Start, first_id: int) -> None:
     runner = _start(start_runner, first_id)
-    for _ in range(3):  # learnt, matched, then the loop's own path
-        _echo(runner)
+    _echo(runner, times=3)  # learnt, matched, then the loop's own path
     x = _x(2)
     for how, check in (
         (2, lambda out: out["y"].shape == (4, 1) and out["y"].ravel().tolist() == x.tolist()),
@@ -53,16 +53,14 @@ def test_outputs_in_any_layout_come_back_as_returned(start_runner: Start, first_
     ):
         outputs = runner.infer({"x": _x(how)})
         assert check(outputs), (how, outputs)
-        _echo(runner)
-        _echo(runner)
+        _echo(runner, times=2)  # relearnt, then the loop's own path again
     assert runner.alive
 
 
 @pytest.mark.parametrize("first_id", FIRST_IDS)
 def test_failures_in_a_learnt_layout_are_the_general_paths(start_runner: Start, first_id: int) -> None:
     runner = _start(start_runner, first_id)
-    for _ in range(3):
-        _echo(runner)
+    _echo(runner, times=3)
     for how, error, message in (
         (1, carton.RunnerFailed, "ValueError: shifty refuses"),
         (3, carton.InvalidOutput, "returned a list, expected a mapping"),
@@ -70,16 +68,14 @@ def test_failures_in_a_learnt_layout_are_the_general_paths(start_runner: Start, 
     ):
         with pytest.raises(error, match=message):
             runner.infer({"x": _x(how)})
-        _echo(runner)
-        _echo(runner)
+        _echo(runner, times=2)
     assert runner.alive
 
 
 @pytest.mark.parametrize("first_id", FIRST_IDS)
 def test_a_learnt_request_is_still_checked_against_its_data(start_runner: Start, first_id: int) -> None:
     runner = _start(start_runner, first_id)
-    for _ in range(3):
-        _echo(runner)
+    _echo(runner, times=3)
     connection = runner._resources.connection
     assert connection is not None
     x = _x(0)
@@ -123,8 +119,7 @@ def test_a_concurrent_runner_sends_a_learnt_call_after_a_long_one_to_the_pool(st
             runner.infer({"x": _x(-sleep)})
         return bool(runner.infer({"x": _x(6)})["inline"][0])
 
-    for _ in range(3):
-        _echo(runner)
+    _echo(runner, times=3)
     assert [inline(0), inline(0)] == [True, True]
     assert not inline(0.3)  # after a long call: the pool
     assert [inline(0), inline(0)] == [True, True]
@@ -132,8 +127,7 @@ def test_a_concurrent_runner_sends_a_learnt_call_after_a_long_one_to_the_pool(st
 
 def test_a_concurrent_runner_overlaps_learnt_calls_after_a_short_one(start_runner: Start) -> None:
     runner = _start(start_runner, 70_000, threads=4)
-    for _ in range(3):
-        _echo(runner)
+    _echo(runner, times=3)
 
     def call() -> None:
         assert runner.infer({"x": _x(-0.4)})["y"][0] == np.float32(-0.4)
