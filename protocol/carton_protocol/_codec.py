@@ -303,24 +303,8 @@ class RunnerCodec(_Codec):
         # bytes after the id): a model answers in one layout again and again, and comparing with the last one costs
         # less than building and hashing the layout key for the templates' lookup.
         self._last_reply: tuple[Layout, bytes] | None = None
-        #: The last layout's one tensor, when it had one, as its name, dtype, shape and the header bytes after the id:
-        #: a reply of one tensor matching all four (as `encode_reply` compares them) is ``REPLY_PREFIX``, the id as
-        #: `pack_id` writes it, these bytes, then the array; as `encode_reply` makes it while `pool` has nothing
-        #: dropped to tell the host (the runner loop's own encode of a learnt request's reply).
-        self.learnt_reply: tuple[str, np.dtype[Any], tuple[int, ...], bytes] | None = None
         #: Bound to `Templates.learnt`, for the runner loop's own match of the last request layout.
         self.learnt_request = self._templates.learnt
-
-    @property
-    def pool(self) -> SegmentPool | None:
-        """This side's segment pool, once `accept` has started shared memory (read its ``dropped`` before using
-        `learnt_reply`)."""
-        return self._pool
-
-    @property
-    def inline_copied(self) -> bool:
-        """A reply made from a template is to be copied on send whole (`encode_reply`'s second value)."""
-        return self._inline_copied
 
     def accept(self, hello: Hello) -> None:
         """Use shared memory from ``hello.shm_threshold`` bytes, when the host asks for it and gave a channel."""
@@ -386,7 +370,6 @@ class RunnerCodec(_Codec):
                 layout = tuple((name, array.dtype, array.shape) for name, array in zip(tensors, parts[1:]))  # noqa: B905
                 tail = parts[0][len(REPLY_PREFIX) + len(pack_id(request_id)) :]
                 self._last_reply = (layout, tail)
-                self.learnt_reply = (*layout[0], tail) if len(layout) == 1 else None
                 return parts, self._inline_copied
         return self.encode_full(request_id, tensors).parts, False
 

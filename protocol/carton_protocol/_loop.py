@@ -58,7 +58,7 @@ from ._messages import (
 from ._reaper import kill_tree, reap_children, set_child_subreaper, set_parent_death_signal
 from ._runner import LoadContext, PackContext, PackResult, Runner
 from ._shm import SHM_AVAILABLE, FdChannel
-from ._templates import PACK_U32, REPLY_PREFIX, LearntRequest, Plan, pack_id
+from ._templates import LearntRequest, Plan
 from ._zmqio import new_context, recv_frames, recv_message, recv_routed, send_message, send_routed
 from .errors import ErrorCode, FrameError, InvalidOutput, ProtocolError, RunnerFault, VersionMismatch
 
@@ -69,8 +69,6 @@ _perf_counter = time.perf_counter
 _EXIT_IMPORT_FAILED = 2
 _EXIT_VERSION_MISMATCH = 3
 _recv = zmq.backend.Socket.recv
-_send = zmq.backend.Socket.send
-_SNDMORE = int(zmq.SNDMORE)
 # `_Server._serve_inline`'s requests per call.
 _BATCH = range(64)
 
@@ -254,9 +252,9 @@ class _Server:
         Nothing can come back from the pool: this waits on the router alone (a poll over both sockets costs a
         wake-up's worth of extra system calls per request). A request in the last layout the codec matched, when
         `RunnerCodec.learnt_request` gives one, is served here: every step of `_handle`, `_infer` and the codec's
-        match and encode written out (the path of every call). It is matched by its length, head and tail, its
-        tensor is an array over its one data frame, and its reply is made from `RunnerCodec.learnt_reply` when the
-        outputs are one array in that layout. Anything else takes `_handle`, with every check.
+        match written out (the path of every call). It is matched by its length, head and tail, its tensor is an
+        array over its one data frame, and its reply is `_reply`'s (`RunnerCodec.encode_reply`, which compares the
+        outputs with its last reply layout). Anything else takes `_handle`, with every check.
 
         It returns after `_BATCH` requests to be called again: CPython 3.11 specializes a function's bytecode once
         it has been entered (or a loop in it has jumped back) a few times, and the back edge of a ``while
@@ -268,8 +266,8 @@ class _Server:
         codec = self.codec
         inline_max = self.inline_bound
         length, head, tail, read_id, id_offset, name, dtype, shape, size = self.learnt
-        # What only `_handle` changes (the runner loads and closes, shared memory starts with `hello`).
-        runner, pool, copied_reply = self.runner, codec.pool, codec.inline_copied
+        # What only `_handle` changes (the runner loads and closes).
+        runner = self.runner
         for _ in _BATCH:
             # A ROUTER delivers a routing id, then a message.
             ident = _recv(router, 0, True)
@@ -292,40 +290,10 @@ class _Server:
                             start = _perf_counter()
                             outputs = runner.infer({name: np.ndarray(shape, dtype, frame)})
                             self.last_infer_seconds = _perf_counter() - start
-                            reply = codec.learnt_reply
-                            if (
-                                type(outputs) is dict
-                                and len(outputs) == 1
-                                and reply is not None
-                                and not (pool and pool.dropped)
-                            ):
-                                ((output_name, value),) = outputs.items()
-                                if (
-                                    type(value) is np.ndarray
-                                    and value.dtype is reply[1]
-                                    and value.shape == reply[2]
-                                    and output_name == reply[0]
-                                    and value.flags.c_contiguous
-                                ):
-                                    packed = (
-                                        PACK_U32.pack(0xCE, request_id)
-                                        if 1 << 16 <= request_id < 1 << 32
-                                        else pack_id(request_id)
-                                    )
-                                    parts: list[Any] = [REPLY_PREFIX + packed + reply[3], value]
-                                    copied = copied_reply
-                                else:
-                                    parts, copied = self._reply(request_id, outputs)
-                            else:
-                                parts, copied = self._reply(request_id, outputs)
+                            parts, copied = self._reply(request_id, outputs)
                         except Exception as exc:
                             parts, copied = [codec.encode(error_reply(request_id, exc))], False
-                        if copied and len(parts) == 2:  # `send_routed`'s usual case, written out
-                            _send(router, ident, _SNDMORE, True)
-                            _send(router, parts[0], _SNDMORE, True)
-                            _send(router, parts[1], 0, True)
-                        else:
-                            send_routed(router, ident, parts, copied)
+                        send_routed(router, ident, parts, copied)
                         continue
                     self._handle([ident, header, frame])
                     learnt = codec.learnt_request(data)
@@ -338,7 +306,7 @@ class _Server:
                 self._handle([ident, header])
             if self.pooled or not self.running:
                 return
-            runner, pool, copied_reply = self.runner, codec.pool, codec.inline_copied
+            runner = self.runner
 
     def _to_pool(self, ident: Any, received: Received) -> None:
         """Run one infer on the pool; its reply comes back to this thread over the inproc socket.
