@@ -461,20 +461,7 @@ class HttpApp:
             if release is not None:
                 release()
             raise
-        if direct is not None:  # (`request_succeeded`, inline: a call fewer on the usual path)
-            try:
-                now = perf_counter_ns()
-                served.stats.record_single(
-                    total_ns=now - started, input_ns=decoded_at - started, output_ns=now - inferred_at,
-                    infer_ns=inferred_at - decoded_at, now_ns=now,
-                )  # fmt: skip
-            finally:
-                served.in_flight -= 1  # (`ServedVersion.exit`, inline)
-                served.stats.series.in_flight -= 1
-                if served.in_flight == 0:
-                    served.drained()
-        else:
-            request_succeeded(served, started_ns=started, decoded_ns=decoded_at, inferred_ns=inferred_at)
+        request_succeeded(served, started_ns=started, decoded_ns=decoded_at, inferred_ns=inferred_at)
         if parts:
             if decoded.binary_only:
                 # The header is one `encode_infer_response` keeps, and it gives every part's size: the response's

@@ -22,7 +22,6 @@ from ._bounded import remember
 from ._datatypes import DATATYPE_OF, NUMPY_OF, counted
 from ._http_messages import DIGITS, read_digits
 from ._inference import (
-    SENT_AS,
     check_complete,
     check_requested,
     element_count,
@@ -497,19 +496,7 @@ def encode_binary_response(
     for name in names:
         if name not in outputs:
             select_outputs(served, outputs, names)  # raises its refusal of the output the model did not give
-        tensor = outputs[name]
-        # `output_tensor`'s usual case written out (an array of a dtype met before, sent as it is, C-contiguous, not
-        # a scalar); anything else, or a failed cast (not C-contiguous), goes through it.
-        array: np.ndarray
-        data: bytes | memoryview
-        if type(tensor) is np.ndarray and tensor.ndim and (sent := SENT_AS.get(tensor.dtype)) is not None and sent[2]:
-            datatype, array = sent[0], tensor
-            try:
-                data = array.data.cast("B")
-            except TypeError:
-                datatype, array, data = output_tensor(name, tensor)
-        else:
-            datatype, array, data = output_tensor(name, tensor)
+        datatype, array, data = output_tensor(name, outputs[name])
         laid_out.append((name, datatype, array, data))
         parts.append(data)
         described.append((name, datatype, array.shape, len(data)))

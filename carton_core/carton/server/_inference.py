@@ -29,7 +29,6 @@ from ._repository import ServedVersion
 from .errors import BadRequest, ModelUnavailable, ServerError
 
 __all__ = [
-    "SENT_AS",
     "ModelUnavailable",
     "check_complete",
     "check_requested",
@@ -131,14 +130,14 @@ def check_requested(served: ServedVersion, requested: Iterable[str]) -> None:
 
 #: Fixed-size output dtypes met so far: the KServe datatype of each, the little-endian dtype it is sent in, and
 #: whether that is the dtype itself.
-SENT_AS: dict[np.dtype[Any], tuple[str, np.dtype[Any], bool]] = {}
+_SENT_AS: dict[np.dtype[Any], tuple[str, np.dtype[Any], bool]] = {}
 
 
 def output_tensor(name: str, tensor: Tensor) -> tuple[str, np.ndarray, bytes | memoryview]:
     """An output's KServe datatype, its array, and its bytes (BYTES laid out; fixed-size types as a view)."""
     if not isinstance(tensor, np.ndarray):
         raise ServerError(f"output {name!r} is a nested tensor, which the KServe v2 protocol cannot carry")
-    sent = SENT_AS.get(tensor.dtype)
+    sent = _SENT_AS.get(tensor.dtype)
     if sent is None:
         try:
             datatype = datatype_of_array(tensor, tensor=name)
@@ -147,7 +146,7 @@ def output_tensor(name: str, tensor: Tensor) -> tuple[str, np.ndarray, bytes | m
         if datatype == "BYTES":
             return datatype, tensor, encode_bytes_elements(tensor)
         little = tensor.dtype.newbyteorder("<")
-        sent = SENT_AS[tensor.dtype] = (datatype, little, little == tensor.dtype)
+        sent = _SENT_AS[tensor.dtype] = (datatype, little, little == tensor.dtype)
     if sent[2] and tensor.ndim:
         # Already in the dtype it is sent in: its bytes as they lie, unless they are not C-contiguous, which the
         # cast refuses. (A scalar goes through `ascontiguousarray`, which makes it shape [1].)

@@ -134,13 +134,9 @@ class ServedVersion:
         self.in_flight -= 1
         self.stats.series.in_flight -= 1
         if self.in_flight == 0:
-            self.drained()
-
-    def drained(self) -> None:
-        """No request uses this version any more: wake an unload waiting for that."""
-        drained = self._drained
-        if drained is not None and not drained.done():
-            drained.set_result(None)
+            drained = self._drained
+            if drained is not None and not drained.done():
+                drained.set_result(None)
 
     def _batch_size(self, inputs: Mapping[str, np.ndarray]) -> int:
         sizes = set()
