@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
+import statistics
 import sys
 import tempfile
 import threading
@@ -258,6 +259,18 @@ class Hop:
 
     samples: dict[str, list[float]]
     totals: dict[str, dict[tuple[str, str], list[int]]]
+    rounds: int
+
+    def round_ratios(self) -> list[float]:
+        """Each round's p50 of `Model.infer` over its p50 of the raw round trip: the two blocks of a round ran back to
+        back, so a ratio compares them under the same load (a pooled p50 can pair one path's fast rounds with the
+        other's slow ones on a machine whose speed drifts)."""
+        size = len(self.samples["raw"]) // self.rounds
+        return [
+            statistics.median(self.samples["model"][at : at + size])
+            / statistics.median(self.samples["raw"][at : at + size])
+            for at in range(0, size * self.rounds, size)
+        ]
 
     def per_call(self, path: str, side: str, role: str | None = None) -> tuple[float, float]:
         """CPU microseconds and switches per call of ``path`` on ``side``'s threads of ``role`` (None: all)."""
@@ -283,7 +296,7 @@ def measure_hop(model_file: Path, calls: int, rounds: int = 10) -> Hop:
             "raw": lambda: raw.call(frames),
             "model": lambda: model.infer({"INPUT0": x}),
         }
-        hop = Hop(samples={name: [] for name in paths}, totals={name: {} for name in paths})
+        hop = Hop(samples={name: [] for name in paths}, totals={name: {} for name in paths}, rounds=rounds)
         for _ in range(rounds):
             for name, call in paths.items():
                 for _ in range(50):
