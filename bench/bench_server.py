@@ -372,8 +372,8 @@ def run_goals(repo: Path, args: argparse.Namespace) -> None:
 def print_model_infer_ratio(repo: Path, calls: int) -> None:
     """`Model.infer` of the [1,16] ONNX identity carton against a raw pyzmq REQ/REP round trip of the same bytes
     between two processes, interleaved in rounds (the issue's in-process goal: at most 1.5x; the ratio is the median of
-    the rounds' own, each from two blocks run back to back), with the CPU time one
-    call costs in the calling process and in its peer (every thread of each, ZeroMQ's I/O threads included)."""
+    the rounds' own, each from two blocks run back to back), with the CPU time one call costs in the calling process
+    and in its peer (every thread of each, ZeroMQ's I/O threads included)."""
     from bench_runtime import measure_hop
 
     hop = measure_hop(repo / "identity" / "1" / "model.carton", calls)
