@@ -251,10 +251,10 @@ class _Server:
 
         Nothing can come back from the pool: this waits on the router alone (a poll over both sockets costs a
         wake-up's worth of extra system calls per request). A request in the last layout the codec matched, when
-        `RunnerCodec.learnt_request` gives one, is served here: every step of `_handle`, `_infer` and the codec's
-        match written out (the path of every call). It is matched by its length, head and tail, its tensor is an
-        array over its one data frame, and its reply is `_reply`'s (`RunnerCodec.encode_reply`, which compares the
-        outputs with its last reply layout). Anything else takes `_handle`, with every check.
+        `RunnerCodec.learnt_request` gives one, is served here: the steps of `_handle` and of the codec's match
+        written out (the path of every call). It is matched by its length, head and tail, its tensor is an array
+        over its one data frame, and the call and its reply are `_run`'s, as on `_infer`'s path. Anything else takes
+        `_handle`, with every check.
 
         It returns after `_BATCH` requests to be called again: CPython 3.11 specializes a function's bytecode once
         it has been entered (or a loop in it has jumped back) a few times, and the back edge of a ``while
@@ -285,14 +285,9 @@ class _Server:
                         and runner is not None
                         and self.last_infer_seconds < inline_max
                     ):
-                        request_id: int = read_id(data, id_offset)[0]
-                        try:
-                            start = _perf_counter()
-                            outputs = runner.infer({name: np.ndarray(shape, dtype, frame)})
-                            self.last_infer_seconds = _perf_counter() - start
-                            parts, copied = self._reply(request_id, outputs)
-                        except Exception as exc:
-                            parts, copied = [codec.encode(error_reply(request_id, exc))], False
+                        # (The array fits: the frame has the plan's byte size.)
+                        inputs = {name: np.ndarray(shape, dtype, frame)}
+                        parts, copied = self._run(read_id(data, id_offset)[0], runner, inputs)
                         send_routed(router, ident, parts, copied)
                         continue
                     self._handle([ident, header, frame])
@@ -478,24 +473,27 @@ class _Server:
             runner = self.runner
             if runner is None:
                 raise ProtocolError("the model was closed")
+        except Exception as exc:
+            return [self.codec.encode(error_reply(request_id, exc))], False
+        return self._run(request_id, runner, inputs)
+
+    def _run(self, request_id: int, runner: Runner, inputs: dict[str, Any]) -> tuple[list[Any], bool]:
+        """`runner.infer(inputs)` timed (`last_infer_seconds`), and the parts of its reply as `_infer` gives them:
+        the outputs, else the error (`InvalidOutput` for what is not a mapping or what the wire cannot carry)."""
+        try:
             start = _perf_counter()
             outputs = runner.infer(inputs)
             self.last_infer_seconds = _perf_counter() - start
-            return self._reply(request_id, outputs)
+            if type(outputs) is not dict:
+                if not isinstance(outputs, Mapping):
+                    raise InvalidOutput(f"infer returned a {type(outputs).__name__}, expected a mapping")
+                outputs = dict(outputs)
+            try:
+                return self.codec.encode_reply(request_id, outputs)
+            except FrameError as exc:
+                raise InvalidOutput(f"infer returned an output the wire cannot carry: {exc}") from exc
         except Exception as exc:
             return [self.codec.encode(error_reply(request_id, exc))], False
-
-    def _reply(self, request_id: int, outputs: object) -> tuple[list[Any], bool]:
-        """`_infer`'s reply parts for what `Runner.infer` returned: `InvalidOutput` for what is not a mapping or
-        what the wire cannot carry."""
-        if type(outputs) is not dict:
-            if not isinstance(outputs, Mapping):
-                raise InvalidOutput(f"infer returned a {type(outputs).__name__}, expected a mapping")
-            outputs = dict(outputs)
-        try:
-            return self.codec.encode_reply(request_id, outputs)
-        except FrameError as exc:
-            raise InvalidOutput(f"infer returned an output the wire cannot carry: {exc}") from exc
 
     def shutdown(self) -> None:
         if self.runner is not None:
