@@ -368,8 +368,7 @@ class RunnerCodec(_Codec):
             if parts is not None:
                 # The template took every tensor as an array: its parts after the header are those arrays.
                 layout = tuple((name, array.dtype, array.shape) for name, array in zip(tensors, parts[1:]))  # noqa: B905
-                tail = parts[0][len(REPLY_PREFIX) + len(pack_id(request_id)) :]
-                self._last_reply = (layout, tail)
+                self._last_reply = (layout, parts[0][len(REPLY_PREFIX) + len(pack_id(request_id)) :])
                 return parts, self._inline_copied
         return self.encode_full(request_id, tensors).parts, False
 
