@@ -110,7 +110,9 @@ class OnnxRunner(Runner):
         try:
             results = (run or self._session.run)(self._graph_outputs, feeds, self._run_options)
         except Exception as exc:
-            results = self._failed_run(exc, feeds) if run is not None else _raise_run_error(exc)
+            if run is None:
+                _raise_run_error(exc)
+            results = self._failed_run(exc, feeds)
         if self._arrays_out:
             single = self._single_output
             if single is not None:
