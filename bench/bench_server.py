@@ -8,7 +8,8 @@
 
 The goals section (the default) prints one row per goal of the server's performance issue: carton and Triton both
 running, measured turn about (carton first in odd rounds, Triton first in even ones), each row the median over
-rounds with the median of the per-round ratios, whether the goal is met, and the load average it ran under:
+rounds with the median of the per-round ratios, whether the goal is met, how many rounds' own ratios meet it and
+their range (the spread one run's verdict rests on), and the load average it ran under:
 p50 at one client and throughput at eight, over HTTP (tritonclient.http, binary tensors) and gRPC
 (tritonclient.grpc); CPU time per request of each server's whole process tree (runners and backend stubs included)
 read from /proc around the same runs; the [64,3,224,224] FP32 request; one request with a 10-million-element JSON
@@ -246,6 +247,9 @@ class Goal:
     sense: str
     bound: float = 1.0
 
+    def meets(self, ratio: float) -> bool:
+        return ratio <= self.bound if self.sense == "le" else ratio >= self.bound
+
 
 GOALS = {
     "http_p50": Goal("HTTP p50, 1 client, [1,16] FP32", "ms", "le"),
@@ -312,7 +316,8 @@ def print_goals(
         "ratios)"
     )
     header = (
-        f"{'goal':<44}{'unit':>6}{titles[ours]:>11}{titles[reference]:>11}{'ratio':>8}{'goal':>9}{'met':>5}{'load':>7}"
+        f"{'goal':<44}{'unit':>6}{titles[ours]:>11}{titles[reference]:>11}{'ratio':>8}{'goal':>9}{'met':>5}"
+        f"{'rounds met':>11}{'round ratios':>14}{'load':>7}"
     )
     print(header)
     print("-" * len(header))
@@ -327,15 +332,21 @@ def print_goals(
         loads = [load for v, load in found] + [load for _, (v, load) in pairs]
         if pairs:
             other = statistics.median(t for _, (t, _) in pairs)
-            ratio = statistics.median(c / t if t else float("inf") for (c, _), (t, _) in pairs)
-            met = ratio <= goal.bound if goal.sense == "le" else ratio >= goal.bound
+            ratios = [c / t if t else float("inf") for (c, _), (t, _) in pairs]
+            ratio = statistics.median(ratios)
+            met = goal.meets(ratio)
             bound = f"{'<=' if goal.sense == 'le' else '>='}{goal.bound:g}x"
-            row = f"{other:>11.3f}{ratio:>7.2f}x{bound:>9}{'yes' if met else 'no':>5}"
+            spread = f"{sum(map(goal.meets, ratios))}/{len(ratios)}"
+            row = (
+                f"{other:>11.3f}{ratio:>7.2f}x{bound:>9}{'yes' if met else 'no':>5}"
+                f"{spread:>11}{f'{min(ratios):.2f}-{max(ratios):.2f}x':>14}"
+            )
         else:
-            row = f"{'-':>11}{'-':>8}{'':>9}{'':>5}"
+            row = f"{'-':>11}{'-':>8}{'':>9}{'':>5}{'':>11}{'':>14}"
         print(f"{goal.label:<44}{goal.unit:>6}{value:>11.3f}{row}{statistics.mean(loads):>7.2f}")
     print("CPU: user + system time of the server's whole process tree (runner processes included) from /proc, per")
-    print("request; load: the 1-minute load average while the row ran (mean over rounds and servers)")
+    print("request; load: the 1-minute load average while the row ran (mean over rounds and servers); rounds met: the")
+    print("rounds whose own ratio meets the goal; round ratios: their lowest and highest")
 
 
 def run_goals(repo: Path, args: argparse.Namespace) -> None:
