@@ -81,7 +81,8 @@ class RawZmq:
 
     def __init__(self) -> None:
         base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-        self.endpoint = f"ipc://{base}/carton-bench-runtime-{os.getpid()}.sock"
+        self.path = base / f"carton-bench-runtime-{os.getpid()}.sock"
+        self.endpoint = f"ipc://{self.path}"
         ctx = multiprocessing.get_context("spawn")
         ready = ctx.Event()
         self.server = ctx.Process(target=_rep_server, args=(self.endpoint, ready), daemon=True)
@@ -100,6 +101,8 @@ class RawZmq:
         self.sock.recv()
         self.server.join()
         self.context.destroy()
+        # The echo server's process ends without closing its bound socket, so its file would stay behind.
+        self.path.unlink(missing_ok=True)
 
 
 def row(name: str, samples: list[float], reference: float) -> str:
