@@ -1,14 +1,20 @@
-"""Load generators for bench_server.py: tritonclient over HTTP and gRPC, CPU time of a server's process tree from
-/proc, and the JSON-tensor request timed while health and a small inference are probed (imported as a sibling)."""
+"""Load generators for bench_server.py: tritonclient over HTTP and gRPC (client threads of this process, or client
+processes), CPU time of a server's process tree from /proc, and the JSON-tensor request timed while health and a
+small inference are probed (imported as a sibling)."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
+import json
+import multiprocessing
 import os
 import statistics
 import threading
 import time
+from array import array
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
@@ -133,6 +139,99 @@ def run_load(
         cpu_us=cpu / len(latencies) * 1e6,
         load=os.getloadavg()[0],
     )
+
+
+def _client_process(pipe: Connection) -> None:
+    """The loop of one of `ClientProcesses`' processes: a command (JSON) names the server and the load; the process
+    warms its client for it (one per server and protocol, kept for later commands), answers ``ready``, waits for
+    ``go``, runs its requests and answers with their latencies (float64 seconds). An empty command ends it."""
+    clients: dict[tuple[str, int, tuple[int, ...]], Any] = {}
+    while command := pipe.recv_bytes():
+        load = json.loads(command)
+        shape = tuple(load["shape"])
+        key = (load["protocol"], load["port"], shape)
+        if key not in clients:
+            data = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+            clients[key] = _client(load["protocol"], load["port"], shape, data, True, own_connection=True)
+        call = clients[key]
+        call(load["model"])
+        pipe.send_bytes(b"ready")
+        pipe.recv_bytes()
+        latencies = array("d")
+        for _ in range(load["requests"]):
+            started = time.perf_counter()
+            call(load["model"])
+            latencies.append(time.perf_counter() - started)
+        pipe.send_bytes(latencies.tobytes())
+
+
+class ClientProcesses:
+    """`count` client processes, each with its own tritonclient (so its own connection), started once and reused for
+    every load (`run`): the load of `run_load` at that concurrency, without one GIL shared by every client. A
+    Python client's threads take turns on their process's GIL, so what eight threads of one process achieve moves
+    with how that turn-taking goes as much as with the server. Use as a context manager."""
+
+    def __init__(self, count: int) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._pipes: list[Connection] = []
+        self._processes = []
+        for _ in range(count):
+            ours, theirs = context.Pipe()
+            process = context.Process(target=_client_process, args=(theirs,), daemon=True)
+            process.start()
+            theirs.close()
+            self._pipes.append(ours)
+            self._processes.append(process)
+
+    def __enter__(self) -> ClientProcesses:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for pipe in self._pipes:
+            with contextlib.suppress(OSError):
+                pipe.send_bytes(b"")
+        for process in self._processes:
+            process.join(10)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        for pipe in self._pipes:
+            pipe.close()
+
+    def run(
+        self, port: int, model: str, shape: tuple[int, ...], requests: int, *, protocol: str = "http", pid: int
+    ) -> LoadResult:
+        """`requests` inferences spread over the processes (binary tensors), timed from the moment all are ready;
+        CPU is `pid`'s process tree's, as in `run_load`."""
+        per_process = max(1, requests // len(self._pipes))
+        command = json.dumps(
+            {"protocol": protocol, "port": port, "model": model, "shape": list(shape), "requests": per_process}
+        ).encode()
+        for pipe in self._pipes:
+            pipe.send_bytes(command)
+        for pipe in self._pipes:
+            if pipe.recv_bytes() != b"ready":
+                raise RuntimeError("a client process did not get ready")
+        cpu_before = tree_cpu_seconds(pid)
+        started = time.perf_counter()
+        for pipe in self._pipes:
+            pipe.send_bytes(b"go")
+        latencies = array("d")
+        for pipe in self._pipes:
+            latencies.frombytes(pipe.recv_bytes())
+        elapsed = time.perf_counter() - started
+        cpu = tree_cpu_seconds(pid) - cpu_before
+        ordered = sorted(latencies)
+        return LoadResult(
+            p50_ms=statistics.median(ordered) * 1e3,
+            p99_ms=ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))] * 1e3,
+            rate=len(ordered) / elapsed,
+            cpu_us=cpu / len(ordered) * 1e6,
+            load=os.getloadavg()[0],
+        )
 
 
 def json_tensor_body(elements: int, *, binary_output: bool = True) -> bytes:

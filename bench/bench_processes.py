@@ -1,11 +1,13 @@
 """Throughput of ``carton serve --processes N`` against one process, over HTTP and gRPC, A/B alternated in one run.
 
     python bench/bench_processes.py [--processes 2] [--rounds 4] [--requests 4000] [--concurrency 8]
+                                    [--client-processes]
 
 Both servers (``--processes 1`` and ``--processes N``) serve the same ONNX Identity carton and run at once on other
 ports; each round measures them in turn (the one-process server first in odd rounds, second in even ones) with
-tritonclient at `--concurrency` clients, `[1,16]` FP32 binary. Each client thread has its own client and its own
-connection, gRPC ones included: the kernel spreads connections, not requests, across the processes
+tritonclient at `--concurrency` clients, `[1,16]` FP32 binary: threads of this process, or with
+`--client-processes` as many processes (no GIL shared by the clients). Each client has its own connection, gRPC
+ones included: the kernel spreads connections, not requests, across the processes
 (``SO_REUSEPORT``). Each row is the median over rounds: the throughput, the CPU time per request of the server's
 whole process tree (server processes and runners, from /proc) and of its server processes alone, how evenly the
 server processes shared the work, the ratio to one process, and the 1-minute load average. The last lines turn CPU
@@ -27,7 +29,7 @@ import tempfile
 from contextlib import ExitStack
 from pathlib import Path
 
-from _server_load import LoadResult, run_load
+from _server_load import ClientProcesses, LoadResult, run_load
 from _servers import Served, build_repository, carton_served
 
 _TICKS = os.sysconf("SC_CLK_TCK")
@@ -62,7 +64,10 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=2, help="server processes of the server compared")
     parser.add_argument("--rounds", type=int, default=4, help="A/B-alternated rounds")
     parser.add_argument("--requests", type=int, default=4000, help="requests per measurement")
-    parser.add_argument("--concurrency", type=int, default=8, help="client threads")
+    parser.add_argument("--concurrency", type=int, default=8, help="clients")
+    parser.add_argument(
+        "--client-processes", action="store_true", help="one client process per client instead of one thread each"
+    )
     args = parser.parse_args()
     protocols = ("http", "grpc")
     results: dict[tuple[int, str], list[LoadResult]] = {}
@@ -72,6 +77,7 @@ def main() -> None:
     try:
         repo = build_repository(root)
         with ExitStack() as stack:
+            clients = stack.enter_context(ClientProcesses(args.concurrency)) if args.client_processes else None
             servers: dict[int, Served] = {
                 n: stack.enter_context(carton_served(repo, "--processes", str(n))) for n in (1, args.processes)
             }
@@ -83,10 +89,15 @@ def main() -> None:
                     for protocol in protocols:
                         port = served.http if protocol == "http" else served.grpc
                         before = [cpu_seconds(pid) for pid in pids]
-                        result = run_load(
-                            port, "identity", (1, 16), args.concurrency, args.requests, protocol=protocol,
-                            pid=served.pid, own_connections=True,
-                        )  # fmt: skip
+                        if clients is None:
+                            result = run_load(
+                                port, "identity", (1, 16), args.concurrency, args.requests, protocol=protocol,
+                                pid=served.pid, own_connections=True,
+                            )  # fmt: skip
+                        else:
+                            result = clients.run(
+                                port, "identity", (1, 16), args.requests, protocol=protocol, pid=served.pid
+                            )
                         spent = [cpu_seconds(pid) - start for pid, start in zip(pids, before, strict=True)]
                         results.setdefault((n, protocol), []).append(result)
                         served_requests = (args.requests // args.concurrency) * args.concurrency
@@ -97,7 +108,8 @@ def main() -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
-    title = f"[1,16] FP32 binary, {args.concurrency} clients, {os.cpu_count()} cores"
+    kind = "client processes" if args.client_processes else "client threads"
+    title = f"[1,16] FP32 binary, {args.concurrency} {kind}, {os.cpu_count()} cores"
     print(f"\n{title} (medians over {args.rounds} rounds)")
     header = (
         f"{'protocol':<10}{'processes':>10}{'req/s':>10}{'ratio':>8}{'CPU us/req':>12}{'server part':>13}"

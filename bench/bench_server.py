@@ -2,7 +2,7 @@
 
     python bench/bench_server.py [--sections goals,servers,stacks,runtime] [--rounds 3] [--requests 2000]
                                  [--big-requests 16] [--json-elements 10000000] [--skip-json-response]
-                                 [--runtime-calls 5000]
+                                 [--runtime-calls 5000] [--skip-client-processes]
                                  [--skip-triton] [--skip-mlserver] [--stack-requests 2000] [--protocols http,grpc]
                                  [--baseline-python PYTHON] [--stacks carton-httptools,uvicorn-httptools,...]
 
@@ -11,12 +11,13 @@ running, measured turn about (carton first in odd rounds, Triton first in even o
 rounds with the median of the per-round ratios, whether the goal is met, how many rounds' own ratios meet it and
 their range (the spread one run's verdict rests on), and the load average it ran under:
 p50 at one client and throughput at eight, over HTTP (tritonclient.http, binary tensors) and gRPC
-(tritonclient.grpc); CPU time per request of each server's whole process tree (runners and backend stubs included)
-read from /proc around the same runs; the [64,3,224,224] FP32 request; one request with a 10-million-element JSON
-tensor, timed while another connection probes /v2/health/ready and runs a small inference on another model
-(the slowest of each is reported), its output asked for as binary data and again as JSON; and `Model.infer` of the
-[1,16] ONNX carton against a raw pyzmq REQ/REP round trip between two processes. Every server is started and
-stopped here; nothing is left running.
+(tritonclient.grpc), the eight clients once as threads of this process and once as eight processes (the "client
+processes" rows; `--skip-client-processes` leaves them out); CPU time per request of each server's whole process
+tree (runners and backend stubs included) read from /proc around the same runs; the [64,3,224,224] FP32 request;
+one request with a 10-million-element JSON tensor, timed while another connection probes /v2/health/ready and runs
+a small inference on another model (the slowest of each is reported), its output asked for as binary data and again
+as JSON; and `Model.infer` of the [1,16] ONNX carton against a raw pyzmq REQ/REP round trip between two processes.
+Every server is started and stopped here; nothing is left running.
 `--protocols http` keeps the HTTP rows only (the 38.5 MB and JSON rows are HTTP rows: `--protocols grpc` skips
 them); `--baseline-python` also measures the `carton serve` of another checkout (a Python whose environment has it
 installed) in the same rounds, and prints it against this checkout and against Triton.
@@ -33,7 +34,10 @@ protocol on httptools (what `carton serve` runs), uvicorn (httptools and h11) an
 not a dependency: install it to measure it), all started at once and measured turn about, with each stack's CPU
 time per request, so the HTTP stacks are compared on the same app in the same run.
 The client shares the machine's 2 cores with the servers, so at concurrency 8 the client bounds the figures as much
-as the servers do.
+as the servers do. Eight client threads of one process also take turns on its GIL: how that turn-taking goes (a
+reply that is already there when a thread reads it costs the client less than one it waits for) moves their
+throughput from round to round as much as the server does. The client processes share no GIL; they are started once
+(spawned) and each keeps one client, so one connection, per server and protocol.
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _server_load import LoadResult, json_request, json_tensor_body, run_load
+from _server_load import ClientProcesses, LoadResult, json_request, json_tensor_body, run_load
 from _servers import (
     Served,
     build_repository,
@@ -256,10 +260,14 @@ GOALS = {
     "grpc_p50": Goal("gRPC p50, 1 client, [1,16] FP32", "ms", "le"),
     "http_rate": Goal("HTTP throughput, 8 clients", "req/s", "ge"),
     "grpc_rate": Goal("gRPC throughput, 8 clients", "req/s", "ge"),
+    "http_rate_procs": Goal("HTTP throughput, 8 client processes", "req/s", "ge"),
+    "grpc_rate_procs": Goal("gRPC throughput, 8 client processes", "req/s", "ge"),
     "http_cpu1": Goal("CPU per HTTP request, 1 client", "us", "le"),
     "http_cpu8": Goal("CPU per HTTP request, 8 clients", "us", "le"),
     "grpc_cpu1": Goal("CPU per gRPC request, 1 client", "us", "le"),
     "grpc_cpu8": Goal("CPU per gRPC request, 8 clients", "us", "le"),
+    "http_cpu8_procs": Goal("CPU per HTTP request, 8 client processes", "us", "le"),
+    "grpc_cpu8_procs": Goal("CPU per gRPC request, 8 client processes", "us", "le"),
     "big_p50": Goal("[64,3,224,224] FP32 (38.5 MB) HTTP p50", "ms", "le"),
     "big_cpu": Goal("  CPU per 38.5 MB request", "us", "le"),
     "json_s": Goal("10M-element JSON tensor, request time", "s", "le"),
@@ -272,9 +280,14 @@ GOALS = {
 
 
 def measure_goals(
-    served: Served, args: argparse.Namespace, json_body: bytes | None, json_out_body: bytes | None
+    served: Served,
+    args: argparse.Namespace,
+    json_body: bytes | None,
+    json_out_body: bytes | None,
+    clients: ClientProcesses | None,
 ) -> dict[str, tuple[float, float]]:
-    """One pass over every goal on `served`: {goal: (value, load average)}."""
+    """One pass over every goal on `served` (the rows of eight client processes when `clients` is given):
+    {goal: (value, load average)}."""
     found: dict[str, tuple[float, float]] = {}
     small = (1, 16)
     protocols = set(args.protocols.split(","))
@@ -287,6 +300,10 @@ def measure_goals(
         found[f"{protocol}_cpu1"] = (one.cpu_us, one.load)
         found[f"{protocol}_rate"] = (eight.rate, eight.load)
         found[f"{protocol}_cpu8"] = (eight.cpu_us, eight.load)
+        if clients is not None:
+            spread = clients.run(port, "identity", small, args.requests * 2, protocol=protocol, pid=served.pid)
+            found[f"{protocol}_rate_procs"] = (spread.rate, spread.load)
+            found[f"{protocol}_cpu8_procs"] = (spread.cpu_us, spread.load)
     if "http" not in protocols:  # the large and the JSON requests are HTTP rows
         return found
     if args.big_requests:
@@ -356,6 +373,7 @@ def run_goals(repo: Path, args: argparse.Namespace) -> None:
         json_out_body = json_tensor_body(args.json_elements, binary_output=False)
     rounds: list[dict[str, dict[str, tuple[float, float]]]] = []
     with contextlib.ExitStack() as running:
+        clients = running.enter_context(ClientProcesses(8)) if args.client_processes else None
         servers = [running.enter_context(carton_served(repo))]
         if args.baseline_python:
             servers.append(running.enter_context(carton_served(repo, python=args.baseline_python, name="baseline")))
@@ -368,7 +386,7 @@ def run_goals(repo: Path, args: argparse.Namespace) -> None:
             shift = index % len(servers)
             measured: dict[str, dict[str, tuple[float, float]]] = {}
             for served in servers[shift:] + servers[:shift]:
-                measured[served.name] = measure_goals(served, args, json_body, json_out_body)
+                measured[served.name] = measure_goals(served, args, json_body, json_out_body, clients)
             rounds.append(measured)
             print(f"round {index + 1}/{args.rounds} done (load {os.getloadavg()[0]:.2f})", file=sys.stderr)
     print_goals(rounds)
@@ -432,6 +450,13 @@ def main() -> None:
     parser.add_argument("--json-elements", type=int, default=10_000_000, help="JSON tensor size (0: skip)")
     parser.add_argument(
         "--skip-json-response", action="store_true", help="skip the JSON tensor request that asks for a JSON response"
+    )
+    parser.add_argument(
+        "--skip-client-processes",
+        dest="client_processes",
+        action="store_false",
+        help="skip the eight-client rows measured with eight client processes (the other eight-client rows use eight "
+        "threads of this process)",
     )
     parser.add_argument("--runtime-calls", type=int, default=5000, help="Model.infer vs raw pyzmq calls (0: skip)")
     args = parser.parse_args()
