@@ -174,7 +174,7 @@ class ClientProcesses:
     def __init__(self, count: int) -> None:
         context = multiprocessing.get_context("spawn")
         self._pipes: list[Connection] = []
-        self._processes = []
+        self._processes: list[multiprocessing.process.BaseProcess] = []
         for _ in range(count):
             ours, theirs = context.Pipe()
             process = context.Process(target=_client_process, args=(theirs,), daemon=True)
