@@ -301,9 +301,9 @@ def measure_goals(
         found[f"{protocol}_rate"] = (eight.rate, eight.load)
         found[f"{protocol}_cpu8"] = (eight.cpu_us, eight.load)
         if clients is not None:
-            spread = clients.run(port, "identity", small, args.requests * 2, protocol=protocol, pid=served.pid)
-            found[f"{protocol}_rate_procs"] = (spread.rate, spread.load)
-            found[f"{protocol}_cpu8_procs"] = (spread.cpu_us, spread.load)
+            apart = clients.run(port, "identity", small, args.requests * 2, protocol=protocol, pid=served.pid)
+            found[f"{protocol}_rate_procs"] = (apart.rate, apart.load)
+            found[f"{protocol}_cpu8_procs"] = (apart.cpu_us, apart.load)
     if "http" not in protocols:  # the large and the JSON requests are HTTP rows
         return found
     if args.big_requests:
