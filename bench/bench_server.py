@@ -373,7 +373,7 @@ def run_goals(repo: Path, args: argparse.Namespace) -> None:
         json_out_body = json_tensor_body(args.json_elements, binary_output=False)
     rounds: list[dict[str, dict[str, tuple[float, float]]]] = []
     with contextlib.ExitStack() as running:
-        clients = running.enter_context(ClientProcesses(8)) if args.client_processes else None
+        clients = running.enter_context(ClientProcesses(8)) if args.client_processes and args.requests else None
         servers = [running.enter_context(carton_served(repo))]
         if args.baseline_python:
             servers.append(running.enter_context(carton_served(repo, python=args.baseline_python, name="baseline")))
