@@ -13,6 +13,7 @@ import statistics
 import threading
 import time
 from array import array
+from collections.abc import Iterable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -102,7 +103,7 @@ def run_load(
     own_connections: bool = False,
 ) -> LoadResult:
     """`requests` inferences over `concurrency` threads (each with its own client, warmed up first)."""
-    data = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    data = _sample(shape)
     latencies: list[float] = []
     lock = threading.Lock()
     per_thread = max(1, requests // concurrency)
@@ -130,15 +131,24 @@ def run_load(
         thread.join()
     elapsed = time.perf_counter() - started
     cpu = (tree_cpu_seconds(pid) - cpu_before) if pid is not None else 0.0
-    latencies.sort()
-    p99 = latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))]
+    return _load_result(latencies, elapsed, cpu)
+
+
+def _load_result(latencies: Iterable[float], elapsed: float, cpu: float) -> LoadResult:
+    """A load's figures from its requests' latencies, its wall time and the server tree's CPU time (seconds)."""
+    ordered = sorted(latencies)
     return LoadResult(
-        p50_ms=statistics.median(latencies) * 1e3,
-        p99_ms=p99 * 1e3,
-        rate=len(latencies) / elapsed,
-        cpu_us=cpu / len(latencies) * 1e6,
+        p50_ms=statistics.median(ordered) * 1e3,
+        p99_ms=ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))] * 1e3,
+        rate=len(ordered) / elapsed,
+        cpu_us=cpu / len(ordered) * 1e6,
         load=os.getloadavg()[0],
     )
+
+
+def _sample(shape: tuple[int, ...]) -> np.ndarray:
+    """The input every client sends: the same numbers in every thread and process."""
+    return np.random.default_rng(0).standard_normal(shape).astype(np.float32)
 
 
 def _client_process(pipe: Connection) -> None:
@@ -151,8 +161,7 @@ def _client_process(pipe: Connection) -> None:
         shape = tuple(load["shape"])
         key = (load["protocol"], load["port"], shape)
         if key not in clients:
-            data = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
-            clients[key] = _client(load["protocol"], load["port"], shape, data, True, own_connection=True)
+            clients[key] = _client(load["protocol"], load["port"], shape, _sample(shape), True, own_connection=True)
         call = clients[key]
         call(load["model"])
         pipe.send_bytes(b"ready")
@@ -223,15 +232,7 @@ class ClientProcesses:
         for pipe in self._pipes:
             latencies.frombytes(pipe.recv_bytes())
         elapsed = time.perf_counter() - started
-        cpu = tree_cpu_seconds(pid) - cpu_before
-        ordered = sorted(latencies)
-        return LoadResult(
-            p50_ms=statistics.median(ordered) * 1e3,
-            p99_ms=ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))] * 1e3,
-            rate=len(ordered) / elapsed,
-            cpu_us=cpu / len(ordered) * 1e6,
-            load=os.getloadavg()[0],
-        )
+        return _load_result(latencies, elapsed, tree_cpu_seconds(pid) - cpu_before)
 
 
 def json_tensor_body(elements: int, *, binary_output: bool = True) -> bytes:
