@@ -51,9 +51,15 @@ def ray_cluster() -> Iterator[object]:
     from ray.cluster_utils import Cluster
 
     temp = tempfile.mkdtemp(prefix="carton-ray-")  # short: Ray's socket paths must fit in sun_path
-    saved = {key: os.environ.get(key) for key in ("RAY_TMPDIR", "RAY_USAGE_STATS_ENABLED")}
-    os.environ["RAY_TMPDIR"] = temp
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    settings = {
+        "RAY_TMPDIR": temp,
+        "RAY_USAGE_STATS_ENABLED": "0",
+        # Serve gives a starting proxy a few seconds before it kills it as unhealthy, and serve.start then fails; on
+        # two cores shared with the rest of the suite a proxy can take longer than that to import and bind.
+        "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
+    }
+    saved = {key: os.environ.get(key) for key in settings}
+    os.environ.update(settings)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     try:
         cluster.add_node(num_cpus=1)

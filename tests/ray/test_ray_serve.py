@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -54,11 +54,26 @@ def app(ray_cluster: object, ray_repository: Path) -> Iterator[tuple[int, int]]:
     _wait_until(lambda: not replica_pids() and not runner_pids(hosts), 60)
 
 
-def _wait_until(condition: object, seconds: float) -> None:
+def _wait_until(condition: Callable[[], object], seconds: float, state: Callable[[], object] = lambda: "") -> None:
+    """Polls `condition` for up to `seconds`; a timeout says what `state` then returns (what the test saw)."""
     deadline = time.monotonic() + seconds
-    while not condition():  # type: ignore[operator]
-        assert time.monotonic() < deadline, "timed out"
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {seconds} s: {state()}"
         time.sleep(0.1)
+
+
+def _raylet_pid(node: object) -> int:
+    """The pid of a `ray.cluster_utils` node's raylet, the parent of every worker process on that node."""
+    return int(node.all_processes["raylet"][0].process.pid)  # type: ignore[attr-defined]
+
+
+def _placement(cluster: object) -> dict[str, object]:
+    """Which raylet each model replica runs under, and the cluster's raylets: what a failed wait reports."""
+    nodes = [cluster.head_node, *cluster.worker_nodes]  # type: ignore[attr-defined]
+    return {
+        "replica: raylet": {pid: parent_of(pid) for pid in replica_pids()},
+        "raylets": [_raylet_pid(n) for n in nodes],
+    }
 
 
 def _x(seed: int) -> np.ndarray:
@@ -309,17 +324,27 @@ def test_a_dead_node_leaves_no_runner_and_serve_recovers(app: tuple[int, int], r
     import tritonclient.http as httpclient
 
     client = httpclient.InferenceServerClient(f"127.0.0.1:{app[0]}", network_timeout=120)
+    (worker,) = ray_cluster.worker_nodes  # type: ignore[attr-defined]
+    raylet = _raylet_pid(worker)
+    # One replica per node (a CPU each), once Serve has settled after the previous tests' kills.
+    _wait_until(
+        lambda: len(replica_pids()) == 2 and [parent_of(pid) for pid in replica_pids()].count(raylet) == 1,
+        120,
+        lambda: _placement(ray_cluster),
+    )
     for name in CONSTANTS:
         _infer(client, name, _x(0))
-    before = {pid: runner_pids([pid]) for pid in replica_pids()}
-    (worker,) = ray_cluster.worker_nodes  # type: ignore[attr-defined]
+    (victim,) = [pid for pid in replica_pids() if parent_of(pid) == raylet]
+    runners = runner_pids([victim])
     ray_cluster.remove_node(worker, allow_graceful=False)  # type: ignore[attr-defined]
-    _wait_until(lambda: set(before) - set(replica_pids()), 60)
-    gone = set(before) - set(replica_pids())
-    _wait_until(lambda: not runner_pids(gone), 30)
-    assert not any(alive(pid) for host in gone for pid in before[host])
-    ray_cluster.add_node(num_cpus=1)  # type: ignore[attr-defined]
-    _wait_until(lambda: len(replica_pids()) == 2, 180)
+    try:
+        _wait_until(lambda: not alive(victim), 60, lambda: _placement(ray_cluster))
+        _wait_until(lambda: not runner_pids([victim]), 30, lambda: runner_pids([victim]))
+        assert not any(alive(pid) for pid in runners)
+    finally:
+        # Whatever happened above, the module's later tests get their two nodes back.
+        ray_cluster.add_node(num_cpus=1)  # type: ignore[attr-defined]
+    _wait_until(lambda: len(replica_pids()) == 2, 180, lambda: _placement(ray_cluster))
     deadline = time.monotonic() + 180
     for name in CONSTANTS:
         while True:
@@ -340,10 +365,13 @@ def test_a_url_repository_serves_the_cartons_under_it(
     import http.server
 
     import carton.ray
+    import ray
     import tritonclient.http as httpclient
     from ray import serve
     from tritonclient.utils import InferenceServerException
 
+    # serve.run waits for both replicas, which need both nodes: a lost node fails here rather than hang there.
+    _wait_until(lambda: sum(bool(node["Alive"]) for node in ray.nodes()) == 2, 60, ray.nodes)
     folder = tmp_path / "www"
     folder.mkdir()
     for name in ("alpha", "beta"):
