@@ -55,6 +55,7 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -243,39 +244,69 @@ def print_table(
 
 
 # ---- goals: carton against Triton, A/B alternated, one row per goal of the server's performance issue --------------
+class Sense(StrEnum):
+    """How a goal row is judged."""
+
+    #: carton / Triton at most the bound.
+    AT_MOST = "le"
+    #: carton / Triton at least the bound.
+    AT_LEAST = "ge"
+    #: carton's own value at most the bound, in the row's unit (the ratio is shown, not judged).
+    UNDER = "under"
+
+
 @dataclass(frozen=True, slots=True)
 class Goal:
     label: str
     unit: str
-    #: "le": carton/Triton must be at most `bound`; "ge": at least.
-    sense: str
+    sense: Sense
     bound: float = 1.0
 
-    def meets(self, ratio: float) -> bool:
-        return ratio <= self.bound if self.sense == "le" else ratio >= self.bound
+    def meets(self, ratio: float, value: float) -> bool:
+        match self.sense:
+            case Sense.AT_MOST:
+                return ratio <= self.bound
+            case Sense.AT_LEAST:
+                return ratio >= self.bound
+            case Sense.UNDER:
+                return value <= self.bound
+
+    def bound_text(self) -> str:
+        match self.sense:
+            case Sense.UNDER:
+                return f"<={self.bound:g}{self.unit}"
+            case Sense.AT_MOST:
+                return f"<={self.bound:g}x"
+            case Sense.AT_LEAST:
+                return f">={self.bound:g}x"
+
+
+#: The issue asks that health probes and other models' requests "keep answering in milliseconds" while a
+#: 10-million-element JSON tensor is decoded; docs/server.md reads that as under this bound.
+ANSWERING_MS = 100.0
 
 
 GOALS = {
-    "http_p50": Goal("HTTP p50, 1 client, [1,16] FP32", "ms", "le"),
-    "grpc_p50": Goal("gRPC p50, 1 client, [1,16] FP32", "ms", "le"),
-    "http_rate": Goal("HTTP throughput, 8 clients", "req/s", "ge"),
-    "grpc_rate": Goal("gRPC throughput, 8 clients", "req/s", "ge"),
-    "http_rate_procs": Goal("HTTP throughput, 8 client processes", "req/s", "ge"),
-    "grpc_rate_procs": Goal("gRPC throughput, 8 client processes", "req/s", "ge"),
-    "http_cpu1": Goal("CPU per HTTP request, 1 client", "us", "le"),
-    "http_cpu8": Goal("CPU per HTTP request, 8 clients", "us", "le"),
-    "grpc_cpu1": Goal("CPU per gRPC request, 1 client", "us", "le"),
-    "grpc_cpu8": Goal("CPU per gRPC request, 8 clients", "us", "le"),
-    "http_cpu8_procs": Goal("CPU per HTTP request, 8 client processes", "us", "le"),
-    "grpc_cpu8_procs": Goal("CPU per gRPC request, 8 client processes", "us", "le"),
-    "big_p50": Goal("[64,3,224,224] FP32 (38.5 MB) HTTP p50", "ms", "le"),
-    "big_cpu": Goal("  CPU per 38.5 MB request", "us", "le"),
-    "json_s": Goal("10M-element JSON tensor, request time", "s", "le"),
-    "json_health": Goal("  slowest health probe meanwhile", "ms", "le"),
-    "json_other": Goal("  slowest [1,16] infer of another model", "ms", "le"),
-    "json_out_s": Goal("  the same with a JSON response, request time", "s", "le"),
-    "json_out_health": Goal("  slowest health probe meanwhile", "ms", "le"),
-    "json_out_other": Goal("  slowest [1,16] infer of another model", "ms", "le"),
+    "http_p50": Goal("HTTP p50, 1 client, [1,16] FP32", "ms", Sense.AT_MOST),
+    "grpc_p50": Goal("gRPC p50, 1 client, [1,16] FP32", "ms", Sense.AT_MOST),
+    "http_rate": Goal("HTTP throughput, 8 clients", "req/s", Sense.AT_LEAST),
+    "grpc_rate": Goal("gRPC throughput, 8 clients", "req/s", Sense.AT_LEAST),
+    "http_rate_procs": Goal("HTTP throughput, 8 client processes", "req/s", Sense.AT_LEAST),
+    "grpc_rate_procs": Goal("gRPC throughput, 8 client processes", "req/s", Sense.AT_LEAST),
+    "http_cpu1": Goal("CPU per HTTP request, 1 client", "us", Sense.AT_MOST),
+    "http_cpu8": Goal("CPU per HTTP request, 8 clients", "us", Sense.AT_MOST),
+    "grpc_cpu1": Goal("CPU per gRPC request, 1 client", "us", Sense.AT_MOST),
+    "grpc_cpu8": Goal("CPU per gRPC request, 8 clients", "us", Sense.AT_MOST),
+    "http_cpu8_procs": Goal("CPU per HTTP request, 8 client processes", "us", Sense.AT_MOST),
+    "grpc_cpu8_procs": Goal("CPU per gRPC request, 8 client processes", "us", Sense.AT_MOST),
+    "big_p50": Goal("[64,3,224,224] FP32 (38.5 MB) HTTP p50", "ms", Sense.AT_MOST),
+    "big_cpu": Goal("  CPU per 38.5 MB request", "us", Sense.AT_MOST),
+    "json_s": Goal("10M-element JSON tensor, request time", "s", Sense.AT_MOST),
+    "json_health": Goal("  slowest health probe meanwhile", "ms", Sense.UNDER, ANSWERING_MS),
+    "json_other": Goal("  slowest [1,16] infer of another model", "ms", Sense.UNDER, ANSWERING_MS),
+    "json_out_s": Goal("  the same with a JSON response, request time", "s", Sense.AT_MOST),
+    "json_out_health": Goal("  slowest health probe meanwhile", "ms", Sense.UNDER, ANSWERING_MS),
+    "json_out_other": Goal("  slowest [1,16] infer of another model", "ms", Sense.UNDER, ANSWERING_MS),
 }
 
 
@@ -351,9 +382,9 @@ def print_goals(
             other = statistics.median(t for _, (t, _) in pairs)
             ratios = [c / t if t else float("inf") for (c, _), (t, _) in pairs]
             ratio = statistics.median(ratios)
-            met = goal.meets(ratio)
-            bound = f"{'<=' if goal.sense == 'le' else '>='}{goal.bound:g}x"
-            spread = f"{sum(map(goal.meets, ratios))}/{len(ratios)}"
+            met = goal.meets(ratio, value)
+            bound = goal.bound_text()
+            spread = f"{sum(goal.meets(r, c) for r, ((c, _), _) in zip(ratios, pairs, strict=True))}/{len(ratios)}"
             row = (
                 f"{other:>11.3f}{ratio:>7.2f}x{bound:>9}{'yes' if met else 'no':>5}"
                 f"{spread:>11}{f'{min(ratios):.2f}-{max(ratios):.2f}x':>14}"
@@ -363,7 +394,8 @@ def print_goals(
         print(f"{goal.label:<44}{goal.unit:>6}{value:>11.3f}{row}{statistics.mean(loads):>7.2f}")
     print("CPU: user + system time of the server's whole process tree (runner processes included) from /proc, per")
     print("request; load: the 1-minute load average while the row ran (mean over rounds and servers); rounds met: the")
-    print("rounds whose own ratio meets the goal; round ratios: their lowest and highest")
+    print("rounds whose own ratio meets the goal (whose own value, for a goal in the row's unit); round ratios: their")
+    print("lowest and highest")
 
 
 def run_goals(repo: Path, args: argparse.Namespace) -> None:
