@@ -13,7 +13,7 @@ import statistics
 import threading
 import time
 from array import array
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -113,11 +113,7 @@ def run_load(
         call = _client(protocol, port, shape, data, binary, own_connection=own_connections)
         call(model)  # warm the connection
         barrier.wait()
-        mine = []
-        for _ in range(per_thread):
-            started = time.perf_counter()
-            call(model)
-            mine.append(time.perf_counter() - started)
+        mine = _timed_calls(call, model, per_thread)
         with lock:
             latencies.extend(mine)
 
@@ -146,6 +142,17 @@ def _load_result(latencies: Iterable[float], elapsed: float, cpu: float) -> Load
     )
 
 
+def _timed_calls(call: Callable[[str], None], model: str, count: int) -> array[float]:
+    """`count` calls of `call` one after another, and each one's latency in seconds: the timing of every client,
+    thread or process."""
+    latencies = array("d")
+    for _ in range(count):
+        started = time.perf_counter()
+        call(model)
+        latencies.append(time.perf_counter() - started)
+    return latencies
+
+
 def _sample(shape: tuple[int, ...]) -> np.ndarray:
     """The input every client sends: the same numbers in every thread and process."""
     return np.random.default_rng(0).standard_normal(shape).astype(np.float32)
@@ -166,12 +173,7 @@ def _client_process(pipe: Connection) -> None:
         call(load["model"])
         pipe.send_bytes(b"ready")
         pipe.recv_bytes()
-        latencies = array("d")
-        for _ in range(load["requests"]):
-            started = time.perf_counter()
-            call(load["model"])
-            latencies.append(time.perf_counter() - started)
-        pipe.send_bytes(latencies.tobytes())
+        pipe.send_bytes(_timed_calls(call, load["model"], load["requests"]).tobytes())
 
 
 class ClientProcesses:

@@ -326,12 +326,13 @@ def test_a_dead_node_leaves_no_runner_and_serve_recovers(app: tuple[int, int], r
     client = httpclient.InferenceServerClient(f"127.0.0.1:{app[0]}", network_timeout=120)
     (worker,) = ray_cluster.worker_nodes  # type: ignore[attr-defined]
     raylet = _raylet_pid(worker)
-    # One replica per node (a CPU each), once Serve has settled after the previous tests' kills.
-    _wait_until(
-        lambda: len(replica_pids()) == 2 and [parent_of(pid) for pid in replica_pids()].count(raylet) == 1,
-        120,
-        lambda: _placement(ray_cluster),
-    )
+
+    def settled() -> bool:
+        """One replica per node (a CPU each), once Serve has settled after the previous tests' kills."""
+        parents = [parent_of(pid) for pid in replica_pids()]
+        return len(parents) == 2 and parents.count(raylet) == 1
+
+    _wait_until(settled, 120, lambda: _placement(ray_cluster))
     for name in CONSTANTS:
         _infer(client, name, _x(0))
     (victim,) = [pid for pid in replica_pids() if parent_of(pid) == raylet]
