@@ -18,24 +18,25 @@ import pytest
 from mcf_runner_models import infer_logits, load_runner, max_relative_error
 
 pytestmark = pytest.mark.skipif(
-    not Path("/proc/self/task").is_dir() or (os.cpu_count() or 1) < 2,
-    reason="reads per-thread CPU times from /proc and needs two CPUs for BLAS to split a product",
+    not Path("/proc/self/task/").joinpath(str(os.getpid()), "schedstat").is_file() or (os.cpu_count() or 1) < 2,
+    reason="reads per-thread CPU times from /proc (schedstat) and needs two CPUs for BLAS to split a product",
 )
 
 #: A long prompt: every product is large enough for OpenBLAS to split it across threads.
 IDS = np.random.default_rng(20).integers(0, 512, size=(8, 512), dtype=np.int64)
 
 
-def _thread_ticks(pid: int) -> dict[int, int]:
-    """User + system CPU time of each thread of ``pid``, in clock ticks."""
-    ticks = {}
+def _thread_cpu_ns(pid: int) -> dict[int, int]:
+    """The time each thread of ``pid`` has run on a CPU, in nanoseconds (``schedstat``, counted by the scheduler).
+    ``stat``'s user and system times are sampled at clock ticks, and over a few prompts that sampling adds an error of
+    its own to each thread's share."""
+    spent = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            spent[int(task.name)] = int((task / "schedstat").read_text().split()[0])
         except FileNotFoundError:  # a thread that ended meanwhile
             continue
-        ticks[int(task.name)] = int(fields[11]) + int(fields[12])
-    return ticks
+    return spent
 
 
 def _shares_during_prompt(path: Path) -> tuple[list[float], np.ndarray]:
@@ -46,13 +47,13 @@ def _shares_during_prompt(path: Path) -> tuple[list[float], np.ndarray]:
         (worker,) = model._workers
         runner = worker.process.runner_pid
         assert runner is not None
-        before = _thread_ticks(runner)
+        before = _thread_cpu_ns(runner)
         for _ in range(3):
             logits = model.infer({"input_ids": IDS})["logits"]
-        after = _thread_ticks(runner)
+        after = _thread_cpu_ns(runner)
     spent = sorted((after[tid] - before.get(tid, 0) for tid in after), reverse=True)
     assert spent[0] > 0
-    return [ticks / spent[0] for ticks in spent if ticks > 0], logits
+    return [ns / spent[0] for ns in spent if ns > 0], logits
 
 
 def test_threads_option_runs_a_prompt_on_one_blas_thread(
