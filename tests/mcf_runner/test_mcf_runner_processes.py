@@ -25,6 +25,7 @@ from carton_runner_mcf._shards import (
     write_message,
 )
 from mcf_runner_models import infer_logits, load_runner, max_relative_error
+from serving_process import descendants
 
 pytestmark = pytest.mark.skipif(
     os.uname().sysname != "Linux" or os.uname().machine not in ("x86_64", "AMD64"),
@@ -34,18 +35,6 @@ pytestmark = pytest.mark.skipif(
 IDS = np.random.default_rng(3).integers(0, 512, size=(2, 20), dtype=np.int64)
 MASK = np.ones(IDS.shape, dtype=np.int64)
 MASK[1, :6] = 0  # a left-padded row
-
-
-def _descendants(pid: int) -> set[int]:
-    found: set[int] = set()
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            children = (task / "children").read_text().split()
-        except FileNotFoundError:
-            continue
-        for child in map(int, children):
-            found |= {child} | _descendants(child)
-    return found
 
 
 def _gone(pid: int, timeout: float = 10.0) -> bool:
@@ -220,7 +209,7 @@ def test_split_generation_equals_one_process(mcf_model: Callable[..., Path]):
 def test_close_ends_every_helper(mcf_model: Callable[..., Path]):
     runner = load_runner(mcf_model("biased"), processes=3)
     helpers = runner._loaded.model.helper_pids  # type: ignore[union-attr]
-    assert len(helpers) == 2 and set(helpers) <= _descendants(os.getpid())
+    assert len(helpers) == 2 and set(helpers) <= descendants(os.getpid())
     runner.close()
     assert all(_gone(pid) for pid in helpers)
     runner.close()  # twice is harmless
@@ -257,10 +246,10 @@ def test_bad_processes_options_are_refused_at_load(
 
 
 def test_more_processes_than_kv_heads_is_refused_before_any_fork(mcf_model: Callable[..., Path]):
-    before = _descendants(os.getpid())
+    before = descendants(os.getpid())
     with pytest.raises(InvalidOption, match=r"processes=2: the model has 1 kv head\(s\)"):
         load_runner(mcf_model("tied_linear"), processes=2)
-    assert _descendants(os.getpid()) == before
+    assert descendants(os.getpid()) == before
 
 
 def test_a_bad_tensor_in_a_helpers_rows_fails_the_load_with_its_name(mcf_model: Callable[..., Path], tmp_path):
@@ -277,11 +266,11 @@ def test_a_bad_tensor_in_a_helpers_rows_fails_the_load_with_its_name(mcf_model: 
     last_row_scale = entry.data_offset + layout.scales.offset + (entry.shape[0] - 1) * 2 * layout.blocks_per_row
     data[last_row_scale : last_row_scale + 2] = b"\x00\x7c"  # fp16 +inf
     (folder / "model.mcf").write_bytes(bytes(data))
-    before = _descendants(os.getpid())
+    before = descendants(os.getpid())
     with pytest.raises(MCFError, match=rf"tensor {name!r}: q8 payload: block scale #\d+ is not finite"):
         load_runner(folder, processes=2)
     time.sleep(0.1)
-    assert _descendants(os.getpid()) == before
+    assert descendants(os.getpid()) == before
 
 
 def test_split_model_out_of_process_and_its_helpers_die_with_the_runner(mcf_model: Callable[..., Path], tmp_path):
@@ -290,17 +279,17 @@ def test_split_model_out_of_process_and_its_helpers_die_with_the_runner(mcf_mode
         folder, tmp_path / "split.carton", runner_name="mcf", required_framework_version=">=0.1",
         runner_opts={"processes": 2},
     )  # fmt: skip
-    before = _descendants(os.getpid())
+    before = descendants(os.getpid())
     with carton.load(path) as model:
         logits = model.infer({"input_ids": IDS})["logits"]
         assert (
             max_relative_error(logits, infer_logits(folder, {"input_ids": IDS})) < 1e-4
         )  # as in test_split_logits_equal_one_process
-        started = _descendants(os.getpid()) - before
+        started = descendants(os.getpid()) - before
         # The runner and its helper (a sandbox may add a process between them and us).
-        runners = [pid for pid in started if any(child in started for child in _descendants(pid))]
-        helper_parent = min(runners, key=lambda pid: len(_descendants(pid)))
-        (helper,) = _descendants(helper_parent)
+        runners = [pid for pid in started if any(child in started for child in descendants(pid))]
+        helper_parent = min(runners, key=lambda pid: len(descendants(pid)))
+        (helper,) = descendants(helper_parent)
         os.kill(helper_parent, signal.SIGKILL)
         assert _gone(helper)  # the helper dies with its parent (PR_SET_PDEATHSIG)
         # The host starts the runner again for the next call; a call that races the host noticing the death gets
