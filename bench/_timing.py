@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -22,6 +23,30 @@ def percentiles(samples: list[float]) -> tuple[float, float]:
     """p50 and p99 of `samples`."""
     ordered = sorted(samples)
     return ordered[len(ordered) // 2], ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
+
+
+#: Two-sided confidence of `median_interval` unless asked otherwise (bench_server.py prints it with each goal).
+CONFIDENCE = 0.95
+
+
+def median_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> tuple[float, float] | None:
+    """A distribution-free confidence interval for the median of `values`, taken as independent draws: the order
+    statistics x(k) and x(n+1-k), with k the largest count for which P(Binomial(n, 1/2) < k) is at most half of
+    1 - `confidence` (the sign test's interval). None when there are too few values for that confidence (under six
+    at 95 %)."""
+    ordered = sorted(values)
+    count = len(ordered)
+    tail = (1 - confidence) / 2
+    k = 0
+    below = 0.0  # P(Binomial(count, 1/2) < k + 1)
+    while k < count:
+        below += math.comb(count, k) / 2**count
+        if below > tail:
+            break
+        k += 1
+    if k == 0:
+        return None
+    return ordered[k - 1], ordered[count - k]
 
 
 def timed(call: Callable[[], object], repeat: int, warmup: int) -> list[float]:

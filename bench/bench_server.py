@@ -9,7 +9,8 @@
 The goals section (the default) prints one row per goal of the server's performance issue: carton and Triton both
 running, measured turn about (carton first in odd rounds, Triton first in even ones), each row the median over
 rounds with the median of the per-round ratios, whether the goal is met, how many rounds' own ratios meet it and
-their range (the spread one run's verdict rests on), and the load average it ran under:
+their range (the spread one run's verdict rests on), a 95 % confidence interval of that median (marked when it
+reaches both sides of the goal: the run was too short to tell), and the load average it ran under:
 p50 at one client and throughput at eight, over HTTP (tritonclient.http, binary tensors) and gRPC
 (tritonclient.grpc), the eight clients once as threads of this process and once as eight processes (the "client
 processes" rows; `--skip-client-processes` leaves them out); CPU time per request of each server's whole process
@@ -74,6 +75,7 @@ from _servers import (
     triton_server,
     wait_ready,
 )
+from _timing import CONFIDENCE, median_interval
 
 STACKS = ("carton-httptools", "uvicorn-httptools", "uvicorn-h11", "granian", "granian-rsgi")
 
@@ -366,7 +368,7 @@ def print_goals(
     )
     header = (
         f"{'goal':<44}{'unit':>6}{titles[ours]:>11}{titles[reference]:>11}{'ratio':>8}{'goal':>9}{'met':>5}"
-        f"{'rounds met':>11}{'round ratios':>14}{'load':>7}"
+        f"{'rounds met':>11}{'round ratios':>14}{f'{CONFIDENCE:.0%} interval':>15}{'load':>7}"
     )
     print(header)
     print("-" * len(header))
@@ -386,17 +388,27 @@ def print_goals(
             met = goal.meets(ratio, value)
             bound = goal.bound_text()
             spread = f"{sum(goal.meets(r, c) for r, ((c, _), _) in zip(ratios, pairs, strict=True))}/{len(ratios)}"
+            interval = median_interval(ratios) if goal.sense is not Sense.UNDER else None
+            if interval is None:
+                interval_text = "-"
+            else:
+                low, high = interval
+                # Unresolved: the interval reaches both sides of the bound, so this run cannot tell met from missed.
+                unresolved = goal.meets(low, value) != goal.meets(high, value)
+                interval_text = f"{low:.2f}-{high:.2f}x{'?' if unresolved else ''}"
             row = (
                 f"{other:>11.3f}{ratio:>7.2f}x{bound:>9}{'yes' if met else 'no':>5}"
-                f"{spread:>11}{f'{min(ratios):.2f}-{max(ratios):.2f}x':>14}"
+                f"{spread:>11}{f'{min(ratios):.2f}-{max(ratios):.2f}x':>14}{interval_text:>15}"
             )
         else:
-            row = f"{'-':>11}{'-':>8}{'':>9}{'':>5}{'':>11}{'':>14}"
+            row = f"{'-':>11}{'-':>8}{'':>9}{'':>5}{'':>11}{'':>14}{'':>15}"
         print(f"{goal.label:<44}{goal.unit:>6}{value:>11.3f}{row}{statistics.mean(loads):>7.2f}")
     print("CPU: user + system time of the server's whole process tree (runner processes included) from /proc, per")
     print("request; load: the 1-minute load average while the row ran (mean over rounds and servers); rounds met: the")
     print("rounds whose own ratio meets the goal (whose own value, for a goal in the row's unit); round ratios: their")
-    print("lowest and highest")
+    print(f"lowest and highest; {CONFIDENCE:.0%} interval: a distribution-free confidence interval of the median of")
+    print("the per-round ratios, rounds taken as independent ('-' under six rounds); '?' marks an interval on both")
+    print("sides of the goal: the run is too short to tell whether that goal is met")
 
 
 def run_goals(repo: Path, args: argparse.Namespace) -> None:
