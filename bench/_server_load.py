@@ -14,6 +14,7 @@ import threading
 import time
 from array import array
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -21,6 +22,14 @@ from typing import Any
 import numpy as np
 
 _TICKS = os.sysconf("SC_CLK_TCK")
+
+#: The most client threads one load may use.
+MAX_CLIENT_THREADS = 64
+#: The threads every load's clients run on, kept for the whole run. tritonclient's HTTP client runs on its thread's
+#: gevent hub, which keeps two descriptors open after its thread ends (destroying it leaked the client's buffers):
+#: with threads made per load, a long run pushed this process's descriptors past 1023, where the client's sockets
+#: take a much slower path, and every HTTP row fell for both servers (docs/performance.md, "2026-11-30 (evening)").
+_CLIENT_THREADS = ThreadPoolExecutor(MAX_CLIENT_THREADS, thread_name_prefix="client")
 
 
 def tree_cpu_seconds(root: int) -> float:
@@ -102,7 +111,9 @@ def run_load(
     pid: int | None = None,
     own_connections: bool = False,
 ) -> LoadResult:
-    """`requests` inferences over `concurrency` threads (each with its own client, warmed up first)."""
+    """`requests` inferences over `concurrency` client threads (each with its own client, warmed up first)."""
+    if not 1 <= concurrency <= MAX_CLIENT_THREADS:
+        raise ValueError(f"concurrency must be 1 to {MAX_CLIENT_THREADS}, not {concurrency}")
     data = _sample(shape)
     latencies: list[float] = []
     lock = threading.Lock()
@@ -110,21 +121,28 @@ def run_load(
     barrier = threading.Barrier(concurrency + 1)
 
     def worker() -> None:
-        call = _client(protocol, port, shape, data, binary, own_connection=own_connections)
-        call(model)  # warm the connection
-        barrier.wait()
+        try:
+            call = _client(protocol, port, shape, data, binary, own_connection=own_connections)
+            call(model)  # warm the connection
+            barrier.wait()
+        except BaseException:
+            barrier.abort()  # the load fails here (BrokenBarrierError, then this error) instead of waiting forever
+            raise
         mine = _timed_calls(call, model, per_thread)
         with lock:
             latencies.extend(mine)
 
-    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
-    for thread in threads:
-        thread.start()
-    barrier.wait()
+    workers = [_CLIENT_THREADS.submit(worker) for _ in range(concurrency)]
+    try:
+        barrier.wait()
+    except threading.BrokenBarrierError:
+        for done in workers:
+            done.result()  # raises the worker's own error
+        raise
     cpu_before = tree_cpu_seconds(pid) if pid is not None else 0.0
     started = time.perf_counter()
-    for thread in threads:
-        thread.join()
+    for done in workers:
+        done.result()
     elapsed = time.perf_counter() - started
     cpu = (tree_cpu_seconds(pid) - cpu_before) if pid is not None else 0.0
     return _load_result(latencies, elapsed, cpu)
@@ -286,8 +304,7 @@ def json_request(port: int, body: bytes) -> JsonResult:
         connection.close()
 
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
-    thread = threading.Thread(target=probe)
-    thread.start()
+    prober = _CLIENT_THREADS.submit(probe)
     ready.wait()
     started = time.perf_counter()
     connection.request("POST", "/v2/models/identity/infer", body, {"Content-Type": "application/json"})
@@ -295,7 +312,7 @@ def json_request(port: int, body: bytes) -> JsonResult:
     response.read()
     seconds = time.perf_counter() - started
     done.set()
-    thread.join()
+    prober.result()
     connection.close()
     if response.status != 200:
         raise RuntimeError(f"the JSON-tensor request failed with HTTP {response.status}")
