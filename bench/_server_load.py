@@ -28,7 +28,8 @@ MAX_CLIENT_THREADS = 64
 #: The threads every load's clients run on, kept for the whole run. tritonclient's HTTP client runs on its thread's
 #: gevent hub, which keeps two descriptors open after its thread ends (destroying it leaked the client's buffers):
 #: with threads made per load, a long run pushed this process's descriptors past 1023, where the client's sockets
-#: take a much slower path, and every HTTP row fell for both servers (docs/performance.md, "2026-11-30 (evening)").
+#: take a much slower path, and every HTTP row fell for both servers (docs/performance.md,
+#: "2026-11-30 (evening, end of session)").
 _CLIENT_THREADS = ThreadPoolExecutor(MAX_CLIENT_THREADS, thread_name_prefix="client")
 
 
