@@ -136,10 +136,10 @@ def run_load(
     workers = [_CLIENT_THREADS.submit(worker) for _ in range(concurrency)]
     try:
         barrier.wait()
-    except threading.BrokenBarrierError:
-        for done in workers:
-            done.result()  # raises the worker's own error
-        raise
+    except threading.BrokenBarrierError as broken:
+        # A client failed before its calls: raise its own error, not the broken barrier its siblings saw.
+        failures = (done.exception() for done in workers)
+        raise next((e for e in failures if e and not isinstance(e, threading.BrokenBarrierError)), broken) from None
     cpu_before = tree_cpu_seconds(pid) if pid is not None else 0.0
     started = time.perf_counter()
     for done in workers:
