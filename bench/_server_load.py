@@ -67,6 +67,10 @@ class LoadResult:
     #: CPU time of the server's process tree per request, in microseconds (0 when no pid was given).
     cpu_us: float
     load: float
+    #: CPU time of the clients per request, in microseconds: this process's (every thread) for `run_load`, the client
+    #: processes' own for `ClientProcesses.run`. The clients share the machine's cores with the server, so a load's
+    #: throughput is bounded by the two together (docs/server.md, "What bounds the eight-client rows").
+    client_cpu_us: float = 0.0
 
 
 def _client(
@@ -141,16 +145,19 @@ def run_load(
         failures = (done.exception() for done in workers)
         raise next((e for e in failures if e and not isinstance(e, threading.BrokenBarrierError)), broken) from None
     cpu_before = tree_cpu_seconds(pid) if pid is not None else 0.0
+    client_before = time.process_time()
     started = time.perf_counter()
     for done in workers:
         done.result()
     elapsed = time.perf_counter() - started
+    client_cpu = time.process_time() - client_before
     cpu = (tree_cpu_seconds(pid) - cpu_before) if pid is not None else 0.0
-    return _load_result(latencies, elapsed, cpu)
+    return _load_result(latencies, elapsed, cpu, client_cpu)
 
 
-def _load_result(latencies: Iterable[float], elapsed: float, cpu: float) -> LoadResult:
-    """A load's figures from its requests' latencies, its wall time and the server tree's CPU time (seconds)."""
+def _load_result(latencies: Iterable[float], elapsed: float, cpu: float, client_cpu: float) -> LoadResult:
+    """A load's figures from its requests' latencies, its wall time, the server tree's and the clients' CPU time
+    (seconds)."""
     ordered = sorted(latencies)
     return LoadResult(
         p50_ms=statistics.median(ordered) * 1e3,
@@ -158,6 +165,7 @@ def _load_result(latencies: Iterable[float], elapsed: float, cpu: float) -> Load
         rate=len(ordered) / elapsed,
         cpu_us=cpu / len(ordered) * 1e6,
         load=os.getloadavg()[0],
+        client_cpu_us=client_cpu / len(ordered) * 1e6,
     )
 
 
@@ -180,7 +188,8 @@ def _sample(shape: tuple[int, ...]) -> np.ndarray:
 def _client_process(pipe: Connection) -> None:
     """The loop of one of `ClientProcesses`' processes: a command (JSON) names the server and the load; the process
     warms its client for it (one per server and protocol, kept for later commands), answers ``ready``, waits for
-    ``go``, runs its requests and answers with their latencies (float64 seconds). An empty command ends it."""
+    ``go``, runs its requests and answers with the CPU time they took this process, then their latencies (float64
+    seconds, all of them). An empty command ends it."""
     clients: dict[tuple[str, int, tuple[int, ...]], Any] = {}
     while command := pipe.recv_bytes():
         load = json.loads(command)
@@ -192,7 +201,9 @@ def _client_process(pipe: Connection) -> None:
         call(load["model"])
         pipe.send_bytes(b"ready")
         pipe.recv_bytes()
-        pipe.send_bytes(_timed_calls(call, load["model"], load["requests"]).tobytes())
+        cpu_before = time.process_time()
+        latencies = _timed_calls(call, load["model"], load["requests"])
+        pipe.send_bytes(array("d", [time.process_time() - cpu_before]).tobytes() + latencies.tobytes())
 
 
 class ClientProcesses:
@@ -250,10 +261,13 @@ class ClientProcesses:
         for pipe in self._pipes:
             pipe.send_bytes(b"go")
         latencies = array("d")
+        client_cpu = 0.0
         for pipe in self._pipes:
-            latencies.frombytes(pipe.recv_bytes())
+            answer = array("d", pipe.recv_bytes())
+            client_cpu += answer[0]  # the process's CPU time, then its latencies
+            latencies.extend(answer[1:])
         elapsed = time.perf_counter() - started
-        return _load_result(latencies, elapsed, tree_cpu_seconds(pid) - cpu_before)
+        return _load_result(latencies, elapsed, tree_cpu_seconds(pid) - cpu_before, client_cpu)
 
 
 def json_tensor_body(elements: int, *, binary_output: bool = True) -> bytes:

@@ -256,6 +256,8 @@ class Sense(StrEnum):
     AT_LEAST = "ge"
     #: carton's own value at most the bound, in the row's unit (the ratio is shown, not judged).
     UNDER = "under"
+    #: Not a goal: a figure that explains one (its ratio and interval shown, nothing judged).
+    SHOWN = "shown"
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,9 +275,13 @@ class Goal:
                 return ratio >= self.bound
             case Sense.UNDER:
                 return value <= self.bound
+            case Sense.SHOWN:
+                raise ValueError(f"{self.label.strip()!r} is not a goal")
 
     def bound_text(self) -> str:
         match self.sense:
+            case Sense.SHOWN:
+                return ""
             case Sense.UNDER:
                 return f"<={self.bound:g}{self.unit}"
             case Sense.AT_MOST:
@@ -293,9 +299,17 @@ GOALS = {
     "http_p50": Goal("HTTP p50, 1 client, [1,16] FP32", "ms", Sense.AT_MOST),
     "grpc_p50": Goal("gRPC p50, 1 client, [1,16] FP32", "ms", Sense.AT_MOST),
     "http_rate": Goal("HTTP throughput, 8 clients", "req/s", Sense.AT_LEAST),
+    "http_client8": Goal("  client CPU per request (8 threads)", "us", Sense.SHOWN),
+    "http_both8": Goal("  client + server CPU per request", "us", Sense.SHOWN),
     "grpc_rate": Goal("gRPC throughput, 8 clients", "req/s", Sense.AT_LEAST),
+    "grpc_client8": Goal("  client CPU per request (8 threads)", "us", Sense.SHOWN),
+    "grpc_both8": Goal("  client + server CPU per request", "us", Sense.SHOWN),
     "http_rate_procs": Goal("HTTP throughput, 8 client processes", "req/s", Sense.AT_LEAST),
+    "http_client8_procs": Goal("  client CPU per request (8 processes)", "us", Sense.SHOWN),
+    "http_both8_procs": Goal("  client + server CPU per request", "us", Sense.SHOWN),
     "grpc_rate_procs": Goal("gRPC throughput, 8 client processes", "req/s", Sense.AT_LEAST),
+    "grpc_client8_procs": Goal("  client CPU per request (8 processes)", "us", Sense.SHOWN),
+    "grpc_both8_procs": Goal("  client + server CPU per request", "us", Sense.SHOWN),
     "http_cpu1": Goal("CPU per HTTP request, 1 client", "us", Sense.AT_MOST),
     "http_cpu8": Goal("CPU per HTTP request, 8 clients", "us", Sense.AT_MOST),
     "grpc_cpu1": Goal("CPU per gRPC request, 1 client", "us", Sense.AT_MOST),
@@ -334,10 +348,14 @@ def measure_goals(
         found[f"{protocol}_cpu1"] = (one.cpu_us, one.load)
         found[f"{protocol}_rate"] = (eight.rate, eight.load)
         found[f"{protocol}_cpu8"] = (eight.cpu_us, eight.load)
+        found[f"{protocol}_client8"] = (eight.client_cpu_us, eight.load)
+        found[f"{protocol}_both8"] = (eight.client_cpu_us + eight.cpu_us, eight.load)
         if clients is not None:
             apart = clients.run(port, "identity", small, args.requests * 2, protocol=protocol, pid=served.pid)
             found[f"{protocol}_rate_procs"] = (apart.rate, apart.load)
             found[f"{protocol}_cpu8_procs"] = (apart.cpu_us, apart.load)
+            found[f"{protocol}_client8_procs"] = (apart.client_cpu_us, apart.load)
+            found[f"{protocol}_both8_procs"] = (apart.client_cpu_us + apart.cpu_us, apart.load)
     if "http" not in protocols:  # the large and the JSON requests are HTTP rows
         return found
     if args.big_requests:
@@ -385,19 +403,21 @@ def print_goals(
             other = statistics.median(t for _, (t, _) in pairs)
             ratios = [c / t if t else float("inf") for (c, _), (t, _) in pairs]
             ratio = statistics.median(ratios)
-            met = goal.meets(ratio, value)
-            bound = goal.bound_text()
-            spread = f"{sum(goal.meets(r, c) for r, ((c, _), _) in zip(ratios, pairs, strict=True))}/{len(ratios)}"
             interval = median_interval(ratios) if goal.sense is not Sense.UNDER else None
             if interval is None:
                 interval_text = "-"
             else:
                 low, high = interval
                 # Unresolved: the interval reaches both sides of the bound, so this run cannot tell met from missed.
-                unresolved = goal.meets(low, value) != goal.meets(high, value)
+                unresolved = goal.sense is not Sense.SHOWN and goal.meets(low, value) != goal.meets(high, value)
                 interval_text = f"{low:.2f}-{high:.2f}x{'?' if unresolved else ''}"
+            if goal.sense is Sense.SHOWN:
+                met_text = spread = ""
+            else:
+                met_text = "yes" if goal.meets(ratio, value) else "no"
+                spread = f"{sum(goal.meets(r, c) for r, ((c, _), _) in zip(ratios, pairs, strict=True))}/{len(ratios)}"
             row = (
-                f"{other:>11.3f}{ratio:>7.2f}x{bound:>9}{'yes' if met else 'no':>5}"
+                f"{other:>11.3f}{ratio:>7.2f}x{goal.bound_text():>9}{met_text:>5}"
                 f"{spread:>11}{f'{min(ratios):.2f}-{max(ratios):.2f}x':>14}{interval_text:>15}"
             )
         else:
@@ -408,7 +428,9 @@ def print_goals(
     print("rounds whose own ratio meets the goal (whose own value, for a goal in the row's unit); round ratios: their")
     print(f"lowest and highest; {CONFIDENCE:.0%} interval: a distribution-free confidence interval of the median of")
     print("the per-round ratios, rounds taken as independent ('-' under six rounds); '?' marks an interval on both")
-    print("sides of the goal: the run is too short to tell whether that goal is met")
+    print("sides of the goal: the run is too short to tell whether that goal is met. Indented rows without a goal")
+    print("explain the throughput row above them: the clients share the two cores with the server, so a load's rate")
+    print("is bounded by the client's and the server's CPU per request together (docs/server.md)")
 
 
 def run_goals(repo: Path, args: argparse.Namespace) -> None:

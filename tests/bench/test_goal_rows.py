@@ -1,0 +1,114 @@
+"""The server benchmark's goal table (bench/bench_server.py's `print_goals`): a goal row is judged, an explaining row
+(`Sense.SHOWN`, the clients' CPU under a throughput row) shows its ratio and interval and is never judged."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.fixture(scope="module")
+def bench_server() -> Iterator[ModuleType]:
+    # The bench scripts import their siblings by name (they run from bench/); those names leave with the fixture.
+    siblings = ("_server_load", "_servers", "_timing")
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_server_rows", BENCH / "bench_server.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # its dataclasses look their module up there
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.path.remove(str(BENCH))
+        sys.modules.pop("bench_server_rows", None)
+        for name in siblings:
+            sys.modules.pop(name, None)
+
+
+def _rounds(
+    carton: dict[str, list[float]], triton: dict[str, list[float]]
+) -> list[dict[str, dict[str, tuple[float, float]]]]:
+    count = len(next(iter(carton.values())))
+    return [
+        {
+            "carton": {key: (values[i], 1.0) for key, values in carton.items()},
+            "triton": {key: (values[i], 1.0) for key, values in triton.items()},
+        }
+        for i in range(count)
+    ]
+
+
+def _row(output: str, label: str) -> list[str]:
+    (line,) = [line for line in output.splitlines() if line.startswith(label)]
+    return line[len(label) :].split()
+
+
+def test_a_throughput_row_is_judged_and_its_client_rows_are_shown(
+    bench_server: ModuleType, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rounds = _rounds(
+        {"http_rate": [110.0] * 8, "http_client8": [90.0] * 8, "http_both8": [150.0] * 8},
+        {"http_rate": [100.0] * 8, "http_client8": [100.0] * 8, "http_both8": [200.0] * 8},
+    )
+    bench_server.print_goals(rounds)
+    output = capsys.readouterr().out
+    rate = _row(output, "HTTP throughput, 8 clients")
+    assert rate[:6] == ["req/s", "110.000", "100.000", "1.10x", ">=1x", "yes"]
+    assert rate[6] == "8/8"
+    client = _row(output, "  client CPU per request (8 threads)")
+    # unit, carton, Triton, ratio, round ratios, interval, load: no bound, no verdict, no rounds met.
+    assert client == ["us", "90.000", "100.000", "0.90x", "0.90-0.90x", "0.90-0.90x", "1.00"]
+    both = _row(output, "  client + server CPU per request")
+    assert both[:4] == ["us", "150.000", "200.000", "0.75x"]
+    assert "yes" not in both and "no" not in both
+
+
+def test_a_shown_row_that_straddles_one_is_not_marked_unresolved(
+    bench_server: ModuleType, capsys: pytest.CaptureFixture[str]
+) -> None:
+    carton = [80.0, 90.0, 95.0, 105.0, 110.0, 120.0, 85.0, 115.0]
+    rounds = _rounds({"http_client8": carton}, {"http_client8": [100.0] * 8})
+    bench_server.print_goals(rounds)
+    client = _row(capsys.readouterr().out, "  client CPU per request (8 threads)")
+    low, high = (float(x) for x in client[5].rstrip("x").split("-"))
+    assert low < 1.0 < high
+    assert not client[5].endswith("?")
+
+
+def test_a_goal_row_that_straddles_its_bound_is_marked_unresolved(
+    bench_server: ModuleType, capsys: pytest.CaptureFixture[str]
+) -> None:
+    carton = [80.0, 90.0, 95.0, 105.0, 110.0, 120.0, 85.0, 115.0]
+    rounds = _rounds({"http_rate": carton}, {"http_rate": [100.0] * 8})
+    bench_server.print_goals(rounds)
+    rate = _row(capsys.readouterr().out, "HTTP throughput, 8 clients")
+    assert rate[-2].endswith("x?")
+
+
+def test_a_shown_row_is_not_a_goal(bench_server: ModuleType) -> None:
+    shown = bench_server.GOALS["http_client8"]
+    assert shown.sense is bench_server.Sense.SHOWN
+    assert shown.bound_text() == ""
+    with pytest.raises(ValueError, match="not a goal"):
+        shown.meets(1.0, 1.0)
+
+
+def test_every_eight_client_throughput_row_has_its_client_rows_beneath(bench_server: ModuleType) -> None:
+    keys = list(bench_server.GOALS)
+    for rate, client, both in (
+        ("http_rate", "http_client8", "http_both8"),
+        ("grpc_rate", "grpc_client8", "grpc_both8"),
+        ("http_rate_procs", "http_client8_procs", "http_both8_procs"),
+        ("grpc_rate_procs", "grpc_client8_procs", "grpc_both8_procs"),
+    ):
+        at = keys.index(rate)
+        assert keys[at + 1 : at + 3] == [client, both]
+        assert bench_server.GOALS[rate].sense is bench_server.Sense.AT_LEAST
