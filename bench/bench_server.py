@@ -5,6 +5,7 @@
                                  [--runtime-calls 5000] [--skip-client-processes]
                                  [--skip-triton] [--skip-mlserver] [--stack-requests 2000] [--protocols http,grpc]
                                  [--baseline-python PYTHON] [--stacks carton-httptools,uvicorn-httptools,...]
+                                 [--save-rounds FILE] [--rounds-from FILE [FILE ...]]
 
 The goals section (the default) prints one row per goal of the server's performance issue: carton and Triton both
 running, measured turn about (carton first in odd rounds, Triton first in even ones), each row the median over
@@ -22,7 +23,9 @@ as JSON; and `Model.infer` of the [1,16] ONNX carton against a raw pyzmq REQ/REP
 Every server is started and stopped here; nothing is left running.
 `--protocols http` keeps the HTTP rows only (the 38.5 MB and JSON rows are HTTP rows: `--protocols grpc` skips
 them); `--baseline-python` also measures the `carton serve` of another checkout (a Python whose environment has it
-installed) in the same rounds, and prints it against this checkout and against Triton.
+installed) in the same rounds, and prints it against this checkout and against Triton. `--save-rounds FILE` writes
+every round's figures (JSON); `--rounds-from FILE ...` measures nothing and prints the goals over the rounds of the
+saved runs together, so that runs taken apart (another hour, another load) are judged as one sample of rounds.
 
 Starts every server itself: `carton serve` on ONNX Identity cartons; Triton 2.51 (python backend identity models)
 through ../shared/peers/triton.sh when it has been set up (``triton.sh setup``); MLServer 1.7 (an identity MLModel)
@@ -46,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -375,9 +379,11 @@ def measure_goals(
     return found
 
 
-def print_goals(
-    rounds: list[dict[str, dict[str, tuple[float, float]]]], ours: str = "carton", reference: str = "triton"
-) -> None:
+#: Every round's figures as `--save-rounds` writes them: {server: {goal: (value, load average)}} per round.
+Rounds = list[dict[str, dict[str, tuple[float, float]]]]
+
+
+def print_goals(rounds: Rounds, ours: str = "carton", reference: str = "triton") -> None:
     """Medians over the rounds for each server, the median of the per-round ratios, and the mean load average."""
     titles = {"carton": "carton", "triton": "Triton", "baseline": "baseline"}
     print(
@@ -433,12 +439,34 @@ def print_goals(
     print("is bounded by the client's and the server's CPU per request together (docs/server.md)")
 
 
+def save_rounds(rounds: Rounds, path: Path) -> None:
+    """Write `rounds` as JSON (`load_rounds` reads it back)."""
+    path.write_text(json.dumps({"format": "carton-bench-server-rounds/1", "rounds": rounds}))
+
+
+def load_rounds(path: Path) -> Rounds:
+    """The rounds a `--save-rounds` file holds; ValueError naming the file when it is not one."""
+    try:
+        document = json.loads(path.read_text())
+        if document["format"] != "carton-bench-server-rounds/1":
+            raise ValueError(f"unknown format {document['format']!r}")
+        return [
+            {
+                server: {goal: (float(value), float(load)) for goal, (value, load) in found.items()}
+                for server, found in measured.items()
+            }
+            for measured in document["rounds"]
+        ]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path}: not a file of saved rounds ({exc})") from exc
+
+
 def run_goals(repo: Path, args: argparse.Namespace) -> None:
     json_body = json_tensor_body(args.json_elements) if args.json_elements else None
     json_out_body = None
     if args.json_elements and not args.skip_json_response:
         json_out_body = json_tensor_body(args.json_elements, binary_output=False)
-    rounds: list[dict[str, dict[str, tuple[float, float]]]] = []
+    rounds: Rounds = []
     with contextlib.ExitStack() as running:
         clients = running.enter_context(ClientProcesses(8)) if args.client_processes and args.requests else None
         servers = [running.enter_context(carton_served(repo))]
@@ -456,6 +484,8 @@ def run_goals(repo: Path, args: argparse.Namespace) -> None:
                 measured[served.name] = measure_goals(served, args, json_body, json_out_body, clients)
             rounds.append(measured)
             print(f"round {index + 1}/{args.rounds} done (load {os.getloadavg()[0]:.2f})", file=sys.stderr)
+            if args.save_rounds:
+                save_rounds(rounds, args.save_rounds)  # every round: a run stopped early keeps what it measured
     print_goals(rounds)
     if args.baseline_python:
         print_goals(rounds, reference="baseline")
@@ -526,7 +556,22 @@ def main() -> None:
         "threads of this process)",
     )
     parser.add_argument("--runtime-calls", type=int, default=5000, help="Model.infer vs raw pyzmq calls (0: skip)")
+    parser.add_argument("--save-rounds", type=Path, help="write every round's goal figures to this file (JSON)")
+    parser.add_argument(
+        "--rounds-from",
+        type=Path,
+        nargs="+",
+        help="measure nothing: print the goals over the rounds saved by earlier runs' --save-rounds, taken together",
+    )
     args = parser.parse_args()
+    if args.rounds_from:
+        try:
+            saved = [found for path in args.rounds_from for found in load_rounds(path)]
+        except ValueError as exc:
+            parser.exit(2, f"bench_server.py: {exc}\n")
+        print(f"{len(saved)} rounds from {len(args.rounds_from)} saved run(s)")
+        print_goals(saved)
+        return
     sections = set(args.sections.split(","))
     if "runtime" in sections and "goals" not in sections:
         root = Path(tempfile.mkdtemp(prefix="carton-bench-server-"))

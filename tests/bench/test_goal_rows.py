@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -112,3 +114,53 @@ def test_every_eight_client_throughput_row_has_its_client_rows_beneath(bench_ser
         at = keys.index(rate)
         assert keys[at + 1 : at + 3] == [client, both]
         assert bench_server.GOALS[rate].sense is bench_server.Sense.AT_LEAST
+
+
+def test_saved_rounds_read_back_as_written(bench_server: ModuleType, tmp_path: Path) -> None:
+    rounds = _rounds({"http_rate": [110.0, 90.5], "http_p50": [0.25, 0.3]}, {"http_rate": [100.0, 101.0]})
+    path = tmp_path / "rounds.json"
+    bench_server.save_rounds(rounds, path)
+    assert bench_server.load_rounds(path) == rounds
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "[]",
+        '{"format": "carton-bench-server-rounds/2", "rounds": []}',
+        '{"format": "carton-bench-server-rounds/1"}',
+        '{"format": "carton-bench-server-rounds/1", "rounds": [{"carton": {"http_rate": [1.0]}}]}',
+        '{"format": "carton-bench-server-rounds/1", "rounds": [{"carton": {"http_rate": ["fast", 1.0]}}]}',
+    ],
+)
+def test_a_file_that_is_not_saved_rounds_is_refused_by_name(
+    bench_server: ModuleType, tmp_path: Path, text: str
+) -> None:
+    path = tmp_path / "not-rounds.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=r"not-rounds\.json: not a file of saved rounds"):
+        bench_server.load_rounds(path)
+
+
+def test_rounds_from_saved_runs_are_judged_together(tmp_path: Path) -> None:
+    # Two saved runs whose medians miss and meet the goal alone; together, their rounds' median meets it.
+    first, second = tmp_path / "first.json", tmp_path / "second.json"
+    for path, carton in ((first, [95.0, 96.0, 130.0]), (second, [120.0, 125.0, 110.0])):
+        rounds = [{"carton": {"http_rate": [c, 1.0]}, "triton": {"http_rate": [100.0, 1.0]}} for c in carton]
+        path.write_text(json.dumps({"format": "carton-bench-server-rounds/1", "rounds": rounds}))
+    done = subprocess.run(
+        [sys.executable, str(BENCH / "bench_server.py"), "--rounds-from", str(first), str(second)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "6 rounds from 2 saved run(s)" in done.stdout
+    rate = _row(done.stdout, "HTTP throughput, 8 clients")
+    assert rate[3:7] == ["1.15x", ">=1x", "yes", "4/6"]
+    bad = subprocess.run(
+        [sys.executable, str(BENCH / "bench_server.py"), "--rounds-from", str(tmp_path / "missing.json")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert bad.returncode == 2
+    assert "missing.json: not a file of saved rounds" in bad.stderr
+    assert "Traceback" not in bad.stderr
