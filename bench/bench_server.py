@@ -15,7 +15,9 @@ reaches both sides of the goal: the run was too short to tell), and the load ave
 p50 at one client and throughput at eight, over HTTP (tritonclient.http, binary tensors) and gRPC
 (tritonclient.grpc), the eight clients once as threads of this process and once as eight processes (the "client
 processes" rows; `--skip-client-processes` leaves them out); CPU time per request of each server's whole process
-tree (runners and backend stubs included) read from /proc around the same runs; the [64,3,224,224] FP32 request;
+tree (runners and backend stubs included) read from /proc around the same runs, and beneath each eight-client
+throughput row the clients' own CPU per request and the client's plus the server's (shown, not judged: at eight
+clients the two share the machine's cores, so together they bound the rate); the [64,3,224,224] FP32 request;
 one request with a 10-million-element JSON tensor, timed while another connection probes /v2/health/ready and runs
 a small inference on another model (the slowest of each is reported, and judged against 100 ms, not against
 Triton's: the issue asks that they keep answering in milliseconds), its output asked for as binary data and again
