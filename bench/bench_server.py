@@ -459,7 +459,7 @@ def load_rounds(path: Path) -> Rounds:
             }
             for measured in document["rounds"]
         ]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ValueError(f"{path}: not a file of saved rounds ({exc})") from exc
 
 

@@ -130,6 +130,8 @@ def test_saved_rounds_read_back_as_written(bench_server: ModuleType, tmp_path: P
         "[]",
         '{"format": "carton-bench-server-rounds/2", "rounds": []}',
         '{"format": "carton-bench-server-rounds/1"}',
+        '{"format": "carton-bench-server-rounds/1", "rounds": [1]}',
+        '{"format": "carton-bench-server-rounds/1", "rounds": [{"carton": [1.0, 1.0]}]}',
         '{"format": "carton-bench-server-rounds/1", "rounds": [{"carton": {"http_rate": [1.0]}}]}',
         '{"format": "carton-bench-server-rounds/1", "rounds": [{"carton": {"http_rate": ["fast", 1.0]}}]}',
     ],
