@@ -333,6 +333,17 @@ GOALS = {
 }
 
 
+def _eight_client_rows(protocol: str, kind: str, load: LoadResult) -> dict[str, tuple[float, float]]:
+    """The rows of one eight-client load (`kind`: "" for client threads, "_procs" for client processes): its
+    throughput and CPU per request, and the clients' CPU beneath them."""
+    return {
+        f"{protocol}_rate{kind}": (load.rate, load.load),
+        f"{protocol}_cpu8{kind}": (load.cpu_us, load.load),
+        f"{protocol}_client8{kind}": (load.client_cpu_us, load.load),
+        f"{protocol}_both8{kind}": (load.client_cpu_us + load.cpu_us, load.load),
+    }
+
+
 def measure_goals(
     served: Served,
     args: argparse.Namespace,
@@ -352,16 +363,10 @@ def measure_goals(
         eight = run_load(port, "identity", small, 8, args.requests * 2, protocol=protocol, pid=served.pid)
         found[f"{protocol}_p50"] = (one.p50_ms, one.load)
         found[f"{protocol}_cpu1"] = (one.cpu_us, one.load)
-        found[f"{protocol}_rate"] = (eight.rate, eight.load)
-        found[f"{protocol}_cpu8"] = (eight.cpu_us, eight.load)
-        found[f"{protocol}_client8"] = (eight.client_cpu_us, eight.load)
-        found[f"{protocol}_both8"] = (eight.client_cpu_us + eight.cpu_us, eight.load)
+        found.update(_eight_client_rows(protocol, "", eight))
         if clients is not None:
             apart = clients.run(port, "identity", small, args.requests * 2, protocol=protocol, pid=served.pid)
-            found[f"{protocol}_rate_procs"] = (apart.rate, apart.load)
-            found[f"{protocol}_cpu8_procs"] = (apart.cpu_us, apart.load)
-            found[f"{protocol}_client8_procs"] = (apart.client_cpu_us, apart.load)
-            found[f"{protocol}_both8_procs"] = (apart.client_cpu_us + apart.cpu_us, apart.load)
+            found.update(_eight_client_rows(protocol, "_procs", apart))
     if "http" not in protocols:  # the large and the JSON requests are HTTP rows
         return found
     if args.big_requests:
@@ -411,17 +416,17 @@ def print_goals(rounds: Rounds, ours: str = "carton", reference: str = "triton")
             other = statistics.median(t for _, (t, _) in pairs)
             ratios = [c / t if t else float("inf") for (c, _), (t, _) in pairs]
             ratio = statistics.median(ratios)
+            judged = goal.sense is not Sense.SHOWN
             interval = median_interval(ratios) if goal.sense is not Sense.UNDER else None
             if interval is None:
                 interval_text = "-"
             else:
                 low, high = interval
                 # Unresolved: the interval reaches both sides of the bound, so this run cannot tell met from missed.
-                unresolved = goal.sense is not Sense.SHOWN and goal.meets(low, value) != goal.meets(high, value)
+                unresolved = judged and goal.meets(low, value) != goal.meets(high, value)
                 interval_text = f"{low:.2f}-{high:.2f}x{'?' if unresolved else ''}"
-            if goal.sense is Sense.SHOWN:
-                met_text = spread = ""
-            else:
+            met_text = spread = ""
+            if judged:
                 met_text = "yes" if goal.meets(ratio, value) else "no"
                 spread = f"{sum(goal.meets(r, c) for r, ((c, _), _) in zip(ratios, pairs, strict=True))}/{len(ratios)}"
             row = (

@@ -3,36 +3,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from . import BENCH, load_bench_script
 
-
-@pytest.fixture(scope="module")
-def bench_server() -> Iterator[ModuleType]:
-    # The bench scripts import their siblings by name (they run from bench/); those names leave with the fixture.
-    siblings = ("_server_load", "_servers", "_timing")
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location("bench_server_rows", BENCH / "bench_server.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # its dataclasses look their module up there
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.path.remove(str(BENCH))
-        sys.modules.pop("bench_server_rows", None)
-        for name in siblings:
-            sys.modules.pop(name, None)
+bench_server = load_bench_script("bench_server.py")
 
 
 def _rounds(
@@ -53,9 +33,7 @@ def _row(output: str, label: str) -> list[str]:
     return line[len(label) :].split()
 
 
-def test_a_throughput_row_is_judged_and_its_client_rows_are_shown(
-    bench_server: ModuleType, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_a_throughput_row_is_judged_and_its_client_rows_are_shown(capsys: pytest.CaptureFixture[str]) -> None:
     rounds = _rounds(
         {"http_rate": [110.0] * 8, "http_client8": [90.0] * 8, "http_both8": [150.0] * 8},
         {"http_rate": [100.0] * 8, "http_client8": [100.0] * 8, "http_both8": [200.0] * 8},
@@ -81,7 +59,7 @@ def test_a_throughput_row_is_judged_and_its_client_rows_are_shown(
     ],
 )
 def test_an_interval_across_one_is_marked_unresolved_on_goal_rows_only(
-    bench_server: ModuleType, capsys: pytest.CaptureFixture[str], key: str, label: str, marked: bool
+    capsys: pytest.CaptureFixture[str], key: str, label: str, marked: bool
 ) -> None:
     carton = [80.0, 90.0, 95.0, 105.0, 110.0, 120.0, 85.0, 115.0]
     bench_server.print_goals(_rounds({key: carton}, {key: [100.0] * 8}))
@@ -91,7 +69,7 @@ def test_an_interval_across_one_is_marked_unresolved_on_goal_rows_only(
     assert interval.endswith("?") is marked
 
 
-def test_a_shown_row_is_not_a_goal(bench_server: ModuleType) -> None:
+def test_a_shown_row_is_not_a_goal() -> None:
     shown = bench_server.GOALS["http_client8"]
     assert shown.sense is bench_server.Sense.SHOWN
     assert shown.bound_text() == ""
@@ -99,7 +77,7 @@ def test_a_shown_row_is_not_a_goal(bench_server: ModuleType) -> None:
         shown.meets(1.0, 1.0)
 
 
-def test_every_eight_client_throughput_row_has_its_client_rows_beneath(bench_server: ModuleType) -> None:
+def test_every_eight_client_throughput_row_has_its_client_rows_beneath() -> None:
     keys = list(bench_server.GOALS)
     for rate, client, both in (
         ("http_rate", "http_client8", "http_both8"),
@@ -112,7 +90,7 @@ def test_every_eight_client_throughput_row_has_its_client_rows_beneath(bench_ser
         assert bench_server.GOALS[rate].sense is bench_server.Sense.AT_LEAST
 
 
-def test_saved_rounds_read_back_as_written(bench_server: ModuleType, tmp_path: Path) -> None:
+def test_saved_rounds_read_back_as_written(tmp_path: Path) -> None:
     rounds = _rounds({"http_rate": [110.0, 90.5], "http_p50": [0.25, 0.3]}, {"http_rate": [100.0, 101.0]})
     path = tmp_path / "rounds.json"
     bench_server.save_rounds(rounds, path)
@@ -132,9 +110,7 @@ def test_saved_rounds_read_back_as_written(bench_server: ModuleType, tmp_path: P
         '{"format": "carton-bench-server-rounds/1", "rounds": [{"carton": {"http_rate": ["fast", 1.0]}}]}',
     ],
 )
-def test_a_file_that_is_not_saved_rounds_is_refused_by_name(
-    bench_server: ModuleType, tmp_path: Path, text: str
-) -> None:
+def test_a_file_that_is_not_saved_rounds_is_refused_by_name(tmp_path: Path, text: str) -> None:
     path = tmp_path / "not-rounds.json"
     path.write_text(text)
     with pytest.raises(ValueError, match=r"not-rounds\.json: not a file of saved rounds"):

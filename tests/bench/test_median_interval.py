@@ -4,27 +4,15 @@ by its coverage over draws from a distribution whose median is known."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import random
 from fractions import Fraction
-from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from . import load_bench_script
 
-
-def _timing() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_timing", BENCH / "_timing.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-timing = _timing()
+timing = load_bench_script("_timing.py")
 
 
 def _below(count: int, k: int) -> Fraction:
